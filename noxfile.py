@@ -1,0 +1,169 @@
+"""Sessions for the quant monorepo.
+
+`nox` runs the default list: lint, one isolation session per package (only that package and what
+it declares), the full suite on torch 2.13 with every package, and the torch-version matrix.
+
+Virtualenvs live outside the clone (``$QUANT_NOX_ENVDIR``, default ``~/.cache/quant-nox``) and are
+reused: third-party requirements are installed only when they change (a stamp file per venv), so a
+warm run does not reinstall six torch builds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import nox
+
+ROOT = pathlib.Path(__file__).resolve().parent
+PACKAGES = ROOT / "packages"
+
+nox.options.envdir = os.environ.get(
+    "QUANT_NOX_ENVDIR", str(pathlib.Path.home() / ".cache" / "quant-nox")
+)
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "compat"]
+
+#: torch for the main suite: the CPU build that lies on this machine's disk.
+TEST_TORCH = "2.13.0"
+#: Triton as on the H200 GPU machine, so interpreter and hardware see the same compiler.
+TRITON = "3.6.0"
+#: Releases whose opaque-object API differs (spec/torch-versions.md).
+COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
+
+# The machine's pip config caps torch at 2.14.1; an empty PIP_CONSTRAINT lifts it for one command.
+UNCAPPED = {"PIP_CONSTRAINT": "", "PIP_NO_CACHE_DIR": "1"}
+
+
+def _stamp_install(session: nox.Session, name: str, args: list[str], env=None) -> None:
+    """Run ``pip install *args`` unless this venv's stamp ``name`` records exactly these args."""
+    key = json.dumps(args)
+    for arg in args:  # local packages: their metadata and location are part of the key
+        path = pathlib.Path(arg)
+        if (path / "pyproject.toml").is_file():
+            key += str(path.resolve()) + hashlib.sha256(
+                (path / "pyproject.toml").read_bytes()
+            ).hexdigest()
+    stamp = pathlib.Path(session.virtualenv.location) / f".quant-stamp-{name}"
+    if stamp.is_file() and stamp.read_text() == key:
+        session.log(f"{name}: requirements unchanged, not reinstalling")
+        return
+    session.install(*args, env=env)
+    stamp.write_text(key)
+
+
+def _pkg(name: str) -> str:
+    return str(PACKAGES / name)
+
+
+def _editable(*names: str) -> list[str]:
+    args: list[str] = []
+    for name in names:
+        args += ["-e", _pkg(name)]
+    return args
+
+
+def _pytest(session: nox.Session, *paths: str, env=None) -> None:
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs,
+        env=env,
+    )
+
+
+def _assert_absent(session: nox.Session, *modules: str) -> None:
+    """Prove the isolation: the given modules must not be importable in this venv."""
+    code = (
+        "import importlib.util, sys; "
+        f"found = [m for m in {list(modules)!r} if importlib.util.find_spec(m)]; "
+        "sys.exit('unexpectedly installed: ' + ', '.join(found) if found else 0)"
+    )
+    session.run("python", "-c", code)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository (config in ruff.toml)."""
+    _stamp_install(session, "tools", ["ruff==0.15.*"])
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python="3.11")
+def core(session: nox.Session) -> None:
+    """quant-core alone: torch and nothing else (no triton, no other quant package)."""
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
+    _stamp_install(session, "local", [_pkg("quant-core")])
+    _assert_absent(session, "triton", "quant_kernels", "quant_dynamo", "quant_recipes")
+    _pytest(session, "tests/core")
+
+
+@nox.session(python="3.11")
+def kernels(session: nox.Session) -> None:
+    """quant-kernels with quant-core, through the Triton interpreter on the CPU."""
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", *TEST_TOOLS])
+    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-kernels")])
+    _assert_absent(session, "quant_dynamo", "quant_recipes")
+    _pytest(session, "tests/kernels", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(python="3.11")
+def dynamo(session: nox.Session) -> None:
+    """quant-dynamo with quant-core only."""
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
+    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-dynamo")])
+    _assert_absent(session, "triton", "quant_kernels", "quant_recipes")
+    _pytest(session, "tests/dynamo")
+
+
+@nox.session(python="3.11")
+def recipes(session: nox.Session) -> None:
+    """quant-recipes with quant-core only (compile tests needing quant-dynamo skip here)."""
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
+    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-recipes")])
+    _assert_absent(session, "triton", "quant_kernels", "quant_dynamo")
+    _pytest(session, "tests/recipes")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The whole suite on torch 2.13 with all four packages; kernels through TRITON_INTERPRET=1."""
+    _stamp_install(
+        session, "deps",
+        [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7", *TEST_TOOLS],
+    )
+    _stamp_install(
+        session, "local",
+        _editable("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"),
+    )
+    _pytest(session, "tests", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(python="3.11")
+@nox.parametrize("torch", COMPAT_TORCH)
+def compat(session: nox.Session, torch: str) -> None:
+    """tests/dynamo, tests/recipes and tests/compat on one torch release (CUDA builds run on CPU)."""
+    _stamp_install(session, "deps", [f"torch=={torch}", *TEST_TOOLS], env=UNCAPPED)
+    _stamp_install(
+        session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"), env=UNCAPPED
+    )
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    _pytest(
+        session, "tests/dynamo", "tests/recipes", "tests/compat",
+        env={"QUANT_EXPECT_TORCH": torch},
+    )
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: `quant demo` with its defaults (a small model trained under every recipe)."""
+    _stamp_install(
+        session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7"]
+    )
+    _stamp_install(
+        session, "local",
+        _editable("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"),
+    )
+    session.run("quant", "demo", *session.posargs)
