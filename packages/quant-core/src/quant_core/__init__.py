@@ -1,1 +1,41 @@
-"""quant_core."""
+"""quant-core: value-identity quantizers with exact pure-torch reference numerics.
+
+``pip install quant-core`` is a complete reference implementation: every format quantizes and
+dequantizes on any device through :mod:`quant_core.reference`; kernel packages register faster
+backends through the ``quant_core.backends`` entry-point group.
+"""
+
+from . import backends, reference, shapes
+from .dtypes import DType
+from .quantizer import (
+    Quantizer,
+    add_value_class_hook,
+    is_value_quantizer,
+    value_classes,
+    value_quantizer,
+)
+from .quantizers import (
+    DEFAULT_RHT_SIGN_MASK,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+from .storage import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    NVFP4TensorStorage,
+    QuantizedStorage,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DType", "Quantizer", "value_quantizer", "is_value_quantizer", "add_value_class_hook",
+    "value_classes", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
+    "Float8BlockQuantizer", "NVFP4Quantizer", "DEFAULT_RHT_SIGN_MASK", "QuantizedStorage",
+    "Float8TensorStorage", "MXFP8TensorStorage", "Float8BlockwiseQTensorStorage",
+    "NVFP4TensorStorage", "backends", "reference", "shapes",
+]

@@ -1,0 +1,94 @@
+"""The backend registry (DESIGN.md contract 3).
+
+A backend is an object with ``name: str``, ``priority: int``, ``supports(device) -> bool`` and the
+functions of :mod:`quant_core.reference` with the same signatures. An optional
+``preferred(device) -> bool`` (default: ``supports``) says whether automatic choice may pick it
+there: Triton supports the CPU through its slow interpreter, but is never picked for it. The pure-torch reference is
+always present (priority 0, every device). Kernel packages join through the entry-point group
+``quant_core.backends``: installing them is enough.
+
+Choice: an explicit ``name``, else the ``QUANT_BACKEND`` environment variable, else the
+highest-priority backend that supports the device.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import types
+import warnings
+
+import torch
+
+from . import reference
+
+ENTRY_POINT_GROUP = "quant_core.backends"
+_FUNCTIONS = (
+    "amax", "current_scale", "fp8_quantize", "fp8_dequantize",
+    "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
+    "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
+)
+
+
+def _reference_backend() -> types.SimpleNamespace:
+    fns = {name: getattr(reference, name) for name in _FUNCTIONS if hasattr(reference, name)}
+    return types.SimpleNamespace(name="reference", priority=0, supports=lambda device: True, **fns)
+
+
+_registry: dict[str, object] | None = None
+_choice_cache: dict[tuple[str | None, str, str | None], object] = {}
+
+
+def _load() -> dict[str, object]:
+    global _registry
+    if _registry is None:
+        found: dict[str, object] = {"reference": _reference_backend()}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                backend = ep.load()
+            except Exception as exc:  # a broken optional backend must not break quant-core
+                warnings.warn(f"quant backend {ep.name!r} failed to load: {exc}", stacklevel=2)
+                continue
+            found[backend.name] = backend
+        _registry = found
+    return _registry
+
+
+def register(backend) -> None:
+    """Register a backend object by hand (tests, out-of-tree experiments)."""
+    _load()[backend.name] = backend
+    _choice_cache.clear()
+
+
+def available() -> list[str]:
+    """Names of the registered backends, highest priority first."""
+    return [b.name for b in sorted(_load().values(), key=lambda b: -b.priority)]
+
+
+def get(name: str | None = None, device: torch.device | str | None = None):
+    """The backend to use for ``device``: ``name``, else ``$QUANT_BACKEND``, else the fastest.
+
+    Raises ``ValueError`` for an unknown name or a backend that does not support the device.
+    """
+    requested = name or os.environ.get("QUANT_BACKEND") or None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    key = (requested, dev.type, os.environ.get("TRITON_INTERPRET"))
+    cached = _choice_cache.get(key)
+    if cached is not None:
+        return cached
+    registry = _load()
+    if requested is not None:
+        if requested not in registry:
+            raise ValueError(
+                f"unknown quant backend {requested!r}; available: {available()}"
+            )
+        backend = registry[requested]
+        if not backend.supports(dev):
+            raise ValueError(f"quant backend {requested!r} does not support device {dev}")
+    else:
+        backend = max(
+            (b for b in registry.values() if getattr(b, "preferred", b.supports)(dev)),
+            key=lambda b: b.priority,
+        )
+    _choice_cache[key] = backend
+    return backend

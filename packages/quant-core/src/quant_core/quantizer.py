@@ -1,0 +1,317 @@
+"""The ``Quantizer`` base and opt-in value identity (`spec/behaviour.md` §1–§3).
+
+Class annotations are the single source of truth for a quantizer's configuration: the four base
+fields plus each subclass's own, in MRO order (base first). A class becomes a *value quantizer*
+only by decorating it with :func:`value_quantizer`, which validates the fields at class creation.
+Value quantizers are immutable, compare and hash by their value key, and can be rebuilt from it
+without ``__init__``; every other quantizer (delayed scaling, a user subclass that did not opt in)
+keeps identity semantics.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import typing
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from ._torch_compat import QuantizerMeta
+
+_PRIMITIVES = (bool, int, float, str)
+
+#: Callbacks run for every value-quantizer class, past and future (quant-dynamo registers here).
+_value_class_hooks: list[Callable[[type], None]] = []
+#: Every class that opted in, in definition order.
+_value_classes: list[type] = []
+
+
+class Quantizer(metaclass=QuantizerMeta):
+    """A builder of quantized tensors, holding configuration only.
+
+    Fields (constructor keywords carry the same names):
+        rowwise_usage: produce the rowwise representation (forward GEMM layout).
+        columnwise_usage: produce the columnwise representation (wgrad/dgrad layout).
+        internal: kept for TransformerEngine parity; ``quantize`` always returns a storage object.
+        optimize_for_gemm: the result only feeds a GEMM; MXFP8/NVFP4 scales are then swizzled.
+    """
+
+    rowwise_usage: bool = True
+    columnwise_usage: bool = True
+    internal: bool = False
+    optimize_for_gemm: bool = False
+
+    #: Set on a class by :func:`value_quantizer` (in the class's own ``__dict__`` only).
+    _value_field_names: ClassVar[tuple[str, ...] | None] = None
+    _value_field_types: ClassVar[dict[str, type] | None] = None
+
+    def __init__(self, **fields: Any) -> None:
+        names = _annotated_fields(type(self))
+        unknown = sorted(set(fields) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unexpected keyword(s) {unknown}; "
+                f"allowed: {list(names)}"
+            )
+        hints = _field_types(type(self))
+        for name in names:
+            value = fields[name] if name in fields else getattr(type(self), name)
+            object.__setattr__(self, name, _coerce(type(self), name, hints[name], value))
+        self._rebuild_derived_state()
+
+    # ----------------------------------------------------------------- value identity
+    @classmethod
+    def _value_fields(cls_or_self) -> tuple[str, ...] | None:
+        """Field names of a class that opted in itself; ``None`` (identity semantics) otherwise."""
+        cls = cls_or_self if isinstance(cls_or_self, type) else type(cls_or_self)
+        return cls.__dict__.get("_value_field_names")
+
+    def _check_value_has_no_process_group(self) -> None:
+        """Refuse a stored reduction group: it would compare equal to a groupless quantizer."""
+        if self.__dict__.get("amax_reduction_group") is not None:
+            raise TypeError(
+                f"{type(self).__name__} holds an amax_reduction_group, which is not part of its "
+                "value: it cannot be compared, hashed or baked into a compiled graph. Pass the "
+                "group per call instead: quantizer.quantize(x, amax_reduction_group=group)."
+            )
+
+    def _value_key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
+        """``(qualified class name, ((field, value), ...))``; enum members keyed by ``.value``."""
+        names = self._value_fields()
+        if names is None:
+            raise TypeError(
+                f"{type(self).__qualname__} is not a value quantizer (decorate it with "
+                "@value_quantizer to opt in)"
+            )
+        self._check_value_has_no_process_group()
+        return (
+            type(self).__qualname__,
+            tuple((n, _key_value(getattr(self, n))) for n in names),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not type(self) or self._value_fields() is None:
+            return NotImplemented
+        return self._value_key() == other._value_key()
+
+    def __hash__(self) -> int:
+        if self._value_fields() is None:
+            return object.__hash__(self)
+        return hash(self._value_key())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._value_fields() is not None:
+            raise AttributeError(
+                f"{type(self).__name__} is an immutable value object (a compiled graph keeps a "
+                f"reference to it and would silently go stale); instead of setting {name!r} use "
+                f"q.replace({name}=...) or q.with_usage(rowwise=..., columnwise=...), which "
+                "return new quantizers"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._value_fields() is not None:
+            raise AttributeError(f"{type(self).__name__} is immutable; cannot delete {name!r}")
+        object.__delattr__(self, name)
+
+    def __repr__(self) -> str:
+        names = _annotated_fields(type(self))
+        body = ", ".join(f"{n}={_field_repr(getattr(self, n, None))}" for n in names)
+        return f"{type(self).__name__}({body})"
+
+    def __reduce__(self):
+        if self._value_fields() is None:
+            return object.__reduce__(self)
+        return (_rebuild_quantizer, (type(self), self._value_key()[1]))
+
+    # ------------------------------------------------------------------ derived objects
+    def _fields_dict(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in _annotated_fields(type(self))}
+
+    def replace(self, **fields: Any) -> Quantizer:
+        """A new quantizer of the same class with ``fields`` changed (value quantizers only)."""
+        if self._value_fields() is None:
+            raise TypeError(f"{type(self).__name__} is not a value quantizer; use copy()")
+        return type(self)(**{**self._fields_dict(), **fields})
+
+    def with_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> Quantizer:
+        """A new quantizer with the usage flags changed (``None`` keeps a flag)."""
+        changes = {}
+        if rowwise is not None:
+            changes["rowwise_usage"] = rowwise
+        if columnwise is not None:
+            changes["columnwise_usage"] = columnwise
+        return self.replace(**changes) if changes else self
+
+    def get_usages(self) -> dict[str, bool]:
+        return {"rowwise": self.rowwise_usage, "columnwise": self.columnwise_usage}
+
+    def copy(self) -> Quantizer:
+        """An equal, distinct quantizer (a non-value attribute such as a group is not carried)."""
+        return type(self)(**self._fields_dict())
+
+    def _rebuild_derived_state(self) -> None:
+        """Rebuild non-value attributes from the fields (after ``__init__`` and reconstruction)."""
+
+    # ------------------------------------------------------------------ the work
+    def quantize(self, x: torch.Tensor, *, amax_reduction_group=None, backend: str | None = None):
+        """Quantize ``x`` and return the format's storage object."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, **kwargs: Any):
+        return self.quantize(x, **kwargs)
+
+    def dequantize(self, storage, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantize a storage this quantizer (or an equal one) produced."""
+        return storage.dequantize(dtype=dtype)
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        """No-op: only delayed scaling records calibration statistics."""
+
+    def is_requantization_safe(self) -> bool:
+        """Whether quantizing the same input twice gives the same bits."""
+        return False
+
+    def supports_only_rowwise_all_gather(self) -> bool:
+        return False
+
+
+# ---------------------------------------------------------------------- class machinery
+def _annotated_fields(cls: type) -> tuple[str, ...]:
+    """Annotated field names of ``cls``, walking the MRO base first, in declaration order."""
+    names: list[str] = []
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, Quantizer)):
+            continue
+        for name, ann in klass.__dict__.get("__annotations__", {}).items():
+            if name.startswith("_") or "ClassVar" in str(ann) or name in names:
+                continue
+            names.append(name)
+    return tuple(names)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {n: hints.get(n, Any) for n in _annotated_fields(cls)}
+
+
+def _coerce(cls: type, name: str, typ: Any, value: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted for float fields."""
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        if not isinstance(value, typ):
+            raise TypeError(
+                f"{cls.__name__}.{name} must be a {typ.__name__} member, got {value!r}"
+            )
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{cls.__name__}.{name} must be a bool, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{cls.__name__}.{name} must be a float, got {value!r}")
+        if math.isnan(value):
+            raise ValueError(f"{cls.__name__}.{name} must not be NaN (NaN breaks equality)")
+        return float(value)
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{cls.__name__}.{name} must be an int, got {value!r}")
+        return value
+    if typ is str and not isinstance(value, str):
+        raise TypeError(f"{cls.__name__}.{name} must be a str, got {value!r}")
+    return value
+
+
+def _field_repr(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    return repr(value)
+
+
+def _key_value(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def value_quantizer(cls: type) -> type:
+    """Class decorator: opt ``cls`` into value identity.
+
+    Resolves the annotated fields with ``typing.get_type_hints``; every field must be ``int``,
+    ``bool``, ``float``, ``str`` or an ``Enum`` whose member values are ``int`` or ``str``, else
+    ``TypeError`` (derive such state in ``_rebuild_derived_state`` instead). Sets the class's own
+    ``_value_field_names`` and notifies registered hooks (quant-dynamo).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Quantizer)):
+        raise TypeError(f"@value_quantizer applies to Quantizer subclasses, not {cls!r}")
+    types = _field_types(cls)
+    for name, typ in types.items():
+        ok = typ in _PRIMITIVES or (
+            isinstance(typ, type)
+            and issubclass(typ, enum.Enum)
+            and all(isinstance(m.value, (int, str)) for m in typ)
+        )
+        if not ok:
+            raise TypeError(
+                f"{cls.__qualname__}.{name}: annotated type {typ!r} cannot be part of a value "
+                "(allowed: int, bool, float, str, or an Enum with int/str values); remove the "
+                "annotation and rebuild the attribute in _rebuild_derived_state()"
+            )
+    type.__setattr__(cls, "_value_field_names", tuple(types))
+    type.__setattr__(cls, "_value_field_types", dict(types))
+    _value_classes.append(cls)
+    for hook in list(_value_class_hooks):
+        hook(cls)
+    return cls
+
+
+def is_value_quantizer(obj_or_cls: Any) -> bool:
+    """Whether ``obj_or_cls`` (a quantizer or a class) opted into value identity itself."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return isinstance(cls, type) and issubclass(cls, Quantizer) and (
+        cls.__dict__.get("_value_field_names") is not None
+    )
+
+
+def add_value_class_hook(hook: Callable[[type], None]) -> None:
+    """Call ``hook(cls)`` for every value-quantizer class defined so far and from now on."""
+    _value_class_hooks.append(hook)
+    for cls in list(_value_classes):
+        hook(cls)
+
+
+def value_classes() -> tuple[type, ...]:
+    """Every class that opted in, in definition order."""
+    return tuple(_value_classes)
+
+
+def _rebuild_quantizer(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
+    """Rebuild a value quantizer from its key items, bypassing ``__init__``.
+
+    Enum fields are converted back by the field's annotated Enum type (never by field name); then
+    ``_rebuild_derived_state()`` restores non-value attributes.
+    """
+    types = cls.__dict__.get("_value_field_types")
+    if types is None:
+        raise TypeError(f"{cls.__qualname__} is not a value quantizer")
+    obj = cls.__new__(cls)
+    for name, value in items:
+        typ = types[name]
+        if isinstance(typ, type) and issubclass(typ, enum.Enum):
+            value = typ(value)
+        object.__setattr__(obj, name, value)
+    obj._rebuild_derived_state()
+    return obj
+
+
+def warn_deprecated_group(cls_name: str) -> None:
+    warnings.warn(
+        f"{cls_name}(amax_reduction_group=...) is deprecated: a stored process group cannot be "
+        "part of a value quantizer (it cannot be hashed or compiled). Pass it per call: "
+        "quantizer.quantize(x, amax_reduction_group=group).",
+        DeprecationWarning,
+        stacklevel=3,
+    )

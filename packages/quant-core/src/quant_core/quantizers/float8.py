@@ -1,0 +1,104 @@
+"""Per-tensor FP8: delayed scaling (stateful) and current scaling (a value) (`numerics.md` §3-§4)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backends
+from ..distributed import reduce_amax
+from ..dtypes import DType, check_fp8
+from ..inputs import as_2d, transposed_shape
+from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
+from ..storage import Float8TensorStorage
+
+
+def _quantize_per_tensor(q: Quantizer, x: torch.Tensor, be, scale, amax_out=None):
+    """Cast ``x`` with the fp32 ``(1,)`` ``scale`` into a :class:`Float8TensorStorage`."""
+    x2d = as_2d(x, type(q).__name__)
+    data, transpose, scale_inv = be.fp8_quantize(
+        x2d, scale, fp8_dtype=q.dtype, rowwise=q.rowwise_usage, columnwise=q.columnwise_usage,
+        amax_out=amax_out,
+    )
+    return Float8TensorStorage(
+        shape=x.shape, dtype=x.dtype, quantizer=q, _fp8_dtype=q.dtype,
+        _data=None if data is None else data.view(x.shape),
+        _transpose=None if transpose is None else transpose.view(transposed_shape(x.shape)),
+        _scale_inv=scale_inv,
+    )
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: casts with the ``scale`` it holds and records ``max|x|`` into ``amax``.
+
+    ``scale`` and ``amax`` are fp32 views into a recipe state's buffers (``scale[i]`` and
+    ``amax_history[0][i]``), so this quantizer holds live state: identity semantics, eager only.
+    """
+
+    scale: torch.Tensor
+    amax: torch.Tensor
+    dtype: DType = DType.E4M3
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, dtype: DType = DType.E4M3,
+                 **fields) -> None:
+        check_fp8(dtype)
+        for name, t in (("scale", scale), ("amax", amax)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"Float8Quantizer.{name} must be an fp32 tensor of one element")
+        super().__init__(scale=scale, amax=amax, dtype=dtype, **fields)
+
+    def quantize(self, x, *, amax_reduction_group=None, backend=None):
+        be = backends.get(backend, x.device)
+        return _quantize_per_tensor(
+            self, x, be, self.scale.reshape(1), amax_out=self.amax.view(1)
+        )
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Record ``max|x|`` into ``amax`` without quantizing."""
+        be = backends.get(None, x.device)
+        amax = be.amax(as_2d(x, "Float8Quantizer"))
+        self.amax.view(1).copy_(torch.maximum(self.amax.view(1), amax))
+
+    def supports_only_rowwise_all_gather(self) -> bool:
+        return True
+
+
+@value_quantizer
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Per-tensor current scaling: the scale comes from this tensor's own amax.
+
+    The deprecated ``amax_reduction_group=`` is accepted for TransformerEngine users (with a
+    ``DeprecationWarning``); such an object refuses ``==``, ``hash`` and compilation. Pass the
+    group per call: ``q.quantize(x, amax_reduction_group=g)``.
+    """
+
+    dtype: DType = DType.E4M3
+    with_amax_reduction: bool = False
+    force_pow_2_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    def __init__(self, dtype: DType = DType.E4M3, *, amax_reduction_group=None, **fields) -> None:
+        check_fp8(dtype)
+        super().__init__(dtype=dtype, **fields)
+        if self.amax_epsilon < 0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+        if amax_reduction_group is not None:
+            warn_deprecated_group(type(self).__name__)
+            object.__setattr__(self, "amax_reduction_group", amax_reduction_group)
+
+    def quantize(self, x, *, amax_reduction_group=None, backend=None):
+        be = backends.get(backend, x.device)
+        amax = be.amax(as_2d(x, type(self).__name__))
+        if self.with_amax_reduction:
+            group = amax_reduction_group or self.__dict__.get("amax_reduction_group")
+            amax = reduce_amax(amax, group)
+        scale = be.current_scale(
+            amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
+            amax_epsilon=self.amax_epsilon,
+        )
+        return _quantize_per_tensor(self, x, be, scale)
+
+    def is_requantization_safe(self) -> bool:
+        return True
+
+    def supports_only_rowwise_all_gather(self) -> bool:
+        return True

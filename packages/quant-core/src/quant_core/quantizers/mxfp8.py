@@ -1,0 +1,40 @@
+"""MXFP8: 1x32 blocks with E8M0 scales, or 32x32 in 2D mode (`numerics.md` §5)."""
+
+from __future__ import annotations
+
+from .. import backends
+from ..dtypes import DType, check_fp8
+from ..inputs import as_2d
+from ..quantizer import Quantizer, value_quantizer
+from ..shapes import MXFP8_BLOCK
+from ..storage import MXFP8TensorStorage
+
+
+@value_quantizer
+class MXFP8Quantizer(Quantizer):
+    """MXFP8 block scaling; K must be a multiple of 32, any M."""
+
+    dtype: DType = DType.E4M3
+    with_2d_quantization: bool = False
+
+    def __init__(self, dtype: DType = DType.E4M3, **fields) -> None:
+        check_fp8(dtype)
+        super().__init__(dtype=dtype, **fields)
+
+    def quantize(self, x, *, amax_reduction_group=None, backend=None):
+        x2d = as_2d(x, "MXFP8", MXFP8_BLOCK)
+        be = backends.get(backend, x.device)
+        rd, rs, cd, cs = be.mxfp8_quantize(
+            x2d, fp8_dtype=self.dtype, rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage, with_2d_quantization=self.with_2d_quantization,
+            swizzle=self.optimize_for_gemm,
+        )
+        return MXFP8TensorStorage(
+            shape=x.shape, dtype=x.dtype, quantizer=self, _fp8_dtype=self.dtype,
+            _with_gemm_swizzled_scales=self.optimize_for_gemm,
+            _rowwise_data=None if rd is None else rd.view(x.shape), _rowwise_scale_inv=rs,
+            _columnwise_data=None if cd is None else cd.view(x.shape), _columnwise_scale_inv=cs,
+        )
+
+    def is_requantization_safe(self) -> bool:
+        return True
