@@ -144,7 +144,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", COMPAT_TORCH)
 def compat(session: nox.Session, torch: str) -> None:
-    """tests/dynamo, tests/recipes and tests/compat on one torch release (CUDA builds run on CPU)."""
+    """tests/dynamo, tests/recipes and tests/compat on one torch release (CUDA builds on CPU)."""
     _stamp_install(session, "deps", [f"torch=={torch}", *TEST_TOOLS], env=UNCAPPED)
     _stamp_install(
         session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"), env=UNCAPPED

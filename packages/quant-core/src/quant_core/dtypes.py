@@ -43,7 +43,7 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fp8(dtype: DType, what: str = "dtype") -> DType:
-    """Return ``dtype`` if it is an FP8 element format, else raise ``ValueError`` naming ``what``."""
+    """``dtype`` if it is an FP8 element format, else ``ValueError`` naming ``what``."""
     if not isinstance(dtype, DType) or not dtype.is_fp8:
         raise ValueError(f"{what} must be DType.E4M3 or DType.E5M2, got {dtype!r}")
     return dtype

@@ -196,7 +196,13 @@ def _annotated_fields(cls: type) -> tuple[str, ...]:
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError as exc:
+        raise TypeError(
+            f"{cls.__qualname__}: cannot resolve a field annotation ({exc}); field types must be "
+            "importable from the class's module (not local to a function)"
+        ) from exc
     return {n: hints.get(n, Any) for n in _annotated_fields(cls)}
 
 

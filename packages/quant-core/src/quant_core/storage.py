@@ -63,7 +63,7 @@ class QuantizedStorage:
     def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Take this storage's buffers back from the front of ``tensors``; return the rest."""
         n = len(self._buffer_names)
-        for name, t in zip(self._buffer_names, tensors[:n]):
+        for name, t in zip(self._buffer_names, tensors[:n], strict=True):
             setattr(self, name, t)
         return tensors[n:]
 

@@ -1,4 +1,4 @@
-"""Per-tensor FP8: delayed scaling (stateful) and current scaling (a value) (`numerics.md` §3-§4)."""
+"""Per-tensor FP8: delayed scaling (stateful) and current scaling (a value), `numerics.md` §3-§4."""
 
 from __future__ import annotations
 

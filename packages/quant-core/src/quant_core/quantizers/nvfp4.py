@@ -1,4 +1,4 @@
-"""NVFP4: E2M1 elements, E4M3 1x16 (or 16x16) block scales and an fp32 tensor amax (`numerics.md` §7)."""
+"""NVFP4: E2M1 elements, E4M3 1x16 or 16x16 block scales, an fp32 tensor amax (numerics §7)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ class NVFP4Quantizer(Quantizer):
                 "project does not implement yet"
             )
         if self.nvfp4_e4m3_max != 448:
-            raise ValueError(f"nvfp4_e4m3_max must be 448 without 4over6, got {self.nvfp4_e4m3_max}")
+            raise ValueError(
+                f"nvfp4_e4m3_max must be 448 without 4over6, got {self.nvfp4_e4m3_max}"
+            )
         if self.nvfp4_4over6_err_mode not in ("MAE", "MSE"):
             raise ValueError(
                 f"nvfp4_4over6_err_mode must be 'MAE' or 'MSE', got {self.nvfp4_4over6_err_mode!r}"
