@@ -27,7 +27,7 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
             f"{fmt}: the last dimension must be a multiple of {k_multiple}, got shape "
             f"{tuple(x.shape)} (K = {k})"
         )
-    return x.contiguous().reshape(-1, k)
+    return x.contiguous().reshape(x.shape[:-1].numel(), k)
 
 
 def transposed_shape(shape: torch.Size) -> tuple[int, ...]:

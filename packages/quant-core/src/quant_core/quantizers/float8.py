@@ -12,9 +12,8 @@ from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
 from ..storage import Float8TensorStorage
 
 
-def _quantize_per_tensor(q: Quantizer, x: torch.Tensor, be, scale, amax_out=None):
-    """Cast ``x`` with the fp32 ``(1,)`` ``scale`` into a :class:`Float8TensorStorage`."""
-    x2d = as_2d(x, type(q).__name__)
+def _quantize_per_tensor(q: Quantizer, x, x2d, be, scale, amax_out=None):
+    """Cast ``x`` (2D view ``x2d``) with the fp32 ``(1,)`` ``scale`` into a storage."""
     data, transpose, scale_inv = be.fp8_quantize(
         x2d, scale, fp8_dtype=q.dtype, rowwise=q.rowwise_usage, columnwise=q.columnwise_usage,
         amax_out=amax_out,
@@ -47,9 +46,10 @@ class Float8Quantizer(Quantizer):
         super().__init__(scale=scale, amax=amax, dtype=dtype, **fields)
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
+        x2d = as_2d(x, type(self).__name__)
         be = backends.get(backend, x.device)
         return _quantize_per_tensor(
-            self, x, be, self.scale.reshape(1), amax_out=self.amax.view(1)
+            self, x, x2d, be, self.scale.reshape(1), amax_out=self.amax.view(1)
         )
 
     def calibrate(self, x: torch.Tensor) -> None:
@@ -86,8 +86,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
             object.__setattr__(self, "amax_reduction_group", amax_reduction_group)
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
+        x2d = as_2d(x, type(self).__name__)
         be = backends.get(backend, x.device)
-        amax = be.amax(as_2d(x, type(self).__name__))
+        amax = be.amax(x2d)
         if self.with_amax_reduction:
             group = amax_reduction_group or self.__dict__.get("amax_reduction_group")
             amax = reduce_amax(amax, group)
@@ -95,7 +96,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
             amax_epsilon=self.amax_epsilon,
         )
-        return _quantize_per_tensor(self, x, be, scale)
+        return _quantize_per_tensor(self, x, x2d, be, scale)
 
     def is_requantization_safe(self) -> bool:
         return True

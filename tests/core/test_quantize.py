@@ -1,0 +1,244 @@
+"""Quantizer-level behaviour: storages, shapes, usages, input errors, backends (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant_core import (
+    DType,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    backends,
+)
+
+QUANTIZERS = {
+    "current": Float8CurrentScalingQuantizer(),
+    "mxfp8": MXFP8Quantizer(),
+    "mxfp8_2d": MXFP8Quantizer(with_2d_quantization=True),
+    "block1d": Float8BlockQuantizer(block_scaling_dim=1),
+    "block2d": Float8BlockQuantizer(block_scaling_dim=2),
+    "nvfp4": NVFP4Quantizer(),
+    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
+    "nvfp4_2d": NVFP4Quantizer(with_2d_quantization=True),
+}
+
+# Expected buffer shapes for x of shape (2, 48, 64): M = 96, K = 64 (numerics.md §4-§7, §9).
+EXPECTED_SHAPES = {
+    "current": {"_data": (2, 48, 64), "_transpose": (64, 2, 48), "_scale_inv": (1,)},
+    "mxfp8": {"_rowwise_data": (2, 48, 64), "_rowwise_scale_inv": (128, 4),
+              "_columnwise_data": (2, 48, 64), "_columnwise_scale_inv": (4, 128)},
+    "block1d": {"_rowwise_data": (2, 48, 64), "_rowwise_scale_inv": (1, 96),
+                "_columnwise_data": (64, 2, 48), "_columnwise_scale_inv": (1, 64)},
+    "block2d": {"_rowwise_data": (2, 48, 64), "_rowwise_scale_inv": (1, 4),
+                "_columnwise_data": (64, 2, 48), "_columnwise_scale_inv": (1, 4)},
+    "nvfp4": {"_rowwise_data": (2, 48, 32), "_rowwise_scale_inv": (128, 4),
+              "_columnwise_data": (64, 48), "_columnwise_scale_inv": (128, 8),
+              "_amax_rowwise": (1,), "_amax_columnwise": (1,)},
+}
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SHAPES))
+def test_storage_buffer_shapes_for_leading_dims(name):
+    storage = QUANTIZERS[name].quantize(_randn(2, 48, 64))
+    shapes = {k: tuple(v.shape) for k, v in storage.buffers().items() if v is not None}
+    assert shapes == EXPECTED_SHAPES[name]
+    assert storage.shape == torch.Size((2, 48, 64)) and storage.dtype == torch.bfloat16
+    assert storage.quantizer == QUANTIZERS[name]
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_dequantize_has_input_shape_and_dtype(name):
+    x = _randn(2, 48, 64)
+    q = QUANTIZERS[name]
+    out = q.quantize(x).dequantize()
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert q.dequantize(q.quantize(x), dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_empty_input_gives_empty_buffers(name):
+    q = QUANTIZERS[name]
+    storage = q.quantize(torch.empty(0, 64, dtype=torch.bfloat16))
+    assert storage.dequantize().shape == (0, 64)
+    for buf_name, buf in storage.buffers().items():
+        if buf is not None and "amax" in buf_name:
+            assert buf.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_non_contiguous_input_gives_the_same_bytes(name):
+    x = _randn(64, 128)
+    xt = x.t().contiguous().t()  # same values, column-major strides
+    assert not xt.is_contiguous()
+    a, b = QUANTIZERS[name].quantize(x), QUANTIZERS[name].quantize(xt)
+    for (na, ta), (_, tb) in zip(a.buffers().items(), b.buffers().items(), strict=True):
+        assert (ta is None) == (tb is None), na
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), na
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_usage_flags_select_the_buffers(name):
+    q = QUANTIZERS[name]
+    x = _randn(32, 64)
+    row = q.with_usage(columnwise=False).quantize(x)
+    col = q.with_usage(rowwise=False).quantize(x)
+    full = q.quantize(x)
+    row_names = {"_data", "_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise"}
+    for buf_name, buf in row.buffers().items():
+        if buf_name == "_scale_inv":
+            continue
+        assert (buf is not None) == (buf_name in row_names), buf_name
+        if buf is not None:  # one direction alone gives that direction's bytes
+            assert torch.equal(buf.view(torch.uint8), getattr(full, buf_name).view(torch.uint8))
+    for buf_name, buf in col.buffers().items():
+        if buf_name == "_scale_inv":
+            continue
+        assert (buf is not None) == (buf_name not in row_names), buf_name
+
+
+def test_per_tensor_columnwise_dequantizes_like_rowwise():
+    x = _randn(3, 32, 48)
+    q = Float8CurrentScalingQuantizer()
+    assert torch.equal(
+        q.with_usage(rowwise=False).quantize(x).dequantize(), q.quantize(x).dequantize()
+    )
+
+
+def test_block_2d_columnwise_dequantizes_like_rowwise():
+    x = _randn(130, 200, dtype=torch.float32)
+    q = Float8BlockQuantizer(block_scaling_dim=2)
+    assert torch.equal(
+        q.with_usage(rowwise=False).quantize(x).dequantize(), q.quantize(x).dequantize()
+    )
+
+
+def test_nvfp4_columnwise_only_refuses_dequantize():
+    s = NVFP4Quantizer().with_usage(rowwise=False).quantize(_randn(32, 32))
+    with pytest.raises(NotImplementedError, match="rowwise"):
+        s.dequantize()
+
+
+def test_swizzled_scales_still_dequantize_exactly():
+    x = _randn(100, 96)
+    for q in (MXFP8Quantizer(), NVFP4Quantizer()):
+        plain = q.quantize(x)
+        swz = q.replace(optimize_for_gemm=True).quantize(x)
+        assert swz._with_gemm_swizzled_scales
+        assert not torch.equal(plain._rowwise_scale_inv, swz._rowwise_scale_inv)
+        assert torch.equal(plain.dequantize(), swz.dequantize())
+
+
+@pytest.mark.parametrize(
+    "q, k, multiple",
+    [(MXFP8Quantizer(), 48, 32), (NVFP4Quantizer(), 24, 16)],
+    ids=["mxfp8", "nvfp4"],
+)
+def test_unaligned_last_dim_names_the_multiple(q, k, multiple):
+    with pytest.raises(ValueError, match=f"multiple of {multiple}.*K = {k}"):
+        q.quantize(torch.zeros(4, k))
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_bad_inputs_get_clear_errors(name):
+    q = QUANTIZERS[name]
+    with pytest.raises(TypeError, match="input dtype must be one of"):
+        q.quantize(torch.zeros(4, 64, dtype=torch.int32))
+    with pytest.raises(TypeError, match="input dtype must be one of"):
+        q.quantize(torch.zeros(4, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="0-d"):
+        q.quantize(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        q.quantize([1.0, 2.0])
+
+
+def test_rht_needs_bf16_and_rows_in_sixteens():
+    q = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        q.quantize(torch.zeros(16, 16))
+    with pytest.raises(ValueError, match="multiple of 16, got M = 8"):
+        q.quantize(torch.zeros(8, 16, dtype=torch.bfloat16))
+    q.with_usage(columnwise=False).quantize(torch.zeros(8, 16))  # no RHT on the rowwise path
+
+
+def test_delayed_scaling_records_amax_and_snapshots_scale_inv():
+    scale = torch.tensor([4.0])
+    amax = torch.tensor([1.5])
+    q = Float8Quantizer(scale, amax, DType.E4M3)
+    x = torch.tensor([[0.5, -3.0, 2.0, 1.0]])
+    s = q.quantize(x)
+    assert amax.item() == 3.0  # max(1.5, |-3|), recorded in the same pass
+    assert s._scale_inv.item() == 0.25
+    # 0.5*4 = 2 (0x40), -3*4 = -12 (0xD4), 2*4 = 8 (0x50), 1*4 = 4 (0x48) in E4M3
+    assert s._data.flatten().tolist() == [0x40, 0xD4, 0x50, 0x48]
+    q.calibrate(torch.tensor([[-7.0]]))
+    assert amax.item() == 7.0
+
+
+def test_current_scaling_reduction_over_one_rank_group_changes_nothing(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+        )
+    try:
+        x = _randn(8, 32)
+        q = Float8CurrentScalingQuantizer(with_amax_reduction=True)
+        a = q.quantize(x, amax_reduction_group=dist.group.WORLD)
+        b = q.quantize(x)
+        assert torch.equal(a._data, b._data) and torch.equal(a._scale_inv, b._scale_inv)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_stochastic_rounding_is_reproducible_from_the_generator():
+    q = NVFP4Quantizer(stochastic_rounding=True).with_usage(columnwise=False)
+    x = _randn(64, 64, dtype=torch.float32)
+    draw = lambda seed: q.quantize(x, generator=torch.Generator().manual_seed(seed))._rowwise_data
+    assert torch.equal(draw(1), draw(1))
+    assert not torch.equal(draw(1), draw(2))
+    assert not q.is_requantization_safe() and NVFP4Quantizer().is_requantization_safe()
+
+
+def test_backend_choice(monkeypatch):
+    assert "reference" in backends.available()
+    assert backends.get("reference").name == "reference"
+    assert backends.get(None, "cpu").name == "reference"  # the interpreter is never auto-picked
+    with pytest.raises(ValueError, match="unknown quant backend 'nope'.*available"):
+        backends.get("nope")
+    monkeypatch.setenv("QUANT_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown quant backend"):
+        MXFP8Quantizer().quantize(torch.zeros(1, 32))
+
+
+def test_prepare_for_saving_round_trip():
+    s = MXFP8Quantizer().quantize(_randn(32, 64))
+    expected = s.dequantize()
+    saved = s.prepare_for_saving()
+    assert all(b is None for b in s.buffers().values())
+    assert s.restore_from_saved(saved + ["rest"]) == ["rest"]
+    assert torch.equal(s.dequantize(), expected)
+
+
+def test_per_tensor_update_usage_builds_the_byte_transpose():
+    x = _randn(4, 16, 32)
+    full = Float8CurrentScalingQuantizer().quantize(x)
+    s = Float8CurrentScalingQuantizer().with_usage(columnwise=False).quantize(x)
+    s.update_usage(columnwise=True)
+    assert torch.equal(s._transpose, full._transpose)
+    s.update_usage(rowwise=False)
+    assert s._data is None and torch.equal(s.dequantize(), full.dequantize())
