@@ -11,6 +11,11 @@ import torch
 from ..dtypes import DType, check_fp8
 
 
+#: The byte every FP8 NaN is written as (E4M3 and E5M2 alike: sign 0, all exponent and mantissa
+#: bits set).
+CANONICAL_NAN = 0x7F
+
+
 def fp8_encode(v: torch.Tensor, fp8_dtype: DType) -> torch.Tensor:
     """``fp8_satfinite_rne(v)`` of fp32 ``v`` as raw uint8 bytes (§2): clamp to ±max, RNE cast.
 
@@ -22,7 +27,10 @@ def fp8_encode(v: torch.Tensor, fp8_dtype: DType) -> torch.Tensor:
     if v.dtype != torch.float32:
         raise TypeError(f"fp8_encode expects fp32 values, got {v.dtype}")
     fmax = fp8_dtype.max
-    return v.clamp(-fmax, fmax).to(fp8_dtype.torch_dtype).view(torch.uint8)
+    data = v.clamp(-fmax, fmax).to(fp8_dtype.torch_dtype).view(torch.uint8)
+    # NaN becomes the canonical positive NaN 0x7F: the sign of a NaN differs between CPU and CUDA
+    # arithmetic, and one byte per NaN keeps every backend's buffers bytewise comparable.
+    return torch.where(torch.isnan(v), torch.full_like(data, CANONICAL_NAN), data)
 
 
 def fp8_decode(data: torch.Tensor, fp8_dtype: DType) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""FP8 block scaling: 1x128 and 128x128 blocks (`numerics.md` §6, §8, §10).
+
+Also home of the block-tiling helpers ``block_amax`` and ``expand_blocks``, shared with MXFP8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import shapes
+from ..dtypes import DType, check_fp8
+from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
+from .fp8_tensor import compute_scale_from_amax, div_rn
+
+BLOCK = shapes.FP8_BLOCK
+
+
+def block_amax(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """NaN-dropping ``max|x|`` per ``block_rows x block_cols`` block of ``x [M, K]``, fp32
+    ``[ceil(M/block_rows), ceil(K/block_cols)]``; partial edge blocks see only valid elements."""
+    m, k = x.shape
+    a = nan_to_zero_abs(x)  # >= 0, so zero padding never wins the max
+    a = F.pad(a, (0, shapes.roundup(k, block_cols) - k, 0, shapes.roundup(m, block_rows) - m))
+    n_rows, n_cols = a.shape[0] // block_rows, a.shape[1] // block_cols
+    return a.reshape(n_rows, block_rows, n_cols, block_cols).amax(dim=(1, 3))
+
+
+def expand_blocks(
+    per_block: torch.Tensor, block_rows: int, block_cols: int, m: int, k: int
+) -> torch.Tensor:
+    """Broadcast ``per_block [ceil(M/br), ceil(K/bc)]`` to one value per element, ``[m, k]``."""
+    full = per_block.repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)
+    return full[:m, :k]
+
+
+def _pad_cols(s: torch.Tensor, cols: int) -> torch.Tensor:
+    return F.pad(s, (0, cols - s.shape[1]))
+
+
+def _block_dims(block_scaling_dim: int, columnwise: bool) -> tuple[int, int]:
+    if block_scaling_dim == 2:
+        return BLOCK, BLOCK
+    return (BLOCK, 1) if columnwise else (1, BLOCK)
+
+
+def _check_dim(block_scaling_dim: int) -> None:
+    if block_scaling_dim not in (1, 2):
+        raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+
+
+def _quantize_blocks(x, block_rows, block_cols, fp8_dtype, force_pow_2_scales, amax_epsilon):
+    """Data bytes ``[M, K]`` and unpadded fp32 ``scale_inv`` per block."""
+    m, k = x.shape
+    scale = compute_scale_from_amax(
+        block_amax(x, block_rows, block_cols),
+        fp8_dtype.max,
+        force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon,
+        value_for_inf=torch.finfo(x.dtype).max,
+    )
+    scale_inv = div_rn(torch.ones_like(scale), scale)
+    data = fp8_encode(x.to(torch.float32) * expand_blocks(scale, block_rows, block_cols, m, k),
+                      fp8_dtype)
+    return data, scale_inv
+
+
+def fp8_block_quantize(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    block_scaling_dim: int,
+    force_pow_2_scales: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Block-scaled FP8 of ``x [M, K]`` (any M, K; partial edge blocks).
+
+    Returns ``(row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv)``, ``None`` for a
+    direction not asked for. Scales are fp32 in the GEMM-ready layouts of ``quant_core.shapes``
+    (1D: transposed, inner dim padded to 4; 2D: the column scales are the transposed row scales);
+    padding is 0. ``value_for_inf`` is the max finite value of ``x.dtype``.
+    """
+    check_fp8(fp8_dtype, "fp8_dtype")
+    _check_dim(block_scaling_dim)
+    m, k = x.shape
+    args = (fp8_dtype, force_pow_2_scales, amax_epsilon)
+    row_data = row_scale = col_data = col_scale = None
+    if block_scaling_dim == 2:
+        data, scale_inv = _quantize_blocks(x, BLOCK, BLOCK, *args)  # [ceil(M/128), ceil(K/128)]
+        if rowwise:
+            row_data = data
+            row_scale = _pad_cols(scale_inv, shapes.fp8_block_rowwise_scale_shape(m, k, 2)[1])
+        if columnwise:
+            col_data = data.t().contiguous()
+            col_scale = _pad_cols(
+                scale_inv.t(), shapes.fp8_block_columnwise_scale_shape(m, k, 2)[1]
+            )
+        return row_data, row_scale, col_data, col_scale
+    if rowwise:
+        row_data, scale_inv = _quantize_blocks(x, 1, BLOCK, *args)  # [M, ceil(K/128)]
+        row_scale = _pad_cols(scale_inv.t(), shapes.fp8_block_rowwise_scale_shape(m, k, 1)[1])
+    if columnwise:
+        data, scale_inv = _quantize_blocks(x, BLOCK, 1, *args)  # [ceil(M/128), K]
+        col_data = data.t().contiguous()
+        col_scale = _pad_cols(scale_inv, shapes.fp8_block_columnwise_scale_shape(m, k, 1)[1])
+    return row_data, row_scale, col_data, col_scale
+
+
+def fp8_block_dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    block_scaling_dim: int,
+    columnwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``float(fp8(data)) * scale_inv`` per block, cast to ``dtype``, as ``[M, K]``.
+
+    ``data`` is ``[M, K]`` rowwise or ``[K, M]`` columnwise (transposed back); ``scale_inv`` is in
+    the GEMM-ready layout ``fp8_block_quantize`` returns (padding ignored).
+    """
+    _check_dim(block_scaling_dim)
+    values = fp8_decode(data, fp8_dtype)
+    if columnwise:
+        values = values.t()
+    m, k = values.shape
+    n_m, n_k = shapes.ceil_div(m, BLOCK), shapes.ceil_div(k, BLOCK)
+    if block_scaling_dim == 2:
+        per_block = scale_inv[:, :n_m].t() if columnwise else scale_inv[:, :n_k]
+    else:
+        per_block = scale_inv[:, :k] if columnwise else scale_inv[:, :m].t()
+    block_rows, block_cols = _block_dims(block_scaling_dim, columnwise)
+    per_element = expand_blocks(per_block.to(torch.float32), block_rows, block_cols, m, k)
+    return (values * per_element).to(dtype).contiguous()
