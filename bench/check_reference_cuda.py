@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from quant_core import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,

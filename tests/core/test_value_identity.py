@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-
 from quant_core import (
     DType,
     Float8BlockQuantizer,

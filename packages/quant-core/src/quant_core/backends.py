@@ -1,12 +1,11 @@
 """The backend registry (DESIGN.md contract 3).
 
 A backend is an object with ``name: str``, ``priority: int``, ``supports(device) -> bool`` and the
-functions of :mod:`quant_core.reference` with the same signatures.
-An optional
+functions of :mod:`quant_core.reference` with the same signatures. An optional
 ``preferred(device) -> bool`` (default: ``supports``) says whether automatic choice may pick it
-there: Triton supports the CPU through its slow interpreter, but is never picked for it. The pure-torch reference is
-always present (priority 0, every device). Kernel packages join through the entry-point group
-``quant_core.backends``: installing them is enough.
+there: Triton supports the CPU through its slow interpreter, but is never picked for it. The
+pure-torch reference is always present (priority 0, every device). Kernel packages join through
+the entry-point group ``quant_core.backends``: installing them is enough.
 
 Choice: an explicit ``name``, else the ``QUANT_BACKEND`` environment variable, else the
 highest-priority backend that supports the device.

@@ -10,7 +10,6 @@ import torch
 
 from ..dtypes import DType, check_fp8
 
-
 #: The byte every FP8 NaN is written as (E4M3 and E5M2 alike: sign 0, all exponent and mantissa
 #: bits set).
 CANONICAL_NAN = 0x7F
