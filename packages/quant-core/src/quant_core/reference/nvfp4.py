@@ -1,0 +1,236 @@
+"""NVFP4 reference: two-level scaled E2M1 with E4M3 block scales (`numerics.md` §7, §8, §10).
+
+Only the TE-default core is implemented: ``nvfp4_e4m3_max = 448``; the optional 4over6 and
+row-scaled variants (§7.9) are not. Blocks are 1x16 along K (rowwise) or along M (columnwise, the
+quantization of ``xᵀ`` stored as ``[K, ceil(M/2)]``), or 16x16 tiles in 2D mode. Partial blocks
+along M take their amax over the valid rows only (§0 Shapes).
+
+Stochastic rounding numbers the elements of the two directions as one stream: rowwise element
+``(m, k)`` of ``x`` draws ``sr_random_byte(seed, m * K + k)`` and columnwise element ``(k, m)`` of
+the (possibly transformed) ``xᵀ`` draws ``sr_random_byte(seed, M * K + k * M + m)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import shapes
+from ..dtypes import DType
+from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
+from .rht import rht_columnwise
+from .stochastic import sr_random_byte, sr_round_e2m1
+
+BLOCK = shapes.NVFP4_BLOCK
+FLT_MAX = torch.finfo(torch.float32).max
+#: ``6 * 448``: FP4 max times E4M3 max (the global scale's numerator).
+_GLOBAL = 2688.0
+#: E2M1 magnitudes of codes 0..7, then the negative codes 8..15 (bit 3 is the sign).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _f32(value: float, device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _check_k(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"NVFP4 requires K to be a multiple of 16, got K = {k}")
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 RNE satfinite codes (int64 0..15) of fp32 ``v`` (§7.4).
+
+    Interval table of the ties-to-even rule: ``[0, 0.25]``→0, ``(0.25, 0.75)``→0.5,
+    ``[0.75, 1.25]``→1, ``(1.25, 1.75)``→1.5, ``[1.75, 2.5]``→2, ``(2.5, 3.5)``→3, ``[3.5, 5]``→4,
+    ``(5, ∞]``→6. Bit 3 is the sign bit of ``v`` (-0.0 gives 0x8); NaN gives +6 (0x7).
+    """
+    a = v.abs()
+    mag = (
+        (a > 0.25).to(torch.int64)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    code = mag + torch.signbit(v).to(torch.int64) * 8
+    return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes 0..15 (integer tensor)."""
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    table = torch.cat([table, -table])
+    return table[codes.to(torch.int64)]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[R, 2C]`` into bytes ``[R, C]``: ``byte = code[2j] | code[2j+1] << 4``."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
+    """Codes (int64) ``[R, 2C]`` of packed bytes ``[R, C]`` (low nibble first)."""
+    b = data.to(torch.int64)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(data.shape[0], 2 * data.shape[1])
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc`` (fp32 ``(1,)``) of §7.2: ``fminf(fp32(2688 / amax), FLT_MAX)``, 1 if that is 0 or
+    ``amax == 0``. Like TE's ``fminf``, a NaN amax gives FLT_MAX."""
+    amax = amax.to(torch.float32)
+    s = torch.fmin(_f32(_GLOBAL, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+def block_scales(
+    block_amax: torch.Tensor, s_enc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes and fp32 encode multipliers ``enc_b`` of block amaxes, in the order of §7.3."""
+    dev = block_amax.device
+    one = _f32(1.0, dev)
+    s_dec = one / s_enc
+    t = s_enc * (one / 6.0)  # fp32(S_enc * fp32(1/6)): one / 6.0 is the correctly rounded fp32
+    sdec_b = block_amax * t
+    e4m3 = fp8_encode(torch.fmin(sdec_b, _f32(FLT_MAX, dev)), DType.E4M3)
+    enc_b = torch.fmin(one / (fp8_decode(e4m3, DType.E4M3) * s_dec), _f32(FLT_MAX, dev))
+    return e4m3, enc_b
+
+
+def _blocks_amax(v: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+    """NaN-dropping amax of ``v`` ``[R, C]`` (C % 16 == 0, R % rows_per_block == 0) per block of
+    ``rows_per_block x 16``, repeated back to one value per row: ``[R, C/16]``."""
+    r, c = v.shape
+    a = nan_to_zero_abs(v).reshape(r // rows_per_block, rows_per_block, c // BLOCK, BLOCK)
+    a = a.amax(dim=(1, 3))
+    return a.repeat_interleave(rows_per_block, dim=0)
+
+
+def _quantize_direction(
+    v: torch.Tensor,
+    valid_rows: int,
+    valid_cols: int,
+    amax: torch.Tensor,
+    block_amax: torch.Tensor,
+    scale_shape: tuple[int, int],
+    sr_offset: int | None,
+    rng_seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize fp32 ``v`` ``[R, C]`` (zero-padded past ``valid_rows x valid_cols``, C % 16 == 0)
+    with 1x16 blocks along C; ``block_amax`` ``[R, C/16]``. Returns packed data
+    ``[valid_rows, ceil(valid_cols/2)]`` and the zero-padded E4M3 scale bytes ``scale_shape``."""
+    r, c = v.shape
+    e4m3, enc_b = block_scales(block_amax, global_encode_scale(amax))
+    scaled = (v.reshape(r, c // BLOCK, BLOCK) * enc_b[..., None]).reshape(r, c)
+    if sr_offset is not None:
+        rows = torch.arange(r, device=v.device, dtype=torch.int64)[:, None]
+        cols = torch.arange(c, device=v.device, dtype=torch.int64)[None, :]
+        rbyte = sr_random_byte(rng_seed, sr_offset + rows * valid_cols + cols)
+        scaled = sr_round_e2m1(scaled, rbyte)
+    codes = e2m1_encode(scaled)[:valid_rows, :valid_cols]
+    codes = F.pad(codes, (0, valid_cols % 2))  # missing last nibble: 0
+    data = pack_e2m1(codes)
+    e4m3 = e4m3[:valid_rows, : c // BLOCK]
+    pads = (0, scale_shape[1] - e4m3.shape[1], 0, scale_shape[0] - e4m3.shape[0])
+    return data, F.pad(e4m3, pads)
+
+
+def nvfp4_amax(
+    x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool, rht_sign_mask: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """NaN-dropping amaxes (fp32 ``(1,)``, 0 for an empty tensor) of §7.1.
+
+    Without RHT both directions get ``max|x|``; with RHT the columnwise amax is taken over the
+    bf16-rounded RHT of ``xᵀ``. A direction not asked for is ``None``.
+    """
+    _check_k(x.shape[1])
+
+    def amax_of(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:
+            return torch.zeros(1, dtype=torch.float32, device=t.device)
+        return nan_to_zero_abs(t).amax().reshape(1)
+
+    row = amax_of(x) if rowwise or (columnwise and not with_rht) else None
+    col = None
+    if columnwise:
+        col = amax_of(rht_columnwise(x, rht_sign_mask)) if with_rht else row.clone()
+    return (row if rowwise else None), col
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    with_rht: bool,
+    rht_sign_mask: int,
+    with_2d_quantization: bool,
+    stochastic_rounding: bool,
+    rng_seed: torch.Tensor | None,
+    swizzle: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Quantize ``x`` ``[M, K]`` to NVFP4 with the given per-direction amaxes (§7.2–§7.8).
+
+    Returns ``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)`` (uint8; scales
+    E4M3 bytes in ``quant_core.shapes``' padded shapes, padding 0; a direction not asked for is
+    ``None``). With RHT (bf16 ``x``, ``M % 16 == 0``) the columnwise direction quantizes the RHT of
+    ``xᵀ``. 2D mode uses one block scale per 16x16 tile for both directions (exclusive with RHT).
+    With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
+    """
+    m, k = x.shape
+    _check_k(k)
+    if with_rht and with_2d_quantization:
+        raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
+    if stochastic_rounding and rng_seed is None:
+        raise ValueError("NVFP4 stochastic rounding needs rng_seed (int64 tensor of shape (1,))")
+    mp = shapes.roundup(m, BLOCK)
+    xf = F.pad(x.to(torch.float32), (0, 0, 0, mp - m))  # [Mp, K], zero rows past M
+    tile_amax = _blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
+    row_data = row_scale = col_data = col_scale = None
+    if rowwise:
+        blk = tile_amax if with_2d_quantization else _blocks_amax(xf, 1)
+        row_data, row_scale = _quantize_direction(
+            xf, m, k, amax_rowwise, blk, shapes.nvfp4_rowwise_scale_shape(m, k),
+            0 if stochastic_rounding else None, rng_seed,
+        )
+    if columnwise:
+        if with_rht:
+            vt = rht_columnwise(x, rht_sign_mask).to(torch.float32)  # [K, M], M % 16 == 0
+        else:
+            vt = xf.t()  # [K, Mp]
+        if with_2d_quantization:
+            blk = tile_amax[::BLOCK].t().repeat_interleave(BLOCK, dim=0)  # [K, Mp/16]
+        else:
+            blk = _blocks_amax(vt, 1)
+        col_data, col_scale = _quantize_direction(
+            vt, k, m, amax_columnwise, blk, shapes.nvfp4_columnwise_scale_shape(m, k),
+            m * k if stochastic_rounding else None, rng_seed,
+        )
+    if swizzle:
+        from .swizzle import swizzle_scales
+
+        row_scale = None if row_scale is None else swizzle_scales(row_scale)
+        col_scale = None if col_scale is None else swizzle_scales(col_scale)
+    return row_data, row_scale, col_data, col_scale
+
+
+def nvfp4_dequantize(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype
+) -> torch.Tensor:
+    """Dequantize rowwise NVFP4 ``data`` ``[M, K/2]`` to ``dtype`` ``[M, K]`` (§8):
+    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast."""
+    if swizzled:
+        from .swizzle import unswizzle_scales
+
+        scale = unswizzle_scales(scale)
+    m, k = data.shape[0], data.shape[1] * 2
+    dev = data.device
+    e4m3 = fp8_decode(scale[:m, : k // BLOCK].contiguous(), DType.E4M3)
+    s = e4m3 * amax.to(torch.float32)
+    s = s * (_f32(1.0, dev) / _GLOBAL)  # fp32(1 / 2688), correctly rounded
+    vals = e2m1_decode(unpack_e2m1(data)).reshape(m, k // BLOCK, BLOCK) * s[..., None]
+    return vals.reshape(m, k).to(dtype)

@@ -1,0 +1,74 @@
+"""The 16x16 Random Hadamard Transform of NVFP4's columnwise direction (`numerics.md` §7.6).
+
+``R = diag(s) · H16 / 4`` with ``H_ij = (-1)^popcount(i & j)`` and the sign vector ``s`` encoded
+by the 16-bit mask ``Σ_i [s_i == -1] · 2^i``. The transform maps each group ``v`` of 16
+consecutive rows of one column of ``x`` (16 consecutive elements of a row of ``xᵀ``) to
+``v · R``, rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+RHT_SIZE = 16
+#: TE's fixed sign vector (``with_random_sign_mask=True``); all ones is mask 0.
+DEFAULT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+DEFAULT_SIGN_MASK = 0xD7E8  # 55272
+
+
+def mask_to_signs(sign_mask: int) -> tuple[int, ...]:
+    """The sign vector ``s`` (16 entries ±1) of a 16-bit mask: ``s_i = -1`` iff bit ``i`` is set."""
+    if not 0 <= int(sign_mask) < 1 << RHT_SIZE:
+        raise ValueError(f"RHT sign mask must be a 16-bit integer, got {sign_mask!r}")
+    return tuple(-1 if (int(sign_mask) >> i) & 1 else 1 for i in range(RHT_SIZE))
+
+
+def signs_to_mask(signs) -> int:
+    """The 16-bit mask ``Σ_i [s_i == -1] · 2^i`` of a sign vector of 16 entries ±1."""
+    signs = [int(s) for s in signs]
+    if len(signs) != RHT_SIZE or any(s not in (1, -1) for s in signs):
+        raise ValueError(f"RHT signs must be 16 entries of ±1, got {signs!r}")
+    return sum(1 << i for i, s in enumerate(signs) if s == -1)
+
+
+@functools.cache
+def rht_matrix(sign_mask: int, device) -> torch.Tensor:
+    """``R = diag(s) · H16 / 4`` as bf16 ``[16, 16]`` (entries ±0.25, exact), cached per call key.
+
+    Treat the result as read-only: it is shared between callers.
+    """
+    signs = torch.tensor(mask_to_signs(sign_mask), dtype=torch.float32, device=device)
+    i = torch.arange(RHT_SIZE, device=device)
+    both = i[:, None] & i[None, :]
+    parity = (both ^ (both >> 1) ^ (both >> 2) ^ (both >> 3)) & 1  # popcount(i & j) mod 2
+    h = 1.0 - 2.0 * parity.to(torch.float32)
+    return (signs[:, None] * h * 0.25).to(torch.bfloat16)
+
+
+def rht_columnwise(x: torch.Tensor, sign_mask: int) -> torch.Tensor:
+    """The RHT of ``xᵀ``: bf16 ``[K, M]`` from bf16 ``x`` ``[M, K]`` with ``M % 16 == 0``.
+
+    ``out[k, 16g + j] = bf16(Σ_i x[16g + i, k] · R[i, j])``.
+    """
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"NVFP4 RHT requires bf16 input, got {x.dtype}")
+    m, k = x.shape
+    if m % RHT_SIZE:
+        raise ValueError(f"NVFP4 RHT requires M % 16 == 0 (it mixes 16 rows), got M = {m}")
+    # Under torch.compile build R in the graph (dynamo does not honour the cache wrapper).
+    build = rht_matrix.__wrapped__ if torch.compiler.is_compiling() else rht_matrix
+    r = build(int(sign_mask), x.device).to(torch.float32)
+    v = x.t().to(torch.float32).reshape(k, m // RHT_SIZE, RHT_SIZE)
+    # TE runs a bf16 GEMM with fp32 accumulation, then rounds to bf16 (RNE). Each product
+    # x_i * (±0.25) is exact in fp32 (8-bit significand times a power of two). The 16-term sum is
+    # exact in fp32 as long as the group's magnitudes span less than about 2^12 (8 + 4 carry bits
+    # + span <= 24); then fp32 accumulation in any order equals this computation, and the single
+    # bf16 rounding below is the GEMM's. Groups of widely spread magnitudes can round in fp32; the
+    # reference fixes the order (sequential over i = 0..15, one fp32 add per term), and an
+    # order-dependent fp32 rounding changes the bf16 result only next to a bf16 rounding tie.
+    acc = v[..., 0:1] * r[0]
+    for i in range(1, RHT_SIZE):
+        acc = acc + v[..., i : i + 1] * r[i]
+    return acc.to(torch.bfloat16).reshape(k, m)
