@@ -44,22 +44,33 @@ class Quantizer(metaclass=QuantizerMeta):
     internal: bool = False
     optimize_for_gemm: bool = False
 
-    #: Set on a class by :func:`value_quantizer` (in the class's own ``__dict__`` only).
+    #: Set on a class by :func:`value_quantizer`; they count only where ``_value_owner is cls``,
+    #: so a subclass that did not opt in itself inherits them without becoming a value type.
     _value_field_names: ClassVar[tuple[str, ...] | None] = None
     _value_field_types: ClassVar[dict[str, type] | None] = None
+    _value_owner: ClassVar[type | None] = None
+    #: Every class's annotated fields and their resolved types, computed once at class creation
+    #: (plain class attributes, so code traced by Dynamo reads them as constants).
+    _field_names: ClassVar[tuple[str, ...]] = ()
+    _field_type_hints: ClassVar[dict[str, Any] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _record_fields(cls)
 
     def __init__(self, **fields: Any) -> None:
-        names = _annotated_fields(type(self))
+        cls = type(self)
+        names = cls._field_names
         unknown = sorted(set(fields) - set(names))
         if unknown:
             raise TypeError(
                 f"{type(self).__name__}() got unexpected keyword(s) {unknown}; "
                 f"allowed: {list(names)}"
             )
-        hints = _field_types(type(self))
+        hints = cls._field_type_hints if cls._field_type_hints is not None else _field_types(cls)
         for name in names:
-            value = fields[name] if name in fields else getattr(type(self), name)
-            object.__setattr__(self, name, _coerce(type(self), name, hints[name], value))
+            value = fields[name] if name in fields else getattr(cls, name)
+            object.__setattr__(self, name, _coerce(cls, name, hints[name], value))
         self._rebuild_derived_state()
 
     # ----------------------------------------------------------------- value identity
@@ -67,11 +78,11 @@ class Quantizer(metaclass=QuantizerMeta):
     def _value_fields(cls_or_self) -> tuple[str, ...] | None:
         """Field names of a class that opted in itself; ``None`` (identity semantics) otherwise."""
         cls = cls_or_self if isinstance(cls_or_self, type) else type(cls_or_self)
-        return cls.__dict__.get("_value_field_names")
+        return cls._value_field_names if cls._value_owner is cls else None
 
     def _check_value_has_no_process_group(self) -> None:
         """Refuse a stored reduction group: it would compare equal to a groupless quantizer."""
-        if self.__dict__.get("amax_reduction_group") is not None:
+        if getattr(self, "amax_reduction_group", None) is not None:
             raise TypeError(
                 f"{type(self).__name__} holds an amax_reduction_group, which is not part of its "
                 "value: it cannot be compared, hashed or baked into a compiled graph. Pass the "
@@ -120,7 +131,7 @@ class Quantizer(metaclass=QuantizerMeta):
         object.__delattr__(self, name)
 
     def __repr__(self) -> str:
-        names = _annotated_fields(type(self))
+        names = type(self)._field_names
         body = ", ".join(f"{n}={_field_repr(getattr(self, n, None))}" for n in names)
         return f"{type(self).__name__}({body})"
 
@@ -131,7 +142,7 @@ class Quantizer(metaclass=QuantizerMeta):
 
     # ------------------------------------------------------------------ derived objects
     def _fields_dict(self) -> dict[str, Any]:
-        return {n: getattr(self, n) for n in _annotated_fields(type(self))}
+        return {n: getattr(self, n) for n in type(self)._field_names}
 
     def replace(self, **fields: Any) -> Quantizer:
         """A new quantizer of the same class with ``fields`` changed (value quantizers only)."""
@@ -193,6 +204,16 @@ def _annotated_fields(cls: type) -> tuple[str, ...]:
                 continue
             names.append(name)
     return tuple(names)
+
+
+def _record_fields(cls: type) -> None:
+    """Store ``cls``'s field names, and their types where they resolve now (else lazily)."""
+    type.__setattr__(cls, "_field_names", _annotated_fields(cls))
+    try:
+        hints = _field_types(cls)
+    except TypeError:
+        hints = None  # resolved (or reported) when an instance is built or the class opts in
+    type.__setattr__(cls, "_field_type_hints", hints)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -268,6 +289,7 @@ def value_quantizer(cls: type) -> type:
             )
     type.__setattr__(cls, "_value_field_names", tuple(types))
     type.__setattr__(cls, "_value_field_types", dict(types))
+    type.__setattr__(cls, "_value_owner", cls)
     _value_classes.append(cls)
     for hook in list(_value_class_hooks):
         hook(cls)
@@ -277,9 +299,7 @@ def value_quantizer(cls: type) -> type:
 def is_value_quantizer(obj_or_cls: Any) -> bool:
     """Whether ``obj_or_cls`` (a quantizer or a class) opted into value identity itself."""
     cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    return isinstance(cls, type) and issubclass(cls, Quantizer) and (
-        cls.__dict__.get("_value_field_names") is not None
-    )
+    return isinstance(cls, type) and issubclass(cls, Quantizer) and cls._value_owner is cls
 
 
 def add_value_class_hook(hook: Callable[[type], None]) -> None:
@@ -300,7 +320,7 @@ def _rebuild_quantizer(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantiz
     Enum fields are converted back by the field's annotated Enum type (never by field name); then
     ``_rebuild_derived_state()`` restores non-value attributes.
     """
-    types = cls.__dict__.get("_value_field_types")
+    types = cls._value_field_types if cls._value_owner is cls else None
     if types is None:
         raise TypeError(f"{cls.__qualname__} is not a value quantizer")
     obj = cls.__new__(cls)
@@ -321,3 +341,6 @@ def warn_deprecated_group(cls_name: str) -> None:
         DeprecationWarning,
         stacklevel=3,
     )
+
+
+_record_fields(Quantizer)

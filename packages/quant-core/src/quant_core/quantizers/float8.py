@@ -90,7 +90,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         be = backends.get(backend, x.device)
         amax = be.amax(x2d)
         if self.with_amax_reduction:
-            group = amax_reduction_group or self.__dict__.get("amax_reduction_group")
+            group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
             amax = reduce_amax(amax, group)
         scale = be.current_scale(
             amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,

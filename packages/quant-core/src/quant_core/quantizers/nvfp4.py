@@ -107,7 +107,7 @@ class NVFP4Quantizer(Quantizer):
             rht_sign_mask=self.rht_matrix_random_sign_mask_t,
         )
         if self.with_amax_reduction:
-            group = amax_reduction_group or self.__dict__.get("amax_reduction_group")
+            group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
             amax_r, amax_c = reduce_amax(torch.cat([amax_r, amax_c]), group).split(1)
         seed = None
         if self.stochastic_rounding:
