@@ -1,0 +1,116 @@
+"""``autocast``: a stack of immutable frames that ``torch.compile`` can trace (`behaviour.md` §7).
+
+The stack is a module-level list of :class:`Frame` named tuples; entering pushes, exiting
+truncates to the depth at entry, so the exact enclosing state returns (also on exceptions). The
+innermost frame decides for modules called inside it. Plain Python objects and list
+mutations only: no contextlib generator, no warnings, nothing Dynamo cannot trace.
+
+The default recipe is :class:`Float8CurrentScaling` (stateless, runs everywhere); it is never
+the stateful ``DelayedScaling``. ``DelayedScaling`` is eager-only: entering an autocast with it
+while ``torch.compile`` traces raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .delayed import Region, update_registered
+from .recipes import Float8CurrentScaling, Recipe
+
+
+class Frame(NamedTuple):
+    """One autocast level: what modules inside it see."""
+
+    enabled: bool
+    recipe: Recipe | None
+    calibrating: bool
+    amax_reduction_group: Any
+
+
+#: The frames of the active autocast regions, outermost first.
+_STACK: list[Frame] = []
+#: Delayed-scaling bookkeeping of the active outermost region (eager only).
+_REGION: list[Region] = []
+_DEFAULT: list[Recipe] = []
+
+
+def default_recipe() -> Recipe:
+    """``Float8CurrentScaling()``, built on first use (its env defaults read then) and reused."""
+    if not _DEFAULT:
+        _DEFAULT.append(Float8CurrentScaling())
+    return _DEFAULT[0]
+
+
+def current_frame() -> Frame | None:
+    """The innermost active frame, or ``None`` outside every autocast."""
+    return _STACK[-1] if _STACK else None
+
+
+def current_region() -> Region | None:
+    return _REGION[-1] if _REGION else None
+
+
+def _check_recipe_support(recipe: Recipe) -> None:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"autocast(recipe=...) must be a quant_recipes.Recipe, got {recipe!r}")
+    if recipe.delayed() and torch.compiler.is_compiling():
+        raise RuntimeError(
+            "DelayedScaling is not supported under torch.compile: it keeps live amax/scale "
+            "tensors updated between steps. Use Float8CurrentScaling (or another stateless "
+            "recipe) in compiled code, or run this region eagerly."
+        )
+
+
+class autocast:  # noqa: N801  (TransformerEngine's name)
+    """Quantize the modules called inside with ``recipe`` (default ``Float8CurrentScaling()``).
+
+    ``enabled=False`` turns quantization off inside (also within an enabled region);
+    ``calibrating=True`` runs high precision while delayed-scaling quantizers record amaxes;
+    ``amax_reduction_group`` is passed to every quantize call (amax all-reduced with MAX).
+    An instance can be active once at a time; nest new instances.
+    """
+
+    __slots__ = ("enabled", "recipe", "calibrating", "amax_reduction_group", "_depth")
+
+    def __init__(self, enabled: bool = True, *, recipe: Recipe | None = None,
+                 calibrating: bool = False, amax_reduction_group=None) -> None:
+        self.enabled = enabled
+        self.recipe = recipe
+        self.calibrating = calibrating
+        self.amax_reduction_group = amax_reduction_group
+        self._depth = -1
+
+    def __enter__(self) -> autocast:
+        if self._depth >= 0:
+            raise RuntimeError(
+                "this autocast instance is already active; nest a new autocast(...) instead"
+            )
+        recipe = self.recipe
+        if recipe is None and (self.enabled or self.calibrating):
+            recipe = default_recipe()
+        if recipe is not None:
+            _check_recipe_support(recipe)
+        depth = len(_STACK)
+        _STACK.append(Frame(bool(self.enabled), recipe, bool(self.calibrating),
+                            self.amax_reduction_group))
+        self._depth = depth
+        if depth == 0 and not torch.compiler.is_compiling():
+            _REGION.clear()
+            _REGION.append(Region())
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        depth = self._depth
+        self._depth = -1
+        del _STACK[depth:]
+        if depth == 0 and not torch.compiler.is_compiling():
+            region = _REGION.pop() if _REGION else None
+            if (
+                region is not None
+                and exc_type is None
+                and self.enabled
+                and torch.is_grad_enabled()
+            ):
+                update_registered(region.forward)

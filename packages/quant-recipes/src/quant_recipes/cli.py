@@ -1,0 +1,64 @@
+"""The ``quant`` command: ``quant demo`` (the main job) and ``quant doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEFAULT_RECIPES, RECIPES
+
+    parser = argparse.ArgumentParser(
+        prog="quant", description="Low-precision training under torch.compile."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
+
+    demo = sub.add_parser(
+        "demo", help="train a small model under every recipe and compare the loss curves"
+    )
+    demo.add_argument("--steps", type=_positive_int, default=80, help="training steps per recipe")
+    demo.add_argument(
+        "--recipes", default=",".join(DEFAULT_RECIPES),
+        help=f"comma-separated recipes to run, from: {', '.join(RECIPES)} (default: all)",
+    )
+    demo.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)"
+    )
+    demo.add_argument("--out", default="quant-demo", help="folder for the plot and results.json")
+    demo.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
+    demo.add_argument(
+        "--compile-backend", default=None,
+        help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
+    )
+    demo.add_argument("--batch", type=_positive_int, default=64, help="batch size (rows)")
+    demo.add_argument("--seed", type=int, default=0, help="seed for the data and the weights")
+    demo.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+
+    sub.add_parser("doctor", help="what this machine supports: versions, backends, formats")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor()
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

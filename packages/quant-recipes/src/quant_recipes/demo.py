@@ -1,0 +1,283 @@
+"""``quant demo``: train a small MLP of quantized ``Linear`` layers under every recipe.
+
+The task needs no download: a fixed random teacher MLP maps Gaussian inputs to targets, and the
+student learns it with mean-squared error. Every recipe sees the same data and initial weights,
+so the loss gap to the high-precision baseline measures the cost of the format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from quant_core import DType, Float8CurrentScalingQuantizer, MXFP8Quantizer, backends
+from torch import nn
+
+from .progress import Progress
+
+D_IN, HIDDEN, D_OUT = 64, 128, 32
+
+
+def _mixed_factory(role):
+    """MXFP8 activations and weights, FP8 E5M2 gradients (current scaling) by role."""
+    if role is not None and role.tensor_type in ("input", "weight"):
+        return MXFP8Quantizer(DType.E4M3)
+    if role is not None and role.tensor_type == "grad_output":
+        return Float8CurrentScalingQuantizer(DType.E5M2)
+    return Float8CurrentScalingQuantizer(DType.E4M3)
+
+
+def _recipes() -> dict[str, Callable[[], object] | None]:
+    from . import (
+        CustomRecipe,
+        Float8BlockScaling,
+        Float8CurrentScaling,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
+    )
+
+    return {
+        "baseline": None,
+        "fp8_current": Float8CurrentScaling,
+        "fp8_block": Float8BlockScaling,
+        "mxfp8": MXFP8BlockScaling,
+        "nvfp4": NVFP4BlockScaling,
+        "custom_mixed": lambda: CustomRecipe(qfactory=_mixed_factory),
+    }
+
+
+RECIPES = ("baseline", "fp8_current", "fp8_block", "mxfp8", "nvfp4", "custom_mixed")
+DEFAULT_RECIPES = RECIPES
+
+
+class TinyMLP(nn.Module):
+    """Three quantized ``Linear`` layers with GELU between them."""
+
+    def __init__(self, device, dtype) -> None:
+        super().__init__()
+        from . import Linear
+
+        self.fc1 = Linear(D_IN, HIDDEN, device=device, dtype=dtype, name="fc1")
+        self.fc2 = Linear(HIDDEN, HIDDEN, device=device, dtype=dtype, name="fc2")
+        self.fc3 = Linear(HIDDEN, D_OUT, device=device, dtype=dtype, name="fc3")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = nn.functional.gelu
+        return self.fc3(act(self.fc2(act(self.fc1(x)))))
+
+
+@dataclass
+class RunResult:
+    recipe: str
+    losses: list[float] = field(default_factory=list)
+    compiles: int = 0
+    graph_breaks: int = 0
+    ms_per_step: float = float("nan")
+    gemm_path: str = "-"
+    note: str = ""
+
+
+class _CountingBackend:
+    """A torch.compile backend that counts the graphs it compiles, then defers to ``inner``."""
+
+    def __init__(self, inner: str) -> None:
+        self.inner = inner
+        self.frames = 0
+
+    def __call__(self, gm, example_inputs):
+        self.frames += 1
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+def _teacher(device, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    w1 = (torch.randn(HIDDEN, D_IN, generator=g) / math.sqrt(D_IN)).to(device)
+    w2 = (torch.randn(D_OUT, HIDDEN, generator=g) / math.sqrt(HIDDEN)).to(device)
+    return lambda x: torch.tanh(x.float() @ w1.t()) @ w2.t()
+
+
+def _batches(device, dtype, batch: int, steps: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 2)
+    for _ in range(steps):
+        yield torch.randn(batch, D_IN, generator=g).to(device=device, dtype=dtype)
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
+    """Train a fresh model under ``recipe`` (None: high precision) and collect the figures."""
+    from . import autocast
+
+    dtype = torch.bfloat16
+    torch.manual_seed(args.seed)
+    model = TinyMLP(device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    teacher = _teacher(device, args.seed)
+    result = RunResult(recipe=name)
+
+    def loss_fn(x, y):
+        with autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x)
+        return nn.functional.mse_loss(out.float(), y)
+
+    step_fn, counter = loss_fn, None
+    if not args.no_compile:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        counter = _CountingBackend(args.compile_backend or _default_backend(device))
+        step_fn = torch.compile(loss_fn, backend=counter, fullgraph=True)
+
+    from .gemm import reset_gemm_paths
+
+    reset_gemm_paths()
+    times = []
+    for i, x in enumerate(_batches(device, dtype, args.batch, args.steps, args.seed)):
+        y = teacher(x)
+        start = time.perf_counter()
+        try:
+            loss = step_fn(x, y)
+        except Exception as exc:  # keep the demo going; the table says what happened
+            if step_fn is loss_fn:
+                raise
+            result.note = f"compile failed ({type(exc).__name__}); ran eagerly"
+            step_fn, counter = loss_fn, None
+            loss = step_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i > 0:  # the first step includes compilation
+            times.append(time.perf_counter() - start)
+        result.losses.append(loss.item())
+        progress.update(name, i + 1, result.losses[-1])
+    result.ms_per_step = 1000 * sorted(times)[len(times) // 2] if times else float("nan")
+    if counter is not None:
+        result.compiles = counter.frames
+        result.graph_breaks = _graph_breaks()
+    result.gemm_path = _gemm_path()
+    return result
+
+
+def _default_backend(device: torch.device) -> str:
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
+def _gemm_path() -> str:
+    """The GEMM paths taken since the last reset, most used first."""
+    from .gemm import gemm_paths
+
+    paths = sorted(gemm_paths().items(), key=lambda kv: -kv[1])
+    return ",".join(name for name, _ in paths) if paths else "-"
+
+
+def format_table(results: list[RunResult], backend: str) -> str:
+    base = next((r for r in results if r.recipe == "baseline"), None)
+    header = (
+        f"{'recipe':13s} {'final loss':>10s} {'vs base':>8s} {'compiles':>8s} "
+        f"{'breaks':>6s} {'ms/step':>8s}  {'quant backend':13s} gemm"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        final = sum(r.losses[-5:]) / len(r.losses[-5:])
+        gap = "-"
+        if base is not None and r is not base:
+            ref = sum(base.losses[-5:]) / len(base.losses[-5:])
+            gap = f"{100 * (final - ref) / ref:+.1f}%"
+        lines.append(
+            f"{r.recipe:13s} {final:10.4f} {gap:>8s} {r.compiles:8d} {r.graph_breaks:6d} "
+            f"{r.ms_per_step:8.1f}  {backend:13s} {r.gemm_path}"
+            + (f"  ({r.note})" if r.note else "")
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install quant-recipes[plot])")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.recipe, lw=1.4)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MSE loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _resolve_device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise SystemExit(f"quant demo: --device must be cpu, cuda, cuda:N or auto, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("quant demo: --device cuda was asked for but no CUDA GPU is available")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"quant demo: --device must be cpu or cuda, got {text!r}")
+    return device
+
+
+def run_demo(args) -> int:
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        raise SystemExit(
+            f"quant demo: unknown recipe(s) {unknown or names}; choose from {', '.join(RECIPES)}"
+        )
+    device = _resolve_device(args.device)
+    if not args.no_compile:
+        try:
+            import quant_dynamo  # noqa: F401  (switches compile support on)
+        except ImportError:
+            print("quant-dynamo is not installed: running eagerly (--no-compile)")
+            args.no_compile = True
+    factories = _recipes()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = backends.get(None, device).name
+    mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
+    print(
+        f"quant demo: {len(names)} recipes x {args.steps} steps on {device} "
+        f"(torch {torch.__version__}, compile: {mode}, quant backend: {backend})"
+    )
+    progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
+    results = []
+    for name in names:
+        factory = factories[name]
+        results.append(train_one(name, None if factory is None else factory(), args, device,
+                                 progress))
+    progress.close()
+    table = format_table(results, backend)
+    print(table)
+    (out / "results.json").write_text(json.dumps(
+        {"device": str(device), "torch": torch.__version__, "compile": mode,
+         "runs": [r.__dict__ for r in results]}, indent=1))
+    if not args.no_plot:
+        png = out / "loss_curves.png"
+        if _plot(results, png, f"quant demo on {device} ({mode})"):
+            print(f"plot: {png}")
+    print(f"results: {out / 'results.json'}")
+    return 0

@@ -1,0 +1,187 @@
+"""``Linear``: ``y = x Wᵀ + b`` with quantized GEMM operands inside :func:`autocast`.
+
+Forward quantizes the input (rowwise for fprop, columnwise for wgrad) and the weight (rowwise,
+columnwise for dgrad) with the forward quantizers; backward quantizes ``grad_output`` with the
+backward quantizer captured at *forward* time. GEMMs run through :mod:`quant_recipes.gemm`.
+Outside autocast, or with ``enabled=False``, it is a plain high-precision linear.
+
+Under ``torch.compile`` the autograd function is traced; quantization runs through
+quant-dynamo's ``quant`` custom ops with the quantizer as a baked constant, the GEMMs through
+``quant_recipes::qgemm``. Eager and compiled runs execute the same kernels, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from quant_core import Quantizer
+
+from .autocast import current_region
+from .delayed import update_registered
+from .gemm import HP, qgemm, quantizer_meta
+from .identity import IdentityQuantizer
+from .module import QuantizedModule, active_frame
+from .role import QuantizerRole
+
+
+def _compile_ops():
+    try:
+        import quant_dynamo
+    except ImportError:
+        return None
+    return quant_dynamo
+
+
+def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
+    """``q``'s storage buffers for ``x`` (an absent buffer is an empty uint8 tensor)."""
+    if isinstance(q, IdentityQuantizer) or quantizer_meta(q)[0] == HP:
+        return [x]
+    if torch.compiler.is_compiling():
+        if group is not None:
+            raise RuntimeError(
+                "autocast(amax_reduction_group=...) is not supported under torch.compile yet; "
+                "run the reduction eagerly"
+            )
+        qd = _compile_ops()
+        if qd is None:
+            raise RuntimeError(
+                "compiling a quant_recipes module needs quant-dynamo (pip install quant-dynamo)"
+            )
+        return list(qd.quantize(x, q))
+    storage = q.quantize(x, amax_reduction_group=group)
+    return [
+        t if t is not None else x.new_empty((0,), dtype=torch.uint8)
+        for t in storage.buffers().values()
+    ]
+
+
+class _QLinearFn(torch.autograd.Function):
+    """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region):
+        m, k = x.shape
+        n = w.shape[0]
+        xb = quantize_buffers(x, input_q, group)
+        wb = quantize_buffers(w, weight_q, group)
+        xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
+        y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
+        if override == "high_precision":
+            ctx.save_for_backward(x, w)
+            xm = wm = [HP, 0, 0, 0]
+            ctx.nx = 1
+        else:
+            ctx.save_for_backward(*xb, *wb)
+            ctx.nx = len(xb)
+        ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
+        ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        saved = ctx.saved_tensors
+        xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
+        xm, wm, (m, k), (n, _), x_dtype, w_dtype = ctx.meta
+        gy = gy.contiguous()
+        if ctx.override is None:
+            gb, gm = quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q)
+            col = True
+        else:  # "high_precision" keeps the originals, "dequantized" uses the rowwise forms
+            gb, gm = [gy], [HP, 0, 0, 0]
+            col = False
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = qgemm(gb, gm, (m, n), False, False, wb, wm, (n, k), col, False, None, x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = qgemm(gb, gm, (m, n), col, True, xb, xm, (m, k), col, False, None, w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = gy.to(torch.float32).sum(0).to(w_dtype)
+        if ctx.region is not None:
+            update_registered(ctx.region.backward)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+class Linear(QuantizedModule):
+    """A linear layer whose GEMMs are quantized inside :func:`autocast`.
+
+    Roles: forward ``[("linear", "input", name), ("linear", "weight", name),
+    output_quantizer_role]``, backward ``[("linear", "grad_output", name),
+    grad_input_quantizer_role]`` (boundary roles default to ``None``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 device=None, dtype=None, name: str = "") -> None:
+        super().__init__(name=name)
+        self.in_features = in_features
+        self.out_features = out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+        self._roles_changed()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def _roles_changed(self) -> None:
+        name = self.name
+        self._fwd_roles = (
+            QuantizerRole("linear", "input", name),
+            QuantizerRole("linear", "weight", name),
+            self._output_quantizer_role,
+        )
+        self._bwd_roles = (
+            QuantizerRole("linear", "grad_output", name),
+            self._grad_input_quantizer_role,
+        )
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
+        roles = self._fwd_roles if fwd else self._bwd_roles
+        if num_quantizers != len(roles):
+            raise ValueError(
+                f"Linear has {len(roles)} {'forward' if fwd else 'backward'} slots, "
+                f"asked for {num_quantizers}"
+            )
+        return roles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        frame = active_frame()
+        if frame is None:
+            return F.linear(x, self.weight, self.bias)
+        qset = self.quantizers(frame, device=self.weight.device)
+        if not frame.enabled:  # calibration: high precision, delayed quantizers record amaxes
+            qset.fwd[0].calibrate(x)
+            qset.fwd[1].calibrate(self.weight)
+            return F.linear(x, self.weight, self.bias)
+        grad = torch.is_grad_enabled()
+        wgrad = grad and self.weight.requires_grad
+        dgrad = grad and x.requires_grad
+        group = frame.amax_reduction_group
+        red = {"with_amax_reduction": True} if group is not None else {}
+        input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad, **red)
+        weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad, **red)
+        grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
+                              columnwise_usage=wgrad, **red)
+        region = None
+        if not torch.compiler.is_compiling():
+            fwd_ds, bwd_ds = self.delayed_states(qset)
+            r = current_region()
+            if r is not None and (fwd_ds or bwd_ds):
+                if r.add(fwd_ds, bwd_ds, frame.recipe, group):
+                    region = r
+        lead = x.shape[:-1]
+        y = _QLinearFn.apply(
+            x.reshape(-1, self.in_features), self.weight, self.bias, input_q, weight_q, grad_q,
+            group, frame.recipe.backward_override, region,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, name={self.name!r}")

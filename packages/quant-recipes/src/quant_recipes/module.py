@@ -1,0 +1,194 @@
+"""``QuantizedModule``: how a module gets its quantizers (`behaviour.md` §8, §9.1).
+
+Eager: quantizers are cached on ``(recipe key, roles, num_gemms, device)``, where the recipe key
+is the recipe value for built-in recipes, and for a ``CustomRecipe`` its factory's semantic key
+(:func:`~quant_recipes.quantizer_factory`) or else the recipe *instance*. They are rebuilt exactly
+when that key changes; a rebuild inherits delayed-scaling buffers (same tensor objects) from the
+previous state. Value quantizers are interned (one object per value), so compiled-code guards
+hit the identity fast path.
+
+Under ``torch.compile`` the quantizers are a pure function of the active recipe and the roles,
+so they are built at trace time and baked into the graph as constants; the cache is not touched
+(it would otherwise be a guarded, mutated attribute that forces recompiles).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from quant_core import Quantizer, is_value_quantizer
+
+from .autocast import Frame, current_frame
+from .recipes import Recipe
+from .role import QuantizerRole
+from .states import RecipeState, delayed_states
+
+#: One object per quantizer value (eager interning).
+_INTERN: dict[Quantizer, Quantizer] = {}
+
+
+def intern(q: Quantizer) -> Quantizer:
+    """The canonical object equal to value quantizer ``q`` (``q`` itself for others)."""
+    if torch.compiler.is_compiling() or not is_value_quantizer(q):
+        return q
+    return _INTERN.setdefault(q, q)
+
+
+def recipe_key(recipe: Recipe) -> tuple:
+    """Cache key of a recipe: its value, or a CustomRecipe's factory key / instance identity."""
+    if recipe.custom():
+        fkey = recipe.qfactory_key
+        if fkey is not None:
+            return ("factory", fkey, recipe.fp8_format, recipe.quantization_alignment)
+        return ("instance", id(recipe))
+    return ("value", recipe)
+
+
+class QuantizerSet:
+    """The quantizers of one cache entry, with interned usage variants."""
+
+    __slots__ = ("key", "recipe", "fwd_state", "bwd_state", "fwd", "bwd", "_variants")
+
+    def __init__(self, key, recipe, fwd_state, bwd_state, fwd, bwd) -> None:
+        self.key = key
+        self.recipe = recipe  # keeps a keyed-by-id CustomRecipe alive
+        self.fwd_state = fwd_state
+        self.bwd_state = bwd_state
+        self.fwd = tuple(fwd)
+        self.bwd = tuple(bwd)
+        self._variants: dict[Any, Quantizer] = {}
+
+    def variant(self, q: Quantizer, **fields: Any) -> Quantizer:
+        """``q`` with ``fields`` changed (cached per ``(id(q), fields)``; value ones interned)."""
+        if torch.compiler.is_compiling():
+            return derive(q, **fields)
+        key = (id(q), tuple(sorted(fields.items())))
+        v = self._variants.get(key)
+        if v is None:
+            v = intern(derive(q, **fields))
+            self._variants[key] = v
+        return v
+
+
+def derive(q: Quantizer, **fields: Any) -> Quantizer:
+    """A quantizer like ``q`` with ``fields`` changed; fields ``q`` lacks are dropped."""
+    fields = {k: v for k, v in fields.items() if hasattr(q, k)}
+    if all(getattr(q, k) == v for k, v in fields.items()):
+        return q
+    if _is_value(q):
+        return q.replace(**fields)
+    from quant_core import Float8Quantizer
+
+    if type(q) is Float8Quantizer:
+        return Float8Quantizer(
+            q.scale, q.amax, q.dtype,
+            **{"rowwise_usage": q.rowwise_usage, "columnwise_usage": q.columnwise_usage,
+               **{k: v for k, v in fields.items() if k not in ("scale", "amax", "dtype")}},
+        )
+    return q  # a user quantizer without value semantics: used as given
+
+
+def _is_value(q: Quantizer) -> bool:
+    if torch.compiler.is_compiling():
+        # a string-set test Dynamo folds; only registered value quantizers compile
+        import quant_dynamo
+
+        return quant_dynamo.is_value_opaque_quantizer(q)
+    return is_value_quantizer(q)
+
+
+class QuantizedModule(torch.nn.Module):
+    """Base of modules that quantize their GEMM operands inside :func:`autocast`."""
+
+    def __init__(self, *, name: str = "") -> None:
+        super().__init__()
+        self.name = name
+        self._output_quantizer_role: QuantizerRole | None = None
+        self._grad_input_quantizer_role: QuantizerRole | None = None
+        self._qset: QuantizerSet | None = None
+        self.quantizer_builds = 0
+
+    # -------------------------------------------------------------- roles
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
+        """One role (or ``None``) per slot; the base module has none (``None``)."""
+        return None
+
+    @property
+    def output_quantizer_role(self) -> QuantizerRole | None:
+        return self._output_quantizer_role
+
+    @output_quantizer_role.setter
+    def output_quantizer_role(self, role: QuantizerRole | None) -> None:
+        if role != self._output_quantizer_role:
+            self._output_quantizer_role = role
+            self._roles_changed()
+
+    @property
+    def grad_input_quantizer_role(self) -> QuantizerRole | None:
+        return self._grad_input_quantizer_role
+
+    @grad_input_quantizer_role.setter
+    def grad_input_quantizer_role(self, role: QuantizerRole | None) -> None:
+        if role != self._grad_input_quantizer_role:
+            self._grad_input_quantizer_role = role
+            self._roles_changed()
+
+    def _roles_changed(self) -> None:
+        """Hook for subclasses that precompute their roles."""
+
+    # -------------------------------------------------------------- quantizers
+    def quantizers(self, frame: Frame, *, num_gemms: int = 1,
+                   device: torch.device | None = None) -> QuantizerSet:
+        """The forward and backward quantizers for ``frame``'s recipe."""
+        recipe = frame.recipe
+        fwd_roles = self.get_quantizer_roles(fwd=True, num_quantizers=3 * num_gemms)
+        bwd_roles = self.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
+        if torch.compiler.is_compiling():
+            if recipe.delayed():
+                raise RuntimeError(
+                    "DelayedScaling is not supported under torch.compile (live amax/scale state); "
+                    "use a stateless recipe such as Float8CurrentScaling"
+                )
+            return self._build(None, recipe, fwd_roles, bwd_roles, num_gemms, device, None)
+        key = (recipe_key(recipe), fwd_roles, bwd_roles, num_gemms,
+               device if recipe.delayed() or recipe.custom() else None)
+        qset = self._qset
+        if qset is not None and qset.key == key and (
+            key[0][0] != "instance" or qset.recipe is recipe
+        ):
+            return qset
+        qset = self._build(key, recipe, fwd_roles, bwd_roles, num_gemms, device, qset)
+        self._qset = qset
+        self.quantizer_builds += 1
+        return qset
+
+    def _build(self, key, recipe, fwd_roles, bwd_roles, num_gemms, device, old) -> QuantizerSet:
+        states = []
+        quantizers = []
+        for mode, n, roles in (("forward", 3 * num_gemms, fwd_roles),
+                               ("backward", 2 * num_gemms, bwd_roles)):
+            if roles is not None and len(roles) != n:
+                raise ValueError(
+                    f"{type(self).__name__}.get_quantizer_roles returned {len(roles)} roles for "
+                    f"{n} {mode} slots"
+                )
+            state = RecipeState.create(recipe, mode=mode, num_quantizers=n, device=device,
+                                       roles=roles)
+            if old is not None:
+                state.inherit_state_from(old.fwd_state if mode == "forward" else old.bwd_state)
+            states.append(state)
+            quantizers.append([intern(q) for q in state.make_quantizers()])
+        return QuantizerSet(key, recipe, states[0], states[1], quantizers[0], quantizers[1])
+
+    def delayed_states(self, qset: QuantizerSet):
+        """``(forward, backward)`` delayed-scaling states behind ``qset`` (eager)."""
+        return delayed_states(qset.fwd_state), delayed_states(qset.bwd_state)
+
+
+def active_frame() -> Frame | None:
+    """The innermost autocast frame when it quantizes or calibrates, else ``None``."""
+    frame = current_frame()
+    if frame is None or not (frame.enabled or frame.calibrating):
+        return None
+    return frame

@@ -1,0 +1,432 @@
+"""Recipes: immutable, comparable descriptions of a quantization scheme (`behaviour.md` §4).
+
+A recipe is a frozen dataclass. Equality is field equality, which is what modules cache on
+(`behaviour.md` §8-§9). Every setting that changes numerics is a real field; defaults that
+TransformerEngine reads from the environment (``NVTE_*``) are resolved when a recipe is
+*constructed* (``default_factory``), never at import. QParams that TE keeps as class attributes
+are fields here, derived from the recipe's switches in ``__post_init__`` unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quant_core import DType
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+class Format(enum.Enum):
+    """Element format of a recipe, with the maxima for forward and backward tensors."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+    E2M1 = "E2M1"
+
+    @property
+    def fwd_dtype(self) -> DType:
+        return _FORMAT_DTYPES[self][0]
+
+    @property
+    def bwd_dtype(self) -> DType:
+        return _FORMAT_DTYPES[self][1]
+
+    @property
+    def max_fwd(self) -> float:
+        return self.fwd_dtype.max
+
+    @property
+    def max_bwd(self) -> float:
+        return self.bwd_dtype.max
+
+
+_FORMAT_DTYPES = {
+    Format.E4M3: (DType.E4M3, DType.E4M3),
+    Format.E5M2: (DType.E5M2, DType.E5M2),
+    Format.HYBRID: (DType.E4M3, DType.E5M2),
+    Format.E2M1: (DType.E2M1, DType.E2M1),
+}
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM parameters (kept for TransformerEngine parity; emulated GEMMs accumulate in fp32)."""
+
+    use_split_accumulator: bool = True
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters for one class of tensors (inputs, weights or gradients)."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+
+def _env_flag(name: str, default: str = "0") -> Callable[[], bool]:
+    """A ``default_factory`` reading the boolean env var ``name`` at construction time."""
+
+    def read() -> bool:
+        return os.environ.get(name, default) not in ("0", "", "false", "False")
+
+    read.__qualname__ = f"env[{name}]"
+    return read
+
+
+def _env_backward_override() -> str | None:
+    return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _check_common(recipe: Recipe) -> None:
+    if recipe.backward_override not in _BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"{type(recipe).__name__}.backward_override must be one of {_BACKWARD_OVERRIDES}, "
+            f"got {recipe.backward_override!r}"
+        )
+    fmt = getattr(recipe, "fp8_format", None)
+    if fmt is not None and not isinstance(fmt, Format):
+        raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {fmt!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Base of every recipe; the predicates tell the kind without ``isinstance`` chains."""
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+    def custom(self) -> bool:
+        return isinstance(self, CustomRecipe)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor FP8 with scales from an amax history (stateful; eager only).
+
+    ``amax_compute_algo``: ``"max"``, ``"most_recent"`` or a callable ``(amax_history) -> amax``;
+    ``scaling_factor_compute_algo``: ``None`` or a callable ``(amax, scale, fp8_max, recipe)``.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable = "max"
+    scaling_factor_compute_algo: Callable | None = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("DelayedScaling.fp8_format: pure E5M2 training is not supported")
+        if self.fp8_format is Format.E2M1:
+            raise ValueError("DelayedScaling.fp8_format must be E4M3 or HYBRID, got E2M1")
+        if self.backward_override is not None:
+            raise ValueError(
+                "DelayedScaling.backward_override must be None, got "
+                f"{self.backward_override!r} (unset NVTE_BACKWARD_OVERRIDE)"
+            )
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(
+                "DelayedScaling.amax_history_len must be an int >= 1, got "
+                f"{self.amax_history_len!r}"
+            )
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in (
+            "max", "most_recent",
+        ):
+            raise ValueError(
+                "DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 with the scale from each tensor's own amax.
+
+    ``fp8_quant_fwd_inp`` / ``_fwd_weight`` / ``_bwd_grad`` default to
+    ``QParams(power_2_scale=use_power_2_scales)``; their ``power_2_scale`` and ``amax_epsilon``
+    are what the quantizers use (TE ignores ``amax_epsilon``; with the defaults both agree).
+    """
+
+    use_power_2_scales: bool = field(
+        default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
+    )
+    fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams | None = None
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.fp8_format is Format.E2M1:
+            raise ValueError("Float8CurrentScaling.fp8_format must be an FP8 format, got E2M1")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if getattr(self, name) is None:
+                _set(self, name, QParams(power_2_scale=self.use_power_2_scales))
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: 1x32 blocks with E8M0 scales; 32x32 for linear weights with 2D quantization."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+    enable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.fp8_format not in (Format.E4M3, Format.HYBRID):
+            raise ValueError(
+                f"MXFP8BlockScaling.fp8_format must be E4M3 or HYBRID, got {self.fp8_format}"
+            )
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 1x128 (dim 1) or 128x128 (dim 2) blocks with fp32 scales.
+
+    ``fp8_quant_*`` default to ``QParams(power_2_scale=not use_f32_scales)``.
+    """
+
+    use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams | None = None
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.fp8_format is Format.E2M1:
+            raise ValueError("Float8BlockScaling.fp8_format must be an FP8 format, got E2M1")
+        dims = {
+            "x_block_scaling_dim": self.x_block_scaling_dim,
+            "w_block_scaling_dim": self.w_block_scaling_dim,
+            "grad_block_scaling_dim": self.grad_block_scaling_dim,
+        }
+        for name, dim in dims.items():
+            if dim not in (1, 2):
+                raise ValueError(f"Float8BlockScaling.{name} must be 1 or 2, got {dim!r}")
+        names = list(dims)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if dims[a] == 2 and dims[b] == 2:
+                    raise ValueError(
+                        f"Float8BlockScaling: {a}=2 with {b}=2 is a 2D-by-2D block GEMM, "
+                        "which is not supported"
+                    )
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, name).use_split_accumulator:
+                raise ValueError(f"Float8BlockScaling.{name}: split accumulator is required")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("Float8BlockScaling does not support FP8 attention (fp8_dpa/fp8_mha)")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if getattr(self, name) is None:
+                _set(self, name, QParams(power_2_scale=not self.use_f32_scales))
+
+
+_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 elements with E4M3 1x16 block scales (16x16 for weights in 2D mode), RHT on
+    the columnwise input and gradient, stochastic rounding of gradients.
+
+    ``fp4_quant_*`` default to: input ``QParams(random_hadamard_transform=not disable_rht)``,
+    weight ``QParams(fp4_2d_quantization=not disable_2d_quantization)``, gradient
+    ``QParams(random_hadamard_transform=not disable_rht,
+    stochastic_rounding=not disable_stochastic_rounding)``.
+    """
+
+    disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_stochastic_rounding: bool = field(
+        default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+    )
+    disable_2d_quantization: bool = field(
+        default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
+    )
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp4_quant_fwd_inp: QParams | None = None
+    fp4_quant_fwd_weight: QParams | None = None
+    fp4_quant_bwd_grad: QParams | None = None
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"NVFP4BlockScaling.fp4_format must be E2M1, got {self.fp4_format}")
+        for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
+            if getattr(self, name) not in _4OVER6_SCOPES:
+                raise ValueError(
+                    f"NVFP4BlockScaling.{name} must be one of {_4OVER6_SCOPES}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.nvfp4_4over6_err_mode not in ("MAE", "MSE"):
+            raise ValueError(
+                "NVFP4BlockScaling.nvfp4_4over6_err_mode must be 'MAE' or 'MSE', "
+                f"got {self.nvfp4_4over6_err_mode!r}"
+            )
+        defaults = {
+            "fp4_quant_fwd_inp": QParams(random_hadamard_transform=not self.disable_rht),
+            "fp4_quant_fwd_weight": QParams(fp4_2d_quantization=not self.disable_2d_quantization),
+            "fp4_quant_bwd_grad": QParams(
+                random_hadamard_transform=not self.disable_rht,
+                stochastic_rounding=not self.disable_stochastic_rounding,
+            ),
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                _set(self, name, value)
+
+
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """A recipe whose quantizers come from ``qfactory(role)`` (`behaviour.md` §9).
+
+    ``qfactory`` maps a :class:`QuantizerRole` (or ``None`` for a boundary slot) to a quantizer
+    or a :class:`DelayedScalingRequest`. ``fp8_format`` only informs internals.
+    ``quantization_alignment`` (> 0) is the padding multiple for grouped GEMMs. Two
+    CustomRecipes are the same cache key only if they are the same object, or if their factories
+    carry the same semantic key (:func:`quantizer_factory`).
+    """
+
+    qfactory: Callable[[Any], Any]
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = field(default_factory=_env_backward_override)
+    quantization_alignment: int = 128
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if not callable(self.qfactory):
+            raise TypeError(
+                f"CustomRecipe.qfactory must be a callable role -> quantizer, got {self.qfactory!r}"
+            )
+        if (
+            isinstance(self.quantization_alignment, bool)
+            or not isinstance(self.quantization_alignment, int)
+            or self.quantization_alignment <= 0
+        ):
+            raise ValueError(
+                "quantization_alignment must be positive, got "
+                f"{self.quantization_alignment!r}"
+            )
+
+    @property
+    def qfactory_key(self) -> tuple[str, int] | None:
+        """The factory's semantic key from :func:`quantizer_factory`, else ``None``."""
+        return getattr(self.qfactory, "qfactory_key", None)
+
+
+def quantizer_factory(*, key: tuple[str, int]) -> Callable[[Callable], Callable]:
+    """Decorator giving a qfactory a semantic key ``(name, version)``.
+
+    CustomRecipes whose factories share a key are one cache key, so a module does not rebuild
+    its quantizers when a fresh CustomRecipe wraps the same factory; bump the version whenever
+    the factory's output changes.
+    """
+    if not (
+        isinstance(key, tuple)
+        and len(key) == 2
+        and isinstance(key[0], str)
+        and key[0]
+        and isinstance(key[1], int)
+        and not isinstance(key[1], bool)
+        and key[1] > 0
+    ):
+        raise ValueError(
+            f"quantizer_factory key must be (non-empty str, int > 0), got {key!r}"
+        )
+
+    def mark(fn: Callable) -> Callable:
+        fn.qfactory_key = key
+        return fn
+
+    return mark
+
+
+@dataclass(frozen=True)
+class DelayedScalingRequest:
+    """A qfactory's request for a delayed-scaling quantizer in its slot (`behaviour.md` §9).
+
+    Every request of one recipe state must carry identical parameters; one inner
+    delayed-scaling state serves all of them.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable = "max"
+    scaling_factor_compute_algo: Callable | None = None
+    reduce_amax: bool = True
+
+    def to_recipe(self) -> DelayedScaling:
+        """The :class:`DelayedScaling` recipe with these parameters."""
+        return DelayedScaling(
+            margin=self.margin, fp8_format=self.fp8_format,
+            amax_history_len=self.amax_history_len, amax_compute_algo=self.amax_compute_algo,
+            scaling_factor_compute_algo=self.scaling_factor_compute_algo,
+            reduce_amax=self.reduce_amax, backward_override=None,
+        )
+
+
+def recipe_fields(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's fields as a dict (for reports and the command line)."""
+    return {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}

@@ -1,0 +1,123 @@
+"""torch.compile(fullgraph=True): built-in recipes and the nested-CustomRecipe test
+(behaviour.md §10.1 tests 1-2). Skipped without quant-dynamo or the opaque-object API."""
+
+from __future__ import annotations
+
+import pytest
+import quant_recipes as qr
+import torch
+from quant_core import DType, Float8CurrentScalingQuantizer, value_quantizer
+
+quant_dynamo = pytest.importorskip("quant_dynamo", reason="compile tests need quant-dynamo")
+if not quant_dynamo.compile_supported():
+    pytest.skip(f"no opaque-object API on torch {torch.__version__}", allow_module_level=True)
+
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+
+RECIPES = {
+    "current": qr.Float8CurrentScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "block": qr.Float8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(),
+}
+
+
+def _step(fn, m, x, seed):
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    y = fn(x)
+    (y.float() * torch.linspace(-1, 2, y.shape[-1])).sum().backward()
+    return y.detach(), x.grad, m.weight.grad, m.bias.grad
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_linear_fullgraph_matches_eager(name, backend):
+    if backend == "inductor" and name not in ("current", "mxfp8"):
+        pytest.skip("Inductor is exercised on two recipes to keep compile costs low")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = qr.Linear(64, 32, dtype=torch.bfloat16)
+    recipe = RECIPES[name]
+
+    def fn(x):
+        with qr.autocast(recipe=recipe):
+            return m(x)
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    steps = 20 if backend == "aot_eager" else 3
+    for i in range(steps):
+        xi = x * (1 + i / 10)
+        got = _step(compiled, m, xi, seed=i)
+        ref = _step(fn, m, xi, seed=i)
+        for a, b in zip(got, ref, strict=True):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+@value_quantizer
+class ToyQuantizer(Float8CurrentScalingQuantizer):
+    """Current scaling that logs its tag whenever it quantizes."""
+
+    tag: str = ""
+
+    def quantize(self, x, **kwargs):
+        LOG.append((self.tag, tuple(x.shape)))
+        return super().quantize(x, **kwargs)
+
+
+LOG: list = []
+
+
+def _factory(tag):
+    made = {
+        kind: ToyQuantizer(DType.E5M2 if kind == "grad_output" else DType.E4M3,
+                           tag=f"{tag}:{kind}")
+        for kind in ("input", "weight", "output", "grad_output", "grad_input")
+    }
+
+    def qfactory(role):
+        if role is None:
+            return qr.IdentityQuantizer()
+        return made[role.tensor_type]
+
+    return qfactory
+
+
+def test_autocast_nested_custom():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = qr.Linear(32, 32)
+    r0, r1, r2 = (qr.CustomRecipe(qfactory=_factory(t)) for t in ("R0", "R1", "R2"))
+
+    def fn(x):
+        with qr.autocast(recipe=r0):
+            y = m(x)
+            with qr.autocast(recipe=r1):
+                y = m(y)
+        with qr.autocast(recipe=r2):
+            y = m(y)
+        return y
+
+    x = torch.randn(16, 32)
+    counter = CompileCounterWithBackend("aot_eager")
+    results = []
+    for f in (torch.compile(fn, backend=counter, fullgraph=True), fn):
+        LOG.clear()
+        xi = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = f(xi)
+        fwd_log = list(LOG)
+        LOG.clear()
+        y.sum().backward()
+        bwd_log = list(LOG)
+        assert [t for t, _ in fwd_log] == [
+            "R0:input", "R0:weight", "R1:input", "R1:weight", "R2:input", "R2:weight"]
+        assert [t for t, _ in bwd_log] == ["R2:grad_output", "R1:grad_output", "R0:grad_output"]
+        results.append((y.detach(), xi.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert counter.frame_count == 1

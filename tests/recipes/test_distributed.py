@@ -1,0 +1,53 @@
+"""Amax reduction through autocast(amax_reduction_group=...) across 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import quant_recipes as qr
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from quant_core import Float8CurrentScalingQuantizer
+
+        x = torch.full((4, 32), float(rank + 1))  # local amax 1 or 2, global 2
+        q = Float8CurrentScalingQuantizer(with_amax_reduction=True)
+        storage = q.quantize(x, amax_reduction_group=dist.group.WORLD)
+        m = qr.Linear(32, 32, bias=False)
+        with torch.no_grad():
+            m.weight.fill_(0.5 * (rank + 1))
+        with torch.no_grad(), qr.autocast(recipe=qr.Float8CurrentScaling(),
+                                          amax_reduction_group=dist.group.WORLD):
+            y = m(x)
+        out[rank] = (storage._scale_inv.item(), y[0, 0].item())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_amax_reduction_two_ranks():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    # scale from the global amax 2 (rank 0 alone would give 448 / 1)
+    expected = (1.0 / (torch.tensor(448.0) / torch.tensor(2.0))).item()
+    for rank in range(2):
+        assert out[rank][0] == expected
+    # both ranks quantized with the global scales: rank 0's x (1.0) and w (0.5) stay exact
+    assert out[0][1] == pytest.approx(32 * 1.0 * 0.5)

@@ -1,0 +1,212 @@
+"""Linear and the quantizer cache (behaviour.md §8, §9.1; TE test_custom_recipe.py 4, 6, 8-13)."""
+
+from __future__ import annotations
+
+import pytest
+import quant_recipes as qr
+import torch
+from quant_core import (
+    DType,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+
+BUILTINS = {
+    "current": qr.Float8CurrentScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "block": qr.Float8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
+
+
+def _run(module, x, recipe, enabled=True):
+    x = x.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with qr.autocast(enabled=enabled, recipe=recipe):
+        y = module(x)
+    (y.float() * torch.linspace(-2, 3, y.shape[-1])).sum().backward()
+    return y.detach(), x.grad, module.weight.grad, module.bias.grad
+
+
+def _mirror(recipe):
+    """A qfactory reproducing a built-in recipe from its own recipe state."""
+    fwd = qr.RecipeState.create(recipe, mode="forward", num_quantizers=3)
+    bwd = qr.RecipeState.create(recipe, mode="backward", num_quantizers=2)
+
+    def factory(role):
+        kind = role.tensor_type if role is not None else None
+        if kind in ("grad_output", "grad_input"):
+            state, i = bwd, ("grad_output", "grad_input").index(kind)
+        else:
+            state, i = fwd, ("input", "weight", "output").index(kind or "output")
+        sub = qr.RecipeState.create(recipe, mode=state.mode, num_quantizers=state.num_quantizers,
+                                    roles=[role if j == i else None
+                                           for j in range(state.num_quantizers)])
+        return sub.make_quantizers()[i]
+
+    return qr.CustomRecipe(qfactory=factory)
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_custom_recipe_mirroring_builtin_is_bit_identical(name):
+    torch.manual_seed(42)
+    m = qr.Linear(128, 64, dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    recipe = BUILTINS[name]
+    ref = _run(m, x, recipe)
+    got = _run(m, x, _mirror(recipe))
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    hp = torch.nn.functional.linear(x, m.weight, m.bias)
+    assert (ref[0].float() - hp.float()).abs().max() < 0.5
+
+
+def test_identity_factory_matches_disabled_autocast():
+    torch.manual_seed(1)
+    m = qr.Linear(64, 32)
+    x = torch.randn(8, 64)
+    ref = _run(m, x, None, enabled=False)
+    got = _run(m, x, qr.CustomRecipe(qfactory=lambda role: qr.IdentityQuantizer()))
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_current_scaling_quantizer_dtypes():
+    m = qr.Linear(64, 64)
+    with qr.autocast(recipe=qr.Float8CurrentScaling()):
+        m(torch.randn(4, 64))
+    qs = m._qset
+    assert [q.dtype for q in qs.fwd] == [DType.E4M3] * 3
+    assert [q.dtype for q in qs.bwd] == [DType.E5M2] * 2
+
+
+def test_factory_counts_and_roles():
+    seen = []
+
+    def factory(role):
+        seen.append(role)
+        if role is not None:
+            assert role.module_type == "linear" and role.name == "fc"
+        return Float8CurrentScalingQuantizer()
+
+    m = qr.Linear(32, 32, name="fc")
+    recipe = qr.CustomRecipe(qfactory=factory)
+    for _ in range(3):
+        _run(m, torch.randn(16, 32), recipe)
+    kinds = [r.tensor_type if r is not None else None for r in seen]
+    assert sorted(kinds, key=str) == sorted(["input", "weight", None, "grad_output", None], key=str)
+    assert m.quantizer_builds == 1
+
+
+def test_rebuild_exactly_when_key_changes():
+    m = qr.Linear(32, 32)
+    x = torch.randn(4, 32)
+    _run(m, x, qr.Float8CurrentScaling(use_power_2_scales=False))
+    _run(m, x, qr.Float8CurrentScaling(use_power_2_scales=False))  # equal value: no rebuild
+    assert m.quantizer_builds == 1
+    _run(m, x, qr.Float8CurrentScaling(use_power_2_scales=True))
+    assert m.quantizer_builds == 2 and m._qset.fwd[0].force_pow_2_scales
+    f = lambda role: Float8CurrentScalingQuantizer()  # noqa: E731
+    r1, r2 = qr.CustomRecipe(qfactory=f), qr.CustomRecipe(qfactory=f)
+    assert r1 == r2  # dataclass equality: TE's level-1 cache could not tell them apart
+    _run(m, x, r1)
+    _run(m, x, r1)
+    assert m.quantizer_builds == 3
+    _run(m, x, r2)  # a different instance rebuilds (the seed's fix)
+    assert m.quantizer_builds == 4
+
+    @qr.quantizer_factory(key=("cs", 1))
+    def keyed(role):
+        return Float8CurrentScalingQuantizer()
+
+    _run(m, x, qr.CustomRecipe(qfactory=keyed))
+    _run(m, x, qr.CustomRecipe(qfactory=keyed))  # same semantic key: no rebuild
+    assert m.quantizer_builds == 5
+
+
+def test_role_change_rebuilds_and_keeps_delayed_buffers():
+    m = qr.Linear(32, 32)
+    recipe = qr.DelayedScaling(amax_history_len=8)
+    _run(m, torch.randn(4, 32), recipe)
+    state = m._qset.fwd_state
+    state.scale.fill_(3.14)
+    state.amax_history.fill_(2.71)
+    m.output_quantizer_role = qr.QuantizerRole("linear", "input", "next")
+    m.output_quantizer_role = qr.QuantizerRole("linear", "input", "next")  # equal: no-op
+    with torch.no_grad(), qr.autocast(recipe=recipe):
+        m(torch.randn(4, 32))
+    assert m.quantizer_builds == 2
+    new = m._qset.fwd_state
+    assert new is not state and new.scale is state.scale
+    assert new.amax_history is state.amax_history
+    assert torch.all(new.scale == 3.14)
+
+
+def test_interned_usage_variants():
+    m1, m2 = qr.Linear(32, 32), qr.Linear(32, 32)
+    x = torch.randn(4, 32)
+    for m in (m1, m2):
+        with qr.autocast(recipe=qr.MXFP8BlockScaling()):
+            m(x)
+    assert m1._qset.fwd[0] is m2._qset.fwd[0]
+    assert isinstance(m1._qset.fwd[0], MXFP8Quantizer)
+
+
+def test_backward_quantizers_captured_at_forward():
+    log = []
+
+    class Tagged(Float8CurrentScalingQuantizer):
+        pass
+
+    def factory(tag):
+        def f(role):
+            q = Float8CurrentScalingQuantizer(
+                DType.E5M2 if role is not None and role.tensor_type == "grad_output"
+                else DType.E4M3, force_pow_2_scales=(tag == "B"))
+            return q
+        return f
+
+    m = qr.Linear(32, 32)
+    x = torch.randn(4, 32, requires_grad=True)
+    with qr.autocast(recipe=qr.CustomRecipe(qfactory=factory("A"))):
+        y = m(x)
+    with qr.autocast(recipe=qr.CustomRecipe(qfactory=factory("B"))):
+        m(x)  # a later region rebuilds the module's quantizers
+    y.sum().backward()
+    log.append(x.grad.clone())
+    # reference: backward right away under A
+    x2 = x.detach().clone().requires_grad_()
+    m.zero_grad()
+    with qr.autocast(recipe=qr.CustomRecipe(qfactory=factory("A"))):
+        y2 = m(x2)
+    y2.sum().backward()
+    assert torch.equal(log[0], x2.grad)
+
+
+def test_outside_autocast_is_plain_linear():
+    m = qr.Linear(16, 8)
+    x = torch.randn(3, 16)
+    assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+    with qr.autocast(enabled=False):
+        assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_gemm_path_recorded():
+    qr.reset_gemm_paths()
+    _run(qr.Linear(32, 32), torch.randn(4, 32), qr.Float8CurrentScaling())
+    assert qr.gemm_paths() == {"emulated": 3}
+    assert qr.last_gemm_path() == "emulated"
+
+
+@pytest.mark.parametrize("recipe,cls", [
+    (qr.Float8BlockScaling(), Float8BlockQuantizer), (BUILTINS["nvfp4"], NVFP4Quantizer)])
+def test_block_formats_run_with_3d_inputs(recipe, cls):
+    m = qr.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with qr.autocast(recipe=recipe):
+        y = m(x)
+    y.float().sum().backward()
+    assert y.shape == (2, 16, 32) and x.grad.shape == x.shape
+    assert isinstance(m._qset.fwd[0], cls)
