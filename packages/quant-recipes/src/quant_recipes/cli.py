@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)"
     )
     demo.add_argument("--out", default="quant-demo", help="folder for the plot and results.json")
-    demo.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
+    demo.add_argument(
+        "--no-compile", action="store_true", help="run eagerly, without torch.compile"
+    )
     demo.add_argument(
         "--compile-backend", default=None,
         help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",

@@ -232,7 +232,9 @@ def _resolve_device(text: str) -> torch.device:
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise SystemExit(f"quant demo: --device must be cpu, cuda, cuda:N or auto, got {text!r}")
+        raise SystemExit(
+            f"quant demo: --device must be cpu, cuda, cuda:N or auto, got {text!r}"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("quant demo: --device cuda was asked for but no CUDA GPU is available")
     if device.type not in ("cpu", "cuda"):

@@ -37,7 +37,7 @@ def format_support(capability: tuple[int, int] | None) -> list[tuple[str, str, s
     rows = []
     for name, low, high in _FORMATS:
         if capability is None:
-            rows.append((name, "emulated", "no GPU: reference quantization, GEMM in high precision"))
+            rows.append((name, "emulated", "no GPU: reference quantization, emulated GEMM"))
         elif capability >= low and (high is None or capability < high):
             rows.append((name, "native", f"sm_{capability[0]}{capability[1]} has the instruction"))
         else:

@@ -26,7 +26,10 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         filled = int(self.width * frac)
         bar = "#" * filled + "-" * (self.width - filled)
-        text = f"[{bar}] {100 * frac:5.1f}% {label:13s} step {step:4d} loss {loss:.4f} {elapsed:6.1f}s"
+        text = (
+            f"[{bar}] {100 * frac:5.1f}% {label:13s} step {step:4d} loss {loss:.4f} "
+            f"{elapsed:6.1f}s"
+        )
         if self.tty:
             self.stream.write("\r" + text)
             self.stream.flush()
