@@ -35,8 +35,9 @@ TRITON = "3.6.0"
 COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
 
-# The machine's pip config caps torch at 2.14.1; an empty PIP_CONSTRAINT lifts it for one command.
-UNCAPPED = {"PIP_CONSTRAINT": "", "PIP_NO_CACHE_DIR": "1"}
+# The machine's pip config caps torch at 2.14.1 through a constraints file; pointing
+# PIP_CONSTRAINT at an empty file lifts the cap for one command (an empty value does not).
+UNCAPPED = {"PIP_CONSTRAINT": os.devnull, "PIP_NO_CACHE_DIR": "1"}
 
 
 def _stamp_install(session: nox.Session, name: str, args: list[str], env=None) -> None:
