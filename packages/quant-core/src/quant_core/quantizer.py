@@ -44,6 +44,11 @@ class Quantizer(metaclass=QuantizerMeta):
     internal: bool = False
     optimize_for_gemm: bool = False
 
+    #: The storage format this quantizer produces ("fp8", "mxfp8", "fp8_block", "nvfp4";
+    #: "high_precision" for a passthrough). A class attribute, so code that only sees a compiled
+    #: graph's opaque wrapper (where ``isinstance`` does not work) can still dispatch on it.
+    storage_format: ClassVar[str | None] = None
+
     #: Set on a class by :func:`value_quantizer`; they count only where ``_value_owner is cls``,
     #: so a subclass that did not opt in itself inherits them without becoming a value type.
     _value_field_names: ClassVar[tuple[str, ...] | None] = None

@@ -1,1 +1,64 @@
-"""quant_dynamo."""
+"""quant-dynamo: quantizers as compile-time constants under ``torch.compile``.
+
+``import quant_dynamo`` registers every value quantizer class of quant-core (the four tensorless
+ones and every class decorated with ``@value_quantizer`` later) with the opaque-object API of the
+running torch (`spec/torch-versions.md`), and defines the custom ops ``torch.ops.quant.quantize``
+and ``torch.ops.quant.qdq``. The import never fails; on a torch without the API (2.9) value
+semantics still hold in eager mode and the ops take the quantizer flattened into strings.
+
+Public API
+----------
+``status() -> dict``
+    ``{"torch": <version>, "mode": <api mode>, "registered": [<class qualnames>]}``; the mode is
+    ``"custom_class"`` (2.14+), ``"opaque_value"`` (2.12, 2.13), ``"opaque_value_base"`` (2.11),
+    ``"repr"`` (2.10) or ``"none"`` (2.9 and older).
+``compile_supported(cls_or_obj=None) -> bool``
+    Whether quantizers (or this quantizer / class) can be custom-op arguments baked into a graph,
+    i.e. ``torch.compile(fullgraph=True)`` is promised. False on a torch without the API.
+``register_value_opaque_quantizer(cls) -> cls``
+    Register a value quantizer class with torch (done automatically for ``@value_quantizer``
+    classes); returns ``cls``. Never raises for a missing or partial torch API.
+``is_value_opaque_quantizer(obj) -> bool``
+    ``type(obj).__qualname__`` is registered; a string-set test, traceable without a graph break.
+``opaque_schema_type(cls_or_obj) -> str``
+    The type string to write in a ``torch.library`` schema for a quantizer argument of this class
+    on this torch, from torch's own helper (never hand-written). Raises ``TypeError`` when the
+    class is not registered (check :func:`compile_supported` first; fall back to
+    :func:`flatten_quantizer` then).
+``check_quantizer_arg(q) -> q``
+    ``TypeError`` unless ``q`` is an instance of a class that opted in itself (a subclass of a
+    value quantizer must be decorated with ``@value_quantizer``). Call it in custom-op wrappers.
+``flatten_quantizer(q) -> (str, str)`` / ``unflatten_quantizer(cls_name, key) -> Quantizer``
+    The scalar fallback for torches without the API: the class's ``module:qualname`` and a
+    canonical string of its value key, and back (an equal, distinct object).
+``quantize(x, q) -> list[Tensor]``, ``qdq(x, q) -> Tensor``
+    Call the right ``quant`` custom op for this torch. ``quantize`` returns the storage's buffers
+    in the storage's declaration order (:func:`buffer_names`), an absent buffer as an empty
+    (``numel() == 0``) uint8 tensor; ``qdq`` returns ``q.quantize(x).dequantize(x.dtype)`` with a
+    straight-through gradient.
+``buffer_names(cls_or_obj) -> tuple[str, ...]``
+    The buffer order of ``quantize`` for this quantizer class.
+"""
+
+from __future__ import annotations
+
+from .fx_repr import rebuild_quantizer
+from .ops import buffer_names, qdq, quantize
+from .registration import (
+    check_quantizer_arg,
+    compile_supported,
+    flatten_quantizer,
+    is_value_opaque_quantizer,
+    opaque_schema_type,
+    register_value_opaque_quantizer,
+    status,
+    unflatten_quantizer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",
+    "opaque_schema_type", "check_quantizer_arg", "flatten_quantizer", "unflatten_quantizer",
+    "quantize", "qdq", "buffer_names", "rebuild_quantizer",
+]

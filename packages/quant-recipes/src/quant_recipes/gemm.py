@@ -20,11 +20,6 @@ import collections
 import torch
 from quant_core import (
     DType,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
     backends,
 )
 
@@ -56,16 +51,17 @@ def _record(path: str) -> None:
 
 def quantizer_meta(q) -> list[int]:
     """``[format, dtype value, block_scaling_dim, swizzled]`` of a quantizer's storages."""
-    swz = int(bool(getattr(q, "optimize_for_gemm", False)))
-    if isinstance(q, (Float8Quantizer, Float8CurrentScalingQuantizer)):
-        return [FP8, q.dtype.value, 0, 0]
-    if isinstance(q, MXFP8Quantizer):
-        return [MXFP8, q.dtype.value, 0, swz]
-    if isinstance(q, Float8BlockQuantizer):
-        return [FP8_BLOCK, q.dtype.value, q.block_scaling_dim, 0]
-    if isinstance(q, NVFP4Quantizer):
-        return [NVFP4, q.dtype.value, 0, swz]
-    return [HP, 0, 0, 0]
+    fmt = q.storage_format  # not isinstance: torch 2.11 traces quantizers as opaque wrappers
+    if fmt == "high_precision":
+        return [HP, 0, 0, 0]
+    if fmt not in _FORMAT_NAMES:
+        raise TypeError(
+            f"{type(q).__name__}.storage_format is {fmt!r}; a quantizer used by quant_recipes "
+            f"must produce one of {', '.join(_FORMAT_NAMES)}"
+        )
+    swz = int(bool(q.optimize_for_gemm)) if fmt in ("mxfp8", "nvfp4") else 0
+    dim = q.block_scaling_dim if fmt == "fp8_block" else 0
+    return [_FORMAT_NAMES.index(fmt), q.dtype.value, dim, swz]
 
 
 def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, columnwise: bool

@@ -22,6 +22,8 @@ class IdentityQuantizer(Quantizer):
     ``quantize(x)`` wraps ``x`` unchanged; ``dequantize`` returns it (cast to the requested dtype).
     """
 
+    storage_format = "high_precision"
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"IdentityQuantizer: expected a torch.Tensor, got {type(x).__name__}")

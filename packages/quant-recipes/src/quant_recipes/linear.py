@@ -21,7 +21,6 @@ from quant_core import Quantizer
 from .autocast import current_region
 from .delayed import update_registered
 from .gemm import HP, qgemm, quantizer_meta
-from .identity import IdentityQuantizer
 from .module import QuantizedModule, active_frame
 from .role import QuantizerRole
 
@@ -36,7 +35,7 @@ def _compile_ops():
 
 def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
     """``q``'s storage buffers for ``x`` (an absent buffer is an empty uint8 tensor)."""
-    if isinstance(q, IdentityQuantizer) or quantizer_meta(q)[0] == HP:
+    if quantizer_meta(q)[0] == HP:
         return [x]
     if torch.compiler.is_compiling():
         if group is not None:

@@ -224,6 +224,18 @@ class NVFP4BlockScalingRecipeState(RecipeState):
         )
 
 
+def _is_quantizer(q) -> bool:
+    """``isinstance(q, Quantizer)``, also for the opaque wrapper torch 2.11 traces a prebuilt
+    value quantizer as (``isinstance`` is False there; quant-dynamo's registry knows it)."""
+    if isinstance(q, Quantizer):
+        return True
+    if torch.compiler.is_compiling():
+        import quant_dynamo
+
+        return quant_dynamo.is_value_opaque_quantizer(q)
+    return False
+
+
 class CustomRecipeState(RecipeState):
     """Quantizers from ``recipe.qfactory(role)``, called once per slot with that slot's role
     (``None`` for a slot without one). Delayed-scaling requests share one inner
@@ -243,7 +255,7 @@ class CustomRecipeState(RecipeState):
                     f"CustomRecipe.qfactory returned None for slot {i} (role {roles[i]!r}); "
                     "return quant_recipes.IdentityQuantizer() to keep a tensor in high precision"
                 )
-            if not isinstance(q, (Quantizer, DelayedScalingRequest)):
+            if not (isinstance(q, DelayedScalingRequest) or _is_quantizer(q)):
                 raise TypeError(
                     f"CustomRecipe.qfactory must return a Quantizer or a DelayedScalingRequest, "
                     f"got {type(q).__name__} for slot {i}"

@@ -33,6 +33,8 @@ class Float8Quantizer(Quantizer):
     ``amax_history[0][i]``), so this quantizer holds live state: identity semantics, eager only.
     """
 
+    storage_format = "fp8"
+
     scale: torch.Tensor
     amax: torch.Tensor
     dtype: DType = DType.E4M3
@@ -70,6 +72,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
     ``DeprecationWarning``); such an object refuses ``==``, ``hash`` and compilation. Pass the
     group per call: ``q.quantize(x, amax_reduction_group=g)``.
     """
+
+    storage_format = "fp8"
 
     dtype: DType = DType.E4M3
     with_amax_reduction: bool = False

@@ -14,6 +14,8 @@ from ..storage import Float8BlockwiseQTensorStorage
 class Float8BlockQuantizer(Quantizer):
     """FP8 blocks of ``block_len`` (always 128): 1D (1x128) or 2D (128x128); any shape."""
 
+    storage_format = "fp8_block"
+
     dtype: DType = DType.E4M3
     block_len: int = FP8_BLOCK
     amax_epsilon: float = 0.0

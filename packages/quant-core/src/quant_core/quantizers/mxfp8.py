@@ -14,6 +14,8 @@ from ..storage import MXFP8TensorStorage
 class MXFP8Quantizer(Quantizer):
     """MXFP8 block scaling; K must be a multiple of 32, any M."""
 
+    storage_format = "mxfp8"
+
     dtype: DType = DType.E4M3
     with_2d_quantization: bool = False
 

@@ -26,6 +26,8 @@ class NVFP4Quantizer(Quantizer):
     row-scaled NVFP4 and 4over6 are fields for parity but are not implemented (``True`` raises).
     """
 
+    storage_format = "nvfp4"
+
     dtype: DType = DType.E2M1
     with_rht: bool = False
     with_post_rht_amax: bool = False

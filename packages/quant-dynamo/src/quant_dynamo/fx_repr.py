@@ -1,0 +1,60 @@
+"""Evaluable representations of value quantizers for FX codegen (`spec/behaviour.md` §2.8).
+
+``__fx_repr__`` (torch 2.11+) returns ``(expr, globals)`` with
+``expr = "_rebuild_quantizer(ClassName, <key items>)"``; torch 2.10 instead evals ``repr(q)`` with
+only the class name in scope, so there the repr is ``ClassName._rebuild_from_items(<key items>)``.
+Both go through ``_value_key()``, so a quantizer holding a process group raises ``TypeError``, and
+both write enum fields by value, converted back by the field's annotated enum type.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from quant_core.quantizer import Quantizer, _rebuild_quantizer
+
+#: The rebuild function FX code calls (bypasses ``__init__``; see quant_core.quantizer).
+rebuild_quantizer = _rebuild_quantizer
+
+
+def literal(value: Any) -> str:
+    """Python source for a key item value (int, bool, float, str, tuples of them)."""
+    if isinstance(value, tuple):
+        inner = ", ".join(literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, float) and math.isinf(value):
+        return "float('inf')" if value > 0 else "float('-inf')"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    raise TypeError(f"cannot write {value!r} into FX code: key items must be primitives")
+
+
+def quantizer_fx_repr(self: Quantizer) -> tuple[str, dict[str, Any]]:
+    """``(expr, globals)`` such that ``eval(expr, globals) == self`` (a distinct object)."""
+    cls = type(self)
+    items = self._value_key()[1]
+    expr = f"_rebuild_quantizer({cls.__name__}, {literal(items)})"
+    return expr, {"_rebuild_quantizer": _rebuild_quantizer, cls.__name__: cls}
+
+
+def _rebuild_from_items(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
+    """Classmethod body for torch 2.10's repr: ``ClassName._rebuild_from_items(items)``."""
+    return _rebuild_quantizer(cls, items)
+
+
+def quantizer_eval_repr(self: Quantizer) -> str:
+    """torch 2.10's eval-able ``__repr__``, naming only the class."""
+    return f"{type(self).__name__}._rebuild_from_items({literal(self._value_key()[1])})"
+
+
+def attach(cls: type, *, eval_repr: bool) -> None:
+    """Give ``cls`` ``__fx_repr__`` (and with ``eval_repr`` an eval-able ``__repr__``) unless it
+    defines or inherits its own; must run before the torch registration call."""
+    if getattr(cls, "__fx_repr__", None) in (None, quantizer_fx_repr):
+        type.__setattr__(cls, "__fx_repr__", quantizer_fx_repr)
+    if eval_repr:
+        if not hasattr(cls, "_rebuild_from_items"):
+            type.__setattr__(cls, "_rebuild_from_items", classmethod(_rebuild_from_items))
+        if cls.__repr__ in (Quantizer.__repr__, quantizer_eval_repr):
+            type.__setattr__(cls, "__repr__", quantizer_eval_repr)

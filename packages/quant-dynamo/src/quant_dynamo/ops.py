@@ -1,0 +1,160 @@
+"""The ``quant`` custom ops: ``quantize(x, q) -> Tensor[]`` and ``qdq(x, q) -> Tensor``.
+
+Overloads:
+    ``quant::quantize.<Class>(Tensor x, <opaque type of Class> q) -> Tensor[]`` and
+    ``quant::qdq.<Class>(...) -> Tensor``, one per registered class (the type string comes from
+    torch's helper, :func:`~quant_dynamo.registration.opaque_schema_type`); torch erases opaque
+    types to ``PyObject`` in the dispatcher, so calling the packet ``torch.ops.quant.qdq(x, q)``
+    works for any registered quantizer, and the Python entries below pick the class's overload.
+    ``quant::quantize.flat(Tensor x, str cls, str key)`` / ``quant::qdq.flat(...)``: the same ops
+    with the quantizer flattened into strings (:func:`flatten_quantizer`), for a torch without
+    the API or a class whose registration failed.
+
+``quantize`` returns the storage's buffers in its declaration order (:func:`buffer_names`); an
+absent buffer (a direction not produced) is an empty uint8 tensor, so positions are stable.
+``qdq`` is ``q.quantize(x).dequantize(x.dtype)`` with a straight-through gradient. Both run
+through quant-core's backend registry; their fake implementations compute exact shapes and dtypes
+from :mod:`quant_core.shapes`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from quant_core import storage as st
+from quant_core.quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+
+from . import fake
+from .registration import (
+    check_quantizer_arg,
+    flatten_quantizer,
+    is_value_opaque_quantizer,
+    on_registered,
+    opaque_schema_type,
+    unflatten_quantizer,
+)
+
+_lib = torch.library.Library("quant", "FRAGMENT")
+#: class qualname -> overload name of ``quantize`` and ``qdq`` defined for it.
+OVERLOADS: dict[str, str] = {}
+
+_STORAGE_OF = (
+    (NVFP4Quantizer, st.NVFP4TensorStorage),
+    (MXFP8Quantizer, st.MXFP8TensorStorage),
+    (Float8BlockQuantizer, st.Float8BlockwiseQTensorStorage),
+    (Float8CurrentScalingQuantizer, st.Float8TensorStorage),
+    (Float8Quantizer, st.Float8TensorStorage),
+)
+
+
+def buffer_names(cls_or_obj: Any) -> tuple[str, ...]:
+    """The buffer order of ``quantize`` for this quantizer class (``()`` if unknown)."""
+    cls = cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
+    for base, storage_cls in _STORAGE_OF:
+        if issubclass(cls, base):
+            return storage_cls._buffer_names
+    return ()
+
+
+# ----------------------------------------------------------------------------- kernels
+def _quantize_impl(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    storage = check_quantizer_arg(q).quantize(x)
+    seen = {x.untyped_storage().data_ptr()} if x.numel() else set()
+    out = []
+    for name in storage._buffer_names:
+        t = getattr(storage, name)
+        if t is None:
+            t = x.new_empty((0,), dtype=torch.uint8)
+        elif t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:  # outputs of a custom op may not alias inputs or each other
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
+
+
+def _qdq_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return check_quantizer_arg(q).quantize(x).dequantize(dtype=x.dtype)
+
+
+def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    return fake.quantize_buffers(x, check_quantizer_arg(q))
+
+
+def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
+    check_quantizer_arg(q)
+    return torch.empty_like(x)
+
+
+def _qdq_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    return (grad,) + (None,) * ctx.n_args
+
+
+def _qdq_setup(n_args: int):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.n_args = n_args
+
+    return setup_context
+
+
+def _define(overload: str, q_type: str, unpack) -> None:
+    """Define ``quantize.<overload>`` and ``qdq.<overload>``; ``unpack(*args) -> q``."""
+    n_args = q_type.count(",") + 1
+
+    def q_impl(x, *args):
+        return _quantize_impl(x, unpack(*args))
+
+    def q_fake(x, *args):
+        return _quantize_fake(x, unpack(*args))
+
+    def d_impl(x, *args):
+        return _qdq_impl(x, unpack(*args))
+
+    def d_fake(x, *args):
+        return _qdq_fake(x, unpack(*args))
+
+    for name, ret, impl, fake_fn in (
+        ("quantize", "Tensor[]", q_impl, q_fake),
+        ("qdq", "Tensor", d_impl, d_fake),
+    ):
+        _lib.define(f"{name}.{overload}(Tensor x, {q_type}) -> {ret}")
+        _lib.impl(f"{name}.{overload}", impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
+    torch.library.register_autograd(
+        f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
+    )
+
+
+def _define_for_class(cls: type) -> None:
+    overload = cls._quant_op_overload
+    if OVERLOADS.get(cls.__qualname__) == overload:
+        return
+    _define(overload, f"{opaque_schema_type(cls)} q", lambda q: q)
+    OVERLOADS[cls.__qualname__] = overload
+
+
+_define("flat", "str cls, str key", unflatten_quantizer)
+on_registered(_define_for_class)
+
+
+# ----------------------------------------------------------------------- Python entries
+def quantize(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    """``torch.ops.quant.quantize`` for this torch: the class's overload, else ``flat``."""
+    if is_value_opaque_quantizer(q):
+        return getattr(torch.ops.quant.quantize, q._quant_op_overload)(x, q)
+    return torch.ops.quant.quantize.flat(x, *flatten_quantizer(q))
+
+
+def qdq(x: torch.Tensor, q: Any) -> torch.Tensor:
+    """``torch.ops.quant.qdq`` for this torch: the class's overload, else ``flat``."""
+    if is_value_opaque_quantizer(q):
+        return getattr(torch.ops.quant.qdq, q._quant_op_overload)(x, q)
+    return torch.ops.quant.qdq.flat(x, *flatten_quantizer(q))

@@ -1,0 +1,201 @@
+"""Registering value quantizer classes with torch (`spec/behaviour.md` §2.9).
+
+Order per class: validate (quant-core's ``@value_quantizer``), attach ``__fx_repr__`` (and the
+2.10 repr), register with the probed API inside ``except (RuntimeError, TypeError)``, and only
+after success add the class's qualname to :data:`REGISTERED_QUALNAMES`, a set of strings, so that
+:func:`is_value_opaque_quantizer` constant-folds under Dynamo without a graph break.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from quant_core.quantizer import (
+    Quantizer,
+    add_value_class_hook,
+    is_value_quantizer,
+    value_classes,
+    value_quantizer,
+)
+
+from . import fx_repr
+from ._api import probe
+
+#: Qualnames of the classes registered with torch (strings only: traceable membership).
+REGISTERED_QUALNAMES: set[str] = set()
+#: The registered classes themselves (exact classes, not subclasses).
+_registered_classes: weakref.WeakSet[type] = weakref.WeakSet()
+#: Called with each class after its successful registration (ops define their overloads here).
+_on_registered: list[Callable[[type], None]] = []
+
+#: Read-only helpers that traced code may call on a quantizer (registered USE_REAL on 2.11).
+_READ_ONLY_MEMBERS = (
+    "_value_fields", "_value_key", "get_usages", "is_requantization_safe",
+    "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
+    "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
+)
+#: Overload names of the ``quant`` ops already taken.
+_overload_names: set[str] = {"flat", "default"}
+
+
+def _opaque_qualname(self: Any) -> str:
+    """``type(self).__qualname__`` read on the real object (torch 2.11 traces a wrapper)."""
+    return type(self).__qualname__
+
+
+def _attach_op_helpers(cls: type) -> None:
+    """Give ``cls`` the attributes traced code reads: ``_opaque_qualname`` and its own
+    ``_quant_op_overload`` (the overload name of the ``quant`` ops for exactly this class)."""
+    if not isinstance(cls.__dict__.get("_opaque_qualname"), property):
+        type.__setattr__(cls, "_opaque_qualname", property(_opaque_qualname))
+    if "_quant_op_overload" not in cls.__dict__:
+        base = re.sub(r"\W", "_", cls.__qualname__)
+        name, i = base, 1
+        while name in _overload_names:
+            i += 1
+            name = f"{base}_{i}"
+        _overload_names.add(name)
+        type.__setattr__(cls, "_quant_op_overload", name)
+
+
+def _members(cls: type) -> list[str]:
+    names = list(cls._value_fields())
+    return names + [m for m in _READ_ONLY_MEMBERS if hasattr(cls, m) and m not in names]
+
+
+def register_value_opaque_quantizer(cls: type) -> type:
+    """Register value quantizer class ``cls`` with torch's opaque-object API; return ``cls``.
+
+    A class that did not opt in yet is first decorated with ``@value_quantizer`` (whose field
+    validation errors propagate). A missing or partial torch API only leaves ``cls`` without
+    compile specialisation; it never raises.
+    """
+    if not is_value_quantizer(cls):
+        return value_quantizer(cls)  # its hook calls back here
+    api = probe()
+    fx_repr.attach(cls, eval_repr=api.mode == "repr")
+    if cls in _registered_classes or not api.available:
+        return cls
+    _attach_op_helpers(cls)
+    try:
+        api.register(cls, _members(cls))
+        if not api.is_registered(cls):
+            raise RuntimeError(f"torch did not register {cls.__qualname__}")
+        _registered_classes.add(cls)
+        for callback in list(_on_registered):
+            callback(cls)
+    except (RuntimeError, TypeError):
+        # e.g. a class local to a function: its type name ("f.<locals>.C") cannot appear in a
+        # schema. The class keeps eager value semantics and the ops' flat overloads.
+        _registered_classes.discard(cls)
+        return cls
+    REGISTERED_QUALNAMES.add(cls.__qualname__)
+    return cls
+
+
+def on_registered(callback: Callable[[type], None]) -> None:
+    """Call ``callback(cls)`` for every class registered so far and from now on."""
+    _on_registered.append(callback)
+    for cls in sorted(_registered_classes, key=lambda c: c.__qualname__):
+        callback(cls)
+
+
+def is_value_opaque_quantizer(obj: Any) -> bool:
+    """Whether ``type(obj)`` is a registered value quantizer (by qualname string).
+
+    Traceable without a graph break; under torch 2.11's Dynamo an opaque value is seen through a
+    ``FakeScriptObject``, so the qualname is then read from the real object (a USE_REAL member).
+    """
+    name = type(obj).__qualname__
+    if name == "FakeScriptObject":
+        name = obj._opaque_qualname
+    return name in REGISTERED_QUALNAMES
+
+
+def _class_of(cls_or_obj: Any) -> type:
+    return cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
+
+
+def is_registered_class(cls: type) -> bool:
+    """Whether exactly ``cls`` (not a parent) was registered with torch."""
+    return cls in _registered_classes
+
+
+def compile_supported(cls_or_obj: Any = None) -> bool:
+    """Whether this torch bakes quantizers (of this class) into graphs as constants."""
+    if not probe().available:
+        return False
+    return cls_or_obj is None or is_registered_class(_class_of(cls_or_obj))
+
+
+def opaque_schema_type(cls_or_obj: Any) -> str:
+    """The schema type string of a quantizer argument of this class on this torch (torch's own
+    type-name helper); ``TypeError`` when the class is not registered here."""
+    cls = _class_of(cls_or_obj)
+    if not is_registered_class(cls):
+        raise TypeError(
+            f"{cls.__qualname__} is not registered as an opaque value type on torch "
+            f"{torch.__version__} (mode {probe().mode!r}); check "
+            "quant_dynamo.compile_supported(cls) and use flatten_quantizer() otherwise"
+        )
+    return probe().type_name(cls)
+
+
+def check_quantizer_arg(q: Any) -> Any:
+    """Return ``q`` if it is an instance of a value quantizer class that opted in itself and
+    holds no process group (``TypeError`` otherwise)."""
+    if isinstance(q, Quantizer) and is_value_quantizer(q):
+        q._check_value_has_no_process_group()
+        return q
+    cls = type(q)
+    if isinstance(q, Quantizer):
+        raise TypeError(
+            f"{cls.__qualname__} is not a value quantizer: a subclass inherits no value identity "
+            "(its extra state would be ignored). Decorate it with @quant_core.value_quantizer "
+            "to pass it to a quant custom op or compile with it."
+        )
+    raise TypeError(f"expected a value quantizer (quant_core.Quantizer), got {cls.__qualname__}")
+
+
+def status() -> dict[str, Any]:
+    """``{"torch": version, "mode": api mode, "registered": sorted class qualnames}``."""
+    return {
+        "torch": torch.__version__,
+        "mode": probe().mode,
+        "registered": sorted(REGISTERED_QUALNAMES),
+    }
+
+
+# ---------------------------------------------------------------- scalar fallback (no API)
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def flatten_quantizer(q: Any) -> tuple[str, str]:
+    """``(module:qualname, canonical JSON of the value key items)``; ``TypeError`` as
+    :func:`check_quantizer_arg` and for a stored process group."""
+    check_quantizer_arg(q)
+    items = q._value_key()[1]
+    return _class_name(type(q)), json.dumps([list(item) for item in items])
+
+
+@functools.lru_cache(maxsize=1024)
+def unflatten_quantizer(cls_name: str, key: str) -> Quantizer:
+    """The quantizer :func:`flatten_quantizer` described (cached: one object per value)."""
+    for cls in value_classes():
+        if _class_name(cls) == cls_name:
+            items = tuple((name, value) for name, value in json.loads(key))
+            return fx_repr.rebuild_quantizer(cls, items)
+    raise TypeError(
+        f"no value quantizer class named {cls_name!r} is defined (a quantizer class must be "
+        "decorated with @quant_core.value_quantizer to be passed to a quant custom op)"
+    )
+
+
+add_value_class_hook(register_value_opaque_quantizer)
