@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train a small model under every recipe and compare the loss curves"
     )
-    demo.add_argument("--steps", type=_positive_int, default=80, help="training steps per recipe")
+    demo.add_argument("--steps", type=_positive_int, default=300, help="training steps per recipe")
     demo.add_argument(
         "--recipes", default=",".join(DEFAULT_RECIPES),
         help=f"comma-separated recipes to run, from: {', '.join(RECIPES)} (default: all)",

@@ -1,0 +1,69 @@
+"""The ``quant`` command: ``demo`` with tiny settings, ``doctor``, and errors for bad options."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from quant_recipes.cli import main
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAVE_DYNAMO = importlib.util.find_spec("quant_dynamo") is not None
+
+
+def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "3", "--recipes", "baseline,mxfp8", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("recipe"))
+    for column in ("final loss", "vs base", "compiles", "breaks", "ms/step", "gemm"):
+        assert column in header
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split() and line.split()[0] in ("baseline", "mxfp8")}
+    assert set(rows) == {"baseline", "mxfp8"}
+    assert "emulated" in rows["mxfp8"]  # MXFP8 GEMMs are emulated on the CPU
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["recipe"]: r for r in results["runs"]}
+    assert len(runs["mxfp8"]["losses"]) == 3
+    if HAVE_DYNAMO:  # compiled with fullgraph=True: one graph, no break
+        assert runs["mxfp8"]["compiles"] == 1 and runs["mxfp8"]["graph_breaks"] == 0
+        assert runs["mxfp8"]["note"] == ""
+    assert (out / "loss_curves.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_demo_without_compile(tmp_path, capsys):
+    out = tmp_path / "eager"
+    args = ["demo", "--steps", "2", "--recipes", "fp8_current", "--no-compile", "--no-plot",
+            "--out", str(out)]
+    assert main(args) == 0
+    assert "compile: eager" in capsys.readouterr().out
+    assert not (out / "loss_curves.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--recipes", "bogus"], "unknown recipe.*bogus.*choose from"),
+        (["demo", "--device", "tpu"], "--device must be"),
+    ],
+)
+def test_demo_bad_values_are_named(argv, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, "--out", str(tmp_path)])
+
+
+def test_demo_bad_steps_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--steps", "0"])
+    assert exc.value.code == 2
+    assert "expected a number > 0, got 0" in capsys.readouterr().err
+
+
+def test_doctor_reports_versions_backends_and_formats(capsys):
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("torch", "compile API", "backends", "reference", "MXFP8", "NVFP4"):
+        assert needle in text
+    assert "emulated" in text
