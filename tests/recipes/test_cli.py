@@ -6,7 +6,6 @@ import importlib.util
 import json
 
 import pytest
-
 from quant_recipes.cli import main
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
