@@ -1,0 +1,151 @@
+"""GPU conformance: every Triton kernel against the reference on large random tensors (bitwise),
+and each elementwise encoder over all 2^32 fp32 bit patterns (chunks of 2^28).
+
+Run on a CUDA machine: ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src
+python bench/check_gpu.py``. Prints one mismatch count per check (goal: 0 everywhere).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from quant_core import reference as ref
+from quant_core.dtypes import DType
+from quant_core.reference._rounding import fp8_encode
+from quant_core.reference.mxfp8 import e8m0_roundup
+from quant_core.reference.nvfp4 import e2m1_encode
+from quant_kernels.backend import BACKEND as B
+from quant_kernels.encoders import encode
+
+DEV = "cuda"
+RESULTS: list[tuple[str, int]] = []
+
+
+def report(name: str, mismatches: int) -> None:
+    RESULTS.append((name, mismatches))
+    print(f"{name:60s} mismatches={mismatches}", flush=True)
+
+
+def count(got, want, fp8: DType | None = None) -> int:
+    """Mismatching elements; FP8 bytes and floats compare NaN by NaN-ness."""
+    if want is None:
+        return 0 if got is None else 1
+    if got.shape != want.shape:
+        return max(got.numel(), want.numel(), 1)
+    if fp8 is not None and want.dtype == torch.uint8:
+        gn = torch.isnan(got.view(fp8.torch_dtype).float())
+        wn = torch.isnan(want.view(fp8.torch_dtype).float())
+        return int(((got != want) & ~wn).sum() + (gn != wn).sum())
+    if want.dtype.is_floating_point:
+        iv = torch.int32 if want.dtype == torch.float32 else torch.int16
+        gn, wn = torch.isnan(got), torch.isnan(want)
+        return int(((got.view(iv) != want.view(iv)) & ~wn).sum() + (gn != wn).sum())
+    return int((got != want).sum())
+
+
+def sweep_encoders(chunk_log2: int = 28) -> None:
+    """All 2^32 fp32 patterns through each shared encoder vs the reference encoder."""
+    chunk = 1 << chunk_log2
+    totals = {r: 0 for r in ("e4m3", "e5m2", "e8m0", "e2m1")}
+    t0 = time.time()
+    for start in range(0, 1 << 32, chunk):
+        bits = torch.arange(start, start + chunk, dtype=torch.int64, device=DEV)
+        v = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+        del bits
+        nan = torch.isnan(v)
+        for rule, fp8 in (("e4m3", DType.E4M3), ("e5m2", DType.E5M2)):
+            got = encode(v, rule)
+            want = fp8_encode(v, fp8).to(torch.int32)
+            gnan = torch.isnan(got.to(torch.uint8).view(fp8.torch_dtype).float())
+            totals[rule] += int(((got != want) & ~nan).sum() + (gnan != nan).sum())
+        a = v.abs()
+        totals["e8m0"] += int((encode(a, "e8m0") != e8m0_roundup(a).to(torch.int32)).sum())
+        del a
+        totals["e2m1"] += int((encode(v, "e2m1") != e2m1_encode(v).to(torch.int32)).sum())
+        torch.cuda.empty_cache()
+    for rule, n in totals.items():
+        report(f"exhaustive 2^32 {rule}", n)
+    print(f"(sweep took {time.time() - t0:.1f} s)")
+
+
+def make(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=DEV)
+    x *= torch.exp2(torch.randint(-10, 11, (m, 1), generator=g, device=DEV).float())
+    x[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 500.0,
+                             3e38, 2.0**-133], device=DEV)
+    x[1] = 0.0
+    return x.to(dtype)
+
+
+def check_formats(m: int, k: int) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = make(m, k, dtype, seed=m + k)
+        tag = f"{m}x{k} {str(dtype)[6:]}"
+        report(f"amax {tag}", count(B.amax(x), ref.amax(x)))
+        for fp8 in (DType.E4M3, DType.E5M2):
+            a = ref.amax(x)
+            s = ref.current_scale(a, fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0)
+            ga, wa = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
+            got = B.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True, amax_out=ga)
+            want = ref.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True,
+                                    amax_out=wa)
+            n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True)) + count(ga, wa)
+            report(f"fp8 per-tensor {fp8.name} {tag}", n)
+            n = count(B.fp8_dequantize(got[0], got[2], fp8_dtype=fp8, dtype=dtype),
+                      ref.fp8_dequantize(want[0], want[2], fp8_dtype=fp8, dtype=dtype))
+            report(f"fp8 per-tensor dequant {fp8.name} {tag}", n)
+            for two_d in (False, True):
+                for sw in (False, True):
+                    kw = dict(fp8_dtype=fp8, rowwise=True, columnwise=True,
+                              with_2d_quantization=two_d, swizzle=sw)
+                    got, want = B.mxfp8_quantize(x, **kw), ref.mxfp8_quantize(x, **kw)
+                    n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
+                    for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
+                        kd = dict(fp8_dtype=fp8, columnwise=cw, swizzled=sw, dtype=dtype)
+                        n += count(B.mxfp8_dequantize(*gd, **kd),
+                                   ref.mxfp8_dequantize(*wd, **kd))
+                    report(f"mxfp8 {fp8.name} 2d={two_d} swizzle={sw} (+dequant) {tag}", n)
+            for dim in (1, 2):
+                kw = dict(fp8_dtype=fp8, block_scaling_dim=dim, force_pow_2_scales=True,
+                          amax_epsilon=0.0, rowwise=True, columnwise=True)
+                got, want = B.fp8_block_quantize(x, **kw), ref.fp8_block_quantize(x, **kw)
+                n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
+                for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
+                    kd = dict(fp8_dtype=fp8, block_scaling_dim=dim, columnwise=cw, dtype=dtype)
+                    n += count(B.fp8_block_dequantize(*gd, **kd),
+                               ref.fp8_block_dequantize(*wd, **kd))
+                report(f"fp8 block dim={dim} {fp8.name} (+dequant) {tag}", n)
+        seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
+        for rht, two_d, sr in ((False, False, False), (False, True, False), (False, False, True),
+                               (True, False, False), (True, False, True)):
+            if rht and dtype != torch.bfloat16:
+                continue
+            ka = dict(rowwise=True, columnwise=True, with_rht=rht, rht_sign_mask=0xD7E8)
+            ga, wa = B.nvfp4_amax(x, **ka), ref.nvfp4_amax(x, **ka)
+            n = count(ga[0], wa[0]) + count(ga[1], wa[1])
+            kw = dict(ka, with_2d_quantization=two_d, stochastic_rounding=sr, rng_seed=seed,
+                      swizzle=sr)
+            got = B.nvfp4_quantize(x, wa[0], wa[1], **kw)
+            want = ref.nvfp4_quantize(x, wa[0], wa[1], **kw)
+            n += sum(count(g, w) for g, w in zip(got, want, strict=True))
+            n += count(B.nvfp4_dequantize(got[0], got[1], wa[0], swizzled=sr, dtype=dtype),
+                       ref.nvfp4_dequantize(want[0], want[1], wa[0], swizzled=sr, dtype=dtype))
+            report(f"nvfp4 rht={rht} 2d={two_d} sr={sr} (+amax, dequant) {tag}", n)
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    check_formats(4096, 4096)
+    check_formats(1040, 2080)  # ragged M for 32 / 128 blocks
+    sweep_encoders()
+    bad = [(n, c) for n, c in RESULTS if c]
+    print(f"CHECKS {len(RESULTS)}, with mismatches: {len(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Bandwidth benchmark of the Triton kernels on bf16 8192^2 and 16384^2 inputs, with peers.
+
+For each kernel: median time (``triton.testing.do_bench``) of the best tile config of a small
+sweep, effective bandwidth over the minimal bytes (input read once, outputs written once), and
+its share of the device-to-device copy bandwidth measured in the same run. Peers: torchao 0.18's
+Triton MXFP8 casts (floor), ``torch.compile(to_mx)`` and compiled ``nvfp4_quantize``.
+``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src python bench/kernels.py [out.json]``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+from quant_core.dtypes import DType
+from quant_kernels import _common
+from quant_kernels.backend import BACKEND as B
+
+SWEEP = {  # first entry = the package default (best of run 1)
+    "fp8_cast": [dict(BM=64, BK=128, num_warps=8), dict(BM=32, BK=128, num_warps=4)],
+    "amax": [dict(BLOCK=8192, num_warps=8), dict(BLOCK=16384, num_warps=8)],
+    "mxfp8": [dict(BM=32, BK=128, num_warps=4), dict(BM=32, BK=256, num_warps=8),
+              dict(BM=64, BK=64, num_warps=4)],
+    "fp8_block": [dict(BM_ROW=64, num_warps=8), dict(BM_ROW=32, num_warps=16)],
+    "nvfp4_row": [dict(BM=16, BK=256, num_warps=4), dict(BM=32, BK=128, num_warps=4)],
+    "nvfp4_col": [dict(G=4, BK=64, num_warps=4), dict(G=2, BK=64, num_warps=4)],
+}
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def best(cfg_names: tuple[str, ...], fn) -> tuple[float, str]:
+    """Median ms of ``fn`` at the best combination (swept one kernel config at a time)."""
+    chosen = []
+    t_best = None
+    for name in cfg_names:
+        t_name, c_name = None, None
+        for cfg in SWEEP[name]:
+            _common.CONFIGS[name]["gpu"] = dict(cfg)
+            try:
+                t = bench(fn)
+            except Exception as e:  # a config that does not compile is skipped
+                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            if t_name is None or t < t_name:
+                t_name, c_name = t, cfg
+        _common.CONFIGS[name]["gpu"] = dict(c_name)
+        chosen.append(f"{name}={c_name}")
+        t_best = t_name
+    return t_best, "; ".join(chosen)
+
+
+def peers(x: torch.Tensor) -> dict:
+    import torchao.utils
+
+    torchao.utils.is_sm_at_least_100 = lambda: True
+    out = {}
+    try:
+        from torchao.prototype.mx_formats import kernels as K
+
+        out["torchao triton_to_mxfp8_dim0 (row)"] = bench(
+            lambda: K.triton_to_mxfp8_dim0(x, inner_block_size=32, scaling_mode="floor"))
+        out["torchao triton_to_mxfp8_dim1 (col)"] = bench(
+            lambda: K.triton_to_mxfp8_dim1(x, inner_block_size=32, scaling_mode="floor"))
+    except Exception as e:
+        print("torchao triton peers failed:", repr(e)[:300])
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+        f = torch.compile(lambda t: to_mx(t, torch.float8_e4m3fn, 32))
+        out["torch.compile(torchao to_mx) (row)"] = bench(lambda: f(x))
+    except Exception as e:
+        print("to_mx peer failed:", repr(e)[:300])
+    try:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+        pts = (x.abs().amax().float() / (6.0 * 448.0)).reshape(())
+        g = torch.compile(lambda t: nvfp4_quantize(t, 16, pts))
+        out["torch.compile(torchao nvfp4_quantize) (row)"] = bench(lambda: g(x))
+    except Exception as e:
+        print("nvfp4 peer failed:", repr(e)[:300])
+    return out
+
+
+def run(n: int) -> dict:
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    N = x.numel()
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
+    amax = B.amax(x)
+    scale = B.current_scale(amax, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0)
+    acc = torch.zeros(1, device="cuda")
+    amax_c = B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
+                          rht_sign_mask=0xD7E8)[1]
+    mx = dict(fp8_dtype=DType.E4M3, with_2d_quantization=False, swizzle=False)
+    blk = dict(fp8_dtype=DType.E4M3, force_pow_2_scales=True, amax_epsilon=0.0)
+    nv = dict(with_rht=False, rht_sign_mask=0xD7E8, with_2d_quantization=False,
+              stochastic_rounding=False, rng_seed=None, swizzle=False)
+    s32, s128, s16 = N // 32, N // 128 * 4, N // 16
+    cases = [
+        # name, target share, configs to sweep, fn, minimal bytes
+        ("FP8 current scaling (amax + row + transpose)", 0.60, ("amax", "fp8_cast"),
+         lambda: B.fp8_quantize(x, B.current_scale(B.amax(x), fp8_dtype=DType.E4M3,
+                                                   force_pow_2_scales=False, amax_epsilon=0.0),
+                                fp8_dtype=DType.E4M3, rowwise=True, columnwise=True),
+         2 * N + 2 * N),
+        ("FP8 delayed cast (row + transpose + amax)", None, ("fp8_cast",),
+         lambda: B.fp8_quantize(x, scale, fp8_dtype=DType.E4M3, rowwise=True, columnwise=True,
+                                amax_out=acc), 2 * N + 2 * N),
+        ("MXFP8 rowwise", 0.92, ("mxfp8",),
+         lambda: B.mxfp8_quantize(x, rowwise=True, columnwise=False, **mx), 2 * N + N + s32),
+        ("MXFP8 columnwise", 0.85, ("mxfp8",),
+         lambda: B.mxfp8_quantize(x, rowwise=False, columnwise=True, **mx), 2 * N + N + s32),
+        ("MXFP8 row + col fused", 0.85, ("mxfp8",),
+         lambda: B.mxfp8_quantize(x, rowwise=True, columnwise=True, **mx),
+         2 * N + 2 * N + 2 * s32),
+        ("FP8 block 1x128 rowwise", 0.88, ("fp8_block",),
+         lambda: B.fp8_block_quantize(x, block_scaling_dim=1, rowwise=True, columnwise=False,
+                                      **blk), 2 * N + N + s128),
+        ("FP8 block 1x128 row + col (transposed)", 0.88, ("fp8_block",),
+         lambda: B.fp8_block_quantize(x, block_scaling_dim=1, rowwise=True, columnwise=True,
+                                      **blk), 2 * N + 2 * N + 2 * s128),
+        ("FP8 block 128x128 row + col (transposed)", 0.88, ("fp8_block",),
+         lambda: B.fp8_block_quantize(x, block_scaling_dim=2, rowwise=True, columnwise=True,
+                                      **blk), 2 * N + 2 * N),
+        ("NVFP4 rowwise (given amax)", 0.85, ("nvfp4_row",),
+         lambda: B.nvfp4_quantize(x, amax, None, rowwise=True, columnwise=False, **nv),
+         2 * N + N // 2 + s16),
+        ("NVFP4 columnwise with RHT (given amax)", 0.70, ("nvfp4_col",),
+         lambda: B.nvfp4_quantize(x, None, amax_c, rowwise=False, columnwise=True,
+                                  **dict(nv, with_rht=True)), 2 * N + N // 2 + s16),
+        ("NVFP4 post-RHT amax pass", None, ("nvfp4_col",),
+         lambda: B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
+                              rht_sign_mask=0xD7E8), 2 * N),
+    ]
+    rows = []
+    for name, target, cfgs, fn, nbytes in cases:
+        t, cfg = best(cfgs, fn)
+        bw = nbytes / t / 1e6
+        rows.append(dict(name=name, ms=t, gbs=bw, share=bw / copy_bw, target=target, cfg=cfg))
+        print(f"  {name}: {t:.3f} ms {bw:.0f} GB/s {bw / copy_bw:.1%} [{cfg}]", flush=True)
+    peer_rows = []
+    for name, t in peers(x).items():
+        nbytes = 2 * N + N + s32
+        bw = nbytes / t / 1e6
+        if "nvfp4" in name:
+            bw = (2 * N + N // 2 + s16) / t / 1e6
+        peer_rows.append(dict(name=name, ms=t, gbs=bw, share=bw / copy_bw))
+    return dict(n=n, copy_ms=t_copy, copy_gbs=copy_bw, rows=rows, peers=peer_rows)
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    results = [run(8192), run(16384)]
+    for r in results:
+        print(f"\n## bf16 {r['n']}x{r['n']}: copy {r['copy_gbs']:.0f} GB/s ({r['copy_ms']:.3f} ms)")
+        print("| kernel | ms | GB/s | share of copy | target | met |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for row in r["rows"]:
+            tg = row["target"]
+            met = "" if tg is None else ("yes" if row["share"] >= tg else
+                                         f"no ({(row['share'] - tg) * 100:+.1f} pts)")
+            tgs = "" if tg is None else f">= {tg:.0%}"
+            print(f"| {row['name']} | {row['ms']:.3f} | {row['gbs']:.0f} | {row['share']:.1%} "
+                  f"| {tgs} | {met} |")
+        for p in r["peers"]:
+            print(f"| peer: {p['name']} | {p['ms']:.3f} | {p['gbs']:.0f} | {p['share']:.1%} | | |")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Shared element encoders and decoders: ONE ``@triton.jit`` helper per rounding rule.
+
+Every kernel rounds in software (bit-level integer arithmetic, or an exact power-of-two multiply
+followed by one IEEE add), never through Triton's native fp32 -> fp8/bf16 casts: the interpreter's
+casts round wrongly (`numerics.md`, Known traps), so the same code is byte-exact on CPU and GPU.
+Maxima drop NaN through ``abs_nan0`` (a ``tl.where``), never a NaN-propagating ``tl.maximum``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+#: Exact fp32 values (as Python floats) of fp32(1/448), fp32(1/57344) (MXFP8 multiplies by
+#: these, §5) and fp32(1/6) (NVFP4, §7.3).
+RCP_E4M3 = tl.constexpr(0.0022321429569274187)
+RCP_E5M2 = tl.constexpr(1.743861685099546e-05)
+RCP_6 = tl.constexpr(0.1666666716337204)
+#: fp32(1 / (6 * 448)), the NVFP4 dequantization constant (§8).
+RCP_2688 = tl.constexpr(0.00037202381645329297)
+E4M3_MAX = tl.constexpr(448.0)
+E5M2_MAX = tl.constexpr(57344.0)
+
+
+@triton.jit
+def widen(x):
+    """``float(x)``: exact fp32 of an fp32/bf16/fp16 tensor. bf16 is widened on its bits (the
+    interpreter's bf16 -> fp32 cast mangles subnormals)."""
+    if x.dtype == tl.bfloat16:
+        return ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32,
+                                                                               bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def abs_nan0(x):
+    """``|float(x)|`` with NaN mapped to 0 (NaN-dropping maxima, §10)."""
+    a = tl.abs(widen(x))
+    return tl.where(a == a, a, 0.0)
+
+
+@triton.jit
+def f32_bits(v):
+    return v.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def f32_from_bits(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_rne_sat(v, IS_E4M3: tl.constexpr):
+    """``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2).
+
+    Exact grid rounding, then a cast of an exactly representable value: ``|v|`` is clamped to
+    the max (Inf too), rounded to the format's quantum by ``(a + c) - c`` with
+    ``c = 2^(exponent(a) + 23 - MB)`` (floored at the subnormal quantum's ``c``): one IEEE add
+    rounds to nearest-even at exactly the quantum, the subtraction is exact. The sign is put
+    back on the bits (-0.0 kept) and NaN becomes 0x7F; the final cast to FP8 rounds nothing, so
+    the interpreter's faulty fp8 rounding is never exercised.
+    """
+    if IS_E4M3:
+        MAXV: tl.constexpr = 448.0
+        CSHIFT: tl.constexpr = 20 << 23  # (23 - MB) << 23
+        CMIN: tl.constexpr = 0x46800000  # 2^14 = subnormal quantum 2^-9 times 2^23
+    else:
+        MAXV: tl.constexpr = 57344.0
+        CSHIFT: tl.constexpr = 21 << 23
+        CMIN: tl.constexpr = 0x43000000  # 2^7 = subnormal quantum 2^-16 times 2^23
+    bits = f32_bits(v)
+    a = tl.abs(v)
+    a = tl.where(a < MAXV, a, MAXV)  # Inf and NaN -> max (NaN restored below)
+    c = f32_from_bits(tl.maximum((f32_bits(a) & 0x7F800000) + CSHIFT, CMIN))
+    r = (a + c) - c
+    q = f32_from_bits(f32_bits(r) | (bits & -2147483648))
+    if IS_E4M3:
+        b = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        b = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where(v != v, 0x7F, b.to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def fp8_decode(b, IS_E4M3: tl.constexpr):
+    """fp32 value of FP8 byte(s) ``b`` (any int dtype holding 0..255); exact."""
+    b = b.to(tl.int32) & 0xFF
+    if IS_E4M3:
+        MB: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        SUBQ: tl.constexpr = 0.001953125  # 2^-9
+    else:
+        MB: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        SUBQ: tl.constexpr = 1.52587890625e-05  # 2^-16
+    mag = b & 0x7F
+    e = mag >> MB
+    m = mag & ((1 << MB) - 1)
+    normal = f32_from_bits(((e + (127 - BIAS)) << 23) | (m << (23 - MB)))
+    val = tl.where(e == 0, m.to(tl.float32) * SUBQ, normal)
+    if IS_E4M3:
+        val = tl.where(mag == 0x7F, float("nan"), val)
+    else:
+        val = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), val)
+    return f32_from_bits(f32_bits(val) | ((b & 0x80) << 24))  # sign bit (keeps -0.0)
+
+
+@triton.jit
+def e8m0_roundup(v):
+    """E8M0 byte (int32) of fp32 ``v >= 0``, rounding UP with satfinite (§5 step 3)."""
+    bits = f32_bits(v) & 0x7FFFFFFF
+    e = bits >> 23
+    m = bits & 0x7FFFFF
+    up = (m > 0) & (e != 254) & ~((e == 0) & (m <= 0x400000))
+    r = tl.where(up, e + 1, e)
+    r = tl.where(bits == 0x7F800000, 254, r)
+    return tl.where(bits > 0x7F800000, 255, r)
+
+
+@triton.jit
+def e8m0_encode_mult(e):
+    """Encode multiplier ``2^(127 - e)`` of E8M0 byte ``e`` (254 -> 2^-127, 255 -> NaN)."""
+    s = f32_from_bits((254 - e) << 23)
+    s = tl.where(e == 254, f32_from_bits(tl.full(e.shape, 0x00400000, tl.int32)), s)
+    return tl.where(e == 255, float("nan"), s)
+
+
+@triton.jit
+def e8m0_decode(e):
+    """Decode scale ``2^(e - 127)`` of E8M0 byte ``e`` (0 -> 2^-127, 255 -> NaN)."""
+    e = e.to(tl.int32) & 0xFF
+    s = f32_from_bits(e << 23)
+    s = tl.where(e == 0, f32_from_bits(tl.full(e.shape, 0x00400000, tl.int32)), s)
+    return tl.where(e == 255, float("nan"), s)
+
+
+@triton.jit
+def e2m1_rne(v):
+    """E2M1 code (int32, sign in bit 3) of fp32 ``v``: RNE, satfinite, NaN -> +6 (§7.4, §10)."""
+    a = tl.abs(v)
+    c = tl.where(a <= 0.25, 0, 1)
+    c = tl.where(a >= 0.75, 2, c)
+    c = tl.where(a > 1.25, 3, c)
+    c = tl.where(a >= 1.75, 4, c)
+    c = tl.where(a > 2.5, 5, c)
+    c = tl.where(a >= 3.5, 6, c)
+    c = tl.where(a > 5.0, 7, c)
+    neg = ((f32_bits(v) >> 31) & 1) != 0
+    c = tl.where(neg, c | 8, c)
+    return tl.where(v != v, 7, c)
+
+
+@triton.jit
+def e2m1_sr(v, rbyte):
+    """Stochastic E2M1 code of fp32 ``v`` with the random byte ``rbyte`` (int32 0..255), §7.8.
+
+    ``t = fma(u, step, a)`` is exact to round once either way (``u * step`` is exact), then
+    ``q = min(floor(t / step_t) * step_t, 6)`` (power-of-two steps, exact) lies on the grid and is
+    coded by ``e2m1_rne``; NaN gives +6.
+    """
+    a = tl.abs(v)
+    u = rbyte.to(tl.float32) * 0.00390625
+    step = tl.where(a >= 4.0, 2.0, tl.where(a >= 2.0, 1.0, 0.5))
+    t = tl.fma(u, step, a)
+    step_t = tl.where(t >= 4.0, 2.0, tl.where(t >= 2.0, 1.0, 0.5))
+    q = tl.minimum(tl.floor(t / step_t) * step_t, 6.0)
+    neg = ((f32_bits(v) >> 31) & 1) != 0
+    c = e2m1_rne(q)
+    c = tl.where(neg, c | 8, c)
+    return tl.where(v != v, 7, c)
+
+
+@triton.jit
+def e2m1_decode(c):
+    """fp32 value of E2M1 code(s) ``c`` (int, 0..15)."""
+    c = c.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    val = tl.where(e == 0, m.to(tl.float32) * 0.5, f32_from_bits(((e + 126) << 23) | (m << 22)))
+    return f32_from_bits(f32_bits(val) | ((c & 8) << 28))  # sign bit (keeps -0.0)
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), returned as an exact fp32 value."""
+    b = f32_bits(x)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, b, r)
+    return f32_from_bits(r)
+
+
+@triton.jit
+def to_out(x, OUT_DTYPE: tl.constexpr):
+    """Cast fp32 ``x`` to the output dtype with RNE (bf16 rounded in software, see Known traps)."""
+    if OUT_DTYPE == tl.bfloat16:
+        return (f32_bits(bf16_rne(x)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def scale_from_amax(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                    VALUE_FOR_INF: tl.constexpr):
+    """TE's ``compute_scale_from_amax`` (§3 step 3): ``amax < eps -> eps``; Inf, 0, NaN -> 1;
+    else ``div_rn(fp8_max, amax)``, Inf -> ``VALUE_FOR_INF``, floored to a power of two (bits
+    ``& 0xFF800000``) when ``POW2``."""
+    a = tl.where(amax < eps, eps, amax)
+    s = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
+    s = tl.where(s == float("inf"), VALUE_FOR_INF, s)
+    if POW2:
+        s = f32_from_bits(f32_bits(s) & -8388608)
+    bad = (a == float("inf")) | (a == 0.0) | (a != a)
+    return tl.where(bad, 1.0, s)
+
+
+@triton.jit
+def lowbias32(x):
+    """Wellons' ``lowbias32`` bijection on uint32 ``x`` (multiplications wrap modulo 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def sr_seed_state(seed_ptr):
+    """Seed-only prefix of ``sr_random_byte``: ``lowbias32(lowbias32(s_lo ^ IV) ^ s_hi)``."""
+    seed = tl.load(seed_ptr)
+    s_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    s_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = lowbias32(s_lo ^ tl.full(s_lo.shape, 0x9E3779B9, tl.uint32))
+    return lowbias32(h ^ s_hi)
+
+
+@triton.jit
+def sr_random_byte(state, index):
+    """Random byte (int32 0..255) of int64 element ``index`` >= 0 given ``sr_seed_state``;
+    repeats ``quant_core.reference.stochastic.sr_random_byte`` exactly."""
+    i_lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    i_hi = ((index >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = lowbias32(state ^ i_hi)
+    h = lowbias32(h ^ i_lo)
+    return (h >> 24).to(tl.int32)

@@ -1,0 +1,49 @@
+"""The ``triton`` backend of quant-core (entry point ``quant_core.backends``).
+
+``BACKEND`` exposes the functions of ``quant_core.reference`` with identical signatures and
+return conventions, computed by the Triton kernels of this package. Two scalar-sized helpers
+delegate to the reference on purpose (no bandwidth at stake): ``current_scale`` (one element)
+and ``swizzle_scales`` / ``unswizzle_scales`` (scale matrices are 1/32 to 1/16 of the data; the
+quantize and dequantize kernels write and read the swizzled layout directly instead).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from quant_core import reference
+
+from . import fp8_block, fp8_tensor, mxfp8, nvfp4
+
+
+class TritonBackend:
+    """Triton kernels for every format and direction, byte-exact against the reference."""
+
+    name = "triton"
+    priority = 10
+
+    @staticmethod
+    def supports(device: torch.device) -> bool:
+        """CUDA devices; the CPU only through Triton's interpreter (``TRITON_INTERPRET=1``)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return True
+        return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+    amax = staticmethod(fp8_tensor.amax)
+    current_scale = staticmethod(reference.current_scale)
+    fp8_quantize = staticmethod(fp8_tensor.fp8_quantize)
+    fp8_dequantize = staticmethod(fp8_tensor.fp8_dequantize)
+    mxfp8_quantize = staticmethod(mxfp8.mxfp8_quantize)
+    mxfp8_dequantize = staticmethod(mxfp8.mxfp8_dequantize)
+    fp8_block_quantize = staticmethod(fp8_block.fp8_block_quantize)
+    fp8_block_dequantize = staticmethod(fp8_block.fp8_block_dequantize)
+    nvfp4_amax = staticmethod(nvfp4.nvfp4_amax)
+    nvfp4_quantize = staticmethod(nvfp4.nvfp4_quantize)
+    nvfp4_dequantize = staticmethod(nvfp4.nvfp4_dequantize)
+    swizzle_scales = staticmethod(reference.swizzle_scales)
+    unswizzle_scales = staticmethod(reference.unswizzle_scales)
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,167 @@
+"""FP8 block-scaling kernels, 1x128 / 128x1 and 128x128 (`numerics.md` §6, §8): rowwise and the
+transposed columnwise data from one read of each tile, fp32 scales in the GEMM-ready layouts
+(1D transposed, inner dim zero-padded to 4), partial edge blocks over valid elements."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core import shapes
+from quant_core.dtypes import DType, check_fp8
+
+from ._common import CONFIGS, config, launch_kwargs, tl_dtype
+from ._rounding import abs_nan0, fp8_decode, fp8_rne_sat, scale_from_amax, to_out, widen
+
+BLOCK = shapes.FP8_BLOCK
+CONFIGS["fp8_block"] = {
+    "gpu": {"BM_ROW": 64, "num_warps": 8},  # BM_ROW: tile height of the rowwise-only 1D path
+    "interp": {"BM_ROW": 128},
+}
+CONFIGS["fp8_block_dequant"] = {
+    "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
+    "interp": {"BM": 128, "BK": 128},
+}
+_DTYPE_MAX = {torch.float32: 3.4028234663852886e38, torch.bfloat16: 3.3895313892515355e38,
+              torch.float16: 65504.0}
+
+
+@triton.jit
+def _fp8_block_kernel(
+    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, eps,
+    ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, VINF: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+    xf = widen(x)
+    a = abs_nan0(x)
+    if TWO_D:
+        s = scale_from_amax(tl.max(tl.max(a, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
+        q = fp8_rne_sat(xf * s, IS_E4M3).to(tl.uint8)
+        s_inv = tl.math.div_rn(1.0, s)
+        if ROW:
+            tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+            tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
+        if COL:
+            tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                     mask=tl.trans(mask))
+            tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
+    else:
+        if ROW:
+            s = scale_from_amax(tl.max(a, axis=1), eps, FP8_MAX, POW2, VINF)
+            q = fp8_rne_sat(xf * s[:, None], IS_E4M3).to(tl.uint8)
+            tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+            tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
+        if COL:
+            s = scale_from_amax(tl.max(a, axis=0), eps, FP8_MAX, POW2, VINF)
+            q = fp8_rne_sat(xf * s[None, :], IS_E4M3).to(tl.uint8)
+            tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                     mask=tl.trans(mask))
+            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s), mask=rk < K)
+
+
+def _check_dim(block_scaling_dim: int) -> None:
+    if block_scaling_dim not in (1, 2):
+        raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+
+
+def fp8_block_quantize(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    block_scaling_dim: int,
+    force_pow_2_scales: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over ``[BM, 128]`` tiles (``BM = 128`` when columnwise or 2D) writing
+    ``row_data [M, K]``, ``col_data [K, M]`` (transposed) and fp32 ``scale_inv`` buffers in the
+    GEMM-ready layouts. Mirrors ``reference.fp8_block_quantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    _check_dim(block_scaling_dim)
+    m, k = x.shape
+    dev = x.device
+    rd = rs = cd = cs = None
+    rs_shape = shapes.fp8_block_rowwise_scale_shape(m, k, block_scaling_dim)
+    cs_shape = shapes.fp8_block_columnwise_scale_shape(m, k, block_scaling_dim)
+    if rowwise:
+        rd = torch.empty((m, k), dtype=torch.uint8, device=dev)
+        rs = torch.zeros(rs_shape, dtype=torch.float32, device=dev)
+    if columnwise:
+        cd = torch.empty((k, m), dtype=torch.uint8, device=dev)
+        cs = torch.zeros(cs_shape, dtype=torch.float32, device=dev)
+    if m == 0 or k == 0 or not (rowwise or columnwise):
+        return rd, rs, cd, cs
+    cfg = config("fp8_block")
+    bm = cfg["BM_ROW"] if (block_scaling_dim == 1 and not columnwise) else BLOCK
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, BLOCK))
+    dummy = rd if rd is not None else cd
+    dummy_s = rs if rs is not None else cs
+    _fp8_block_kernel[grid](
+        x, rd if rowwise else dummy, rs if rowwise else dummy_s, cd if columnwise else dummy,
+        cs if columnwise else dummy_s, m, k, rs_shape[1], cs_shape[1], float(amax_epsilon),
+        ROW=rowwise, COL=columnwise, TWO_D=block_scaling_dim == 2,
+        IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
+        VINF=_DTYPE_MAX[x.dtype], BM=bm, BK=BLOCK, **launch_kwargs(cfg),
+    )
+    return rd, rs, cd, cs
+
+
+@triton.jit
+def _fp8_block_dequant_kernel(
+    d_ptr, s_ptr, out_ptr, M, K, S_C,
+    COLWISE: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    if COLWISE:  # data is [K, M]: load the transposed tile
+        b = tl.trans(tl.load(d_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                             mask=tl.trans(mask), other=0))
+    else:
+        b = tl.load(d_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0)
+    mb = rm[:, None] // 128
+    kb = rk[None, :] // 128
+    if TWO_D:
+        so = kb * S_C + mb if COLWISE else mb * S_C + kb
+    else:
+        so = mb * S_C + rk[None, :] if COLWISE else kb * S_C + rm[:, None]
+    s = tl.load(s_ptr + so, mask=mask, other=1.0)
+    v = fp8_decode(b, IS_E4M3) * s
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], to_out(v, OUT), mask=mask)
+
+
+def fp8_block_dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    block_scaling_dim: int,
+    columnwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``float(fp8(data)) * scale_inv`` per block, cast to ``dtype``, ``[M, K]`` (columnwise data
+    ``[K, M]`` is transposed back). Mirrors ``reference.fp8_block_dequantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    _check_dim(block_scaling_dim)
+    m, k = (data.shape[1], data.shape[0]) if columnwise else tuple(data.shape)
+    out = torch.empty((m, k), dtype=dtype, device=data.device)
+    if m == 0 or k == 0:
+        return out
+    cfg = config("fp8_block_dequant")
+    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    _fp8_block_dequant_kernel[grid](
+        data.contiguous().view(torch.uint8), scale_inv.to(torch.float32).contiguous(), out, m, k,
+        scale_inv.shape[1], COLWISE=columnwise, TWO_D=block_scaling_dim == 2,
+        IS_E4M3=fp8_dtype == DType.E4M3, OUT=tl_dtype(dtype), BM=cfg["BM"], BK=cfg["BK"],
+        **launch_kwargs(cfg),
+    )
+    return out

@@ -1,0 +1,132 @@
+"""Per-tensor FP8 kernels: NaN-dropping amax, the cast (rowwise and/or transposed, optional
+delayed-scaling amax accumulation) and dequantization (`numerics.md` §2–§4, §8)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core.dtypes import DType, check_fp8
+
+from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
+from ._rounding import abs_nan0, f32_bits, fp8_decode, fp8_rne_sat, to_out, widen
+
+CONFIGS["amax"] = {"gpu": {"BLOCK": 8192, "num_warps": 8}, "interp": {"BLOCK": 4096}}
+CONFIGS["fp8_cast"] = {
+    "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
+    "interp": {"BM": 64, "BK": 64},
+}
+CONFIGS["fp8_dequant"] = {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}}
+
+
+@triton.jit
+def _amax_kernel(x_ptr, out_bits_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(abs_nan0(x), axis=0)))
+
+
+def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Max-accumulate NaN-dropping ``max|x|`` into fp32 ``out (1,)`` (non-negative) in place."""
+    n = x.numel()
+    if n == 0:
+        return
+    cfg = config("amax")
+    grid = (triton.cdiv(n, cfg["BLOCK"]),)
+    _amax_kernel[grid](x, out.view(torch.int32), n, **tile_args(cfg), **launch_kwargs(cfg))
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as fp32 ``(1,)``, NaN dropped, 0 for an empty tensor (one atomic-max pass)."""
+    out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    amax_into(x.reshape(-1), out)
+    return out
+
+
+@triton.jit
+def _fp8_cast_kernel(
+    x_ptr, scale_ptr, data_ptr, t_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
+    ROW: tl.constexpr, COL: tl.constexpr, AMAX: tl.constexpr, IS_E4M3: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
+    s = tl.load(scale_ptr)
+    q = fp8_rne_sat(widen(x) * s, IS_E4M3).to(tl.uint8)
+    if ROW:
+        tl.store(data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+    if COL:
+        tl.store(t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                 mask=tl.trans(mask))
+    if AMAX:
+        tl.atomic_max(amax_bits_ptr, f32_bits(tl.max(tl.max(abs_nan0(x), axis=1), axis=0)))
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, s))
+
+
+def fp8_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    rowwise: bool,
+    columnwise: bool,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """One pass: ``fp8_satfinite_rne(fp32(x * scale))`` into ``data [M, K]`` and/or the byte
+    transpose ``[K, M]``, ``scale_inv = div_rn(1, scale)``, and (delayed scaling) an atomic max of
+    ``max|x|`` into ``amax_out`` on its fp32 bits. Mirrors ``reference.fp8_quantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    m, k = x.shape
+    dev = x.device
+    scale = scale.to(torch.float32).reshape(1).contiguous()
+    data = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
+    trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        scale_inv.copy_((1.0 / scale.double()).float())  # fp64 then one rounding: div_rn
+        return data, trans, scale_inv
+    cfg = config("fp8_cast")
+    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    dummy = scale_inv
+    _fp8_cast_kernel[grid](
+        x, scale, data if rowwise else dummy, trans if columnwise else dummy, scale_inv,
+        amax_out.view(torch.int32) if amax_out is not None else dummy, m, k,
+        ROW=rowwise, COL=columnwise, AMAX=amax_out is not None,
+        IS_E4M3=fp8_dtype == DType.E4M3, **tile_args(cfg), **launch_kwargs(cfg),
+    )
+    return data, trans, scale_inv
+
+
+@triton.jit
+def _fp8_dequant_kernel(
+    d_ptr, scale_inv_ptr, out_ptr, n, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = tl.load(d_ptr + offs, mask=mask, other=0)
+    v = fp8_decode(b, IS_E4M3) * tl.load(scale_inv_ptr)
+    tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
+
+
+def fp8_dequantize(
+    data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType, dtype: torch.dtype
+) -> torch.Tensor:
+    """``float(fp8(data)) * scale_inv`` cast (RNE) to ``dtype``; any shape of ``data``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    data = data.contiguous()
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    n = data.numel()
+    if n:
+        cfg = config("fp8_dequant")
+        _fp8_dequant_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+            data.view(torch.uint8), scale_inv.to(torch.float32).reshape(1).contiguous(), out, n,
+            IS_E4M3=fp8_dtype == DType.E4M3, OUT=tl_dtype(dtype), **tile_args(cfg),
+            **launch_kwargs(cfg),
+        )
+    return out

@@ -1,0 +1,202 @@
+"""MXFP8 kernels (`numerics.md` §5, §8): E8M0 round-up scales per 1x32 (rowwise), 32x1
+(columnwise) or 32x32 (2D) block; rowwise and columnwise from ONE read of each input tile, scales
+written zero-padded and optionally swizzled in place, partial 32-row blocks over valid rows."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core import shapes
+from quant_core.dtypes import DType, check_fp8
+
+from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
+from ._layout import scale_offset
+from ._rounding import (
+    RCP_E4M3,
+    RCP_E5M2,
+    abs_nan0,
+    e8m0_decode,
+    e8m0_encode_mult,
+    e8m0_roundup,
+    fp8_decode,
+    fp8_rne_sat,
+    to_out,
+    widen,
+)
+
+CONFIGS["mxfp8"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 4}, "interp": {"BM": 64, "BK": 64}}
+CONFIGS["mxfp8_dequant"] = {
+    "gpu": {"BM": 32, "BK": 128, "num_warps": 4},
+    "interp": {"BM": 64, "BK": 64},
+}
+
+
+@triton.jit
+def _rcp(IS_E4M3: tl.constexpr):
+    if IS_E4M3:
+        return RCP_E4M3
+    else:
+        return RCP_E5M2
+
+
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
+    ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
+    IS_E4M3: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    xf = widen(x)
+    a = abs_nan0(x)
+    # scale index vectors: rows of the tile, 32-row blocks, 32-column blocks
+    rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+    kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+    mb_total = (M + 31) // 32
+    if TWO_D:
+        t = tl.max(tl.max(tl.reshape(a, [BM // 32, 32, BK // 32, 32]), axis=3), axis=1)
+        e = e8m0_roundup(t * _rcp(IS_E4M3))
+        s = e8m0_encode_mult(e)
+        s_full = tl.reshape(tl.broadcast_to(s[:, None, :, None], [BM // 32, 32, BK // 32, 32]),
+                            [BM, BK])
+        q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
+        eb = e.to(tl.uint8)
+        if ROW:
+            tl.store(rd_ptr + offs, q, mask=mask)
+            e_rows = tl.reshape(tl.broadcast_to(eb[:, None, :], [BM // 32, 32, BK // 32]),
+                                [BM, BK // 32])
+            so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
+            tl.store(rs_ptr + so, e_rows, mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
+        if COL:
+            tl.store(cd_ptr + offs, q, mask=mask)
+            e_cols = tl.reshape(tl.broadcast_to(eb[:, :, None], [BM // 32, BK // 32, 32]),
+                                [BM // 32, BK])
+            if SWIZZLE:
+                so = scale_offset(rk[None, :], rb[:, None], CS_SW_C, True)
+            else:
+                so = scale_offset(rb[:, None], rk[None, :], CS_C, False)
+            tl.store(cs_ptr + so, e_cols, mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
+    else:
+        if ROW:
+            t = tl.max(tl.reshape(a, [BM, BK // 32, 32]), axis=2)
+            e = e8m0_roundup(t * _rcp(IS_E4M3))
+            s = e8m0_encode_mult(e)
+            s_full = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 32, 32]), [BM, BK])
+            q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
+            tl.store(rd_ptr + offs, q, mask=mask)
+            so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
+            tl.store(rs_ptr + so, e.to(tl.uint8), mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
+        if COL:
+            t = tl.max(tl.reshape(a, [BM // 32, 32, BK]), axis=1)
+            e = e8m0_roundup(t * _rcp(IS_E4M3))
+            s = e8m0_encode_mult(e)
+            s_full = tl.reshape(tl.broadcast_to(s[:, None, :], [BM // 32, 32, BK]), [BM, BK])
+            q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
+            tl.store(cd_ptr + offs, q, mask=mask)
+            if SWIZZLE:
+                so = scale_offset(rk[None, :], rb[:, None], CS_SW_C, True)
+            else:
+                so = scale_offset(rb[:, None], rk[None, :], CS_C, False)
+            tl.store(cs_ptr + so, e.to(tl.uint8),
+                     mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
+
+
+def _check_k(k: int) -> None:
+    if k % shapes.MXFP8_BLOCK:
+        raise ValueError(f"MXFP8 needs K to be a multiple of {shapes.MXFP8_BLOCK}, got K={k}")
+
+
+def mxfp8_quantize(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    rowwise: bool,
+    columnwise: bool,
+    with_2d_quantization: bool,
+    swizzle: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One kernel reads each ``[BM, BK]`` tile once and writes the asked directions: data
+    ``[M, K]`` (columnwise not transposed) and E8M0 scales in the zero-padded shapes of
+    ``quant_core.shapes``, swizzled in place when ``swizzle`` (columnwise: the swizzle of the
+    transposed scale matrix). Mirrors ``reference.mxfp8_quantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    m, k = x.shape
+    _check_k(k)
+    dev = x.device
+    rd = rs = cd = cs = None
+    rs_shape = shapes.mxfp8_rowwise_scale_shape(m, k)
+    cs_shape = shapes.mxfp8_columnwise_scale_shape(m, k)
+    if rowwise:
+        rd = torch.empty((m, k), dtype=torch.uint8, device=dev)
+        rs = torch.zeros(rs_shape, dtype=torch.uint8, device=dev)
+    if columnwise:
+        cd = torch.empty((m, k), dtype=torch.uint8, device=dev)
+        cs = torch.zeros(cs_shape, dtype=torch.uint8, device=dev)
+    if m == 0 or k == 0 or not (rowwise or columnwise):
+        return rd, rs, cd, cs
+    cfg = config("mxfp8")
+    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    dummy = rd if rd is not None else cd
+    _mxfp8_kernel[grid](
+        x, rd if rowwise else dummy, rs if rowwise else dummy, cd if columnwise else dummy,
+        cs if columnwise else dummy, m, k, rs_shape[1], cs_shape[1], cs_shape[0],
+        ROW=rowwise, COL=columnwise, TWO_D=with_2d_quantization, SWIZZLE=swizzle,
+        IS_E4M3=fp8_dtype == DType.E4M3, **tile_args(cfg), **launch_kwargs(cfg),
+    )
+    return rd, rs, cd, cs
+
+
+@triton.jit
+def _mxfp8_dequant_kernel(
+    d_ptr, s_ptr, out_ptr, M, K, S_C, S_SW_C,
+    COLWISE: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+    b = tl.load(d_ptr + offs, mask=mask, other=0)
+    if COLWISE:
+        if SWIZZLE:
+            so = scale_offset(rk[None, :], rm[:, None] // 32, S_SW_C, True)
+        else:
+            so = scale_offset(rm[:, None] // 32, rk[None, :], S_C, False)
+    else:
+        so = scale_offset(rm[:, None], rk[None, :] // 32, S_C, SWIZZLE)
+    e = tl.load(s_ptr + so, mask=mask, other=127)
+    v = fp8_decode(b, IS_E4M3) * e8m0_decode(e)
+    tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
+
+
+def mxfp8_dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    columnwise: bool,
+    swizzled: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``float(fp8(data)) * 2^(e - 127)`` cast to ``dtype``, ``[M, K]``; swizzled scales are read
+    through the swizzle index directly. Mirrors ``reference.mxfp8_dequantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    m, k = data.shape
+    _check_k(k)
+    out = torch.empty((m, k), dtype=dtype, device=data.device)
+    if m == 0 or k == 0:
+        return out
+    cfg = config("mxfp8_dequant")
+    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    _mxfp8_dequant_kernel[grid](
+        data.contiguous().view(torch.uint8), scale.contiguous(), out, m, k, scale.shape[1],
+        scale.shape[0], COLWISE=columnwise, SWIZZLE=swizzled, IS_E4M3=fp8_dtype == DType.E4M3,
+        OUT=tl_dtype(dtype), **tile_args(cfg), **launch_kwargs(cfg),
+    )
+    return out

@@ -1,0 +1,50 @@
+"""Per-tensor FP8 (current and delayed scaling) against the reference, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernels_util import DEVICE, assert_all_same, assert_same, make_input
+from quant_core import reference as ref
+from quant_core.dtypes import DType
+from quant_kernels.backend import BACKEND as B
+
+SHAPES = [(70, 96), (5, 33), (0, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_amax(shape, dtype):
+    x = make_input(*shape, dtype, seed=1)
+    assert_same(B.amax(x.to(DEVICE)), ref.amax(x))
+
+
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_current_scaling(fp8, shape, dtype):
+    x = make_input(*shape, dtype, seed=2)
+    a = B.amax(x.to(DEVICE))
+    scale = B.current_scale(a, fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0)
+    for rw, cw in ((True, True), (False, True)):
+        got = B.fp8_quantize(x.to(DEVICE), scale, fp8_dtype=fp8, rowwise=rw, columnwise=cw)
+        want = ref.fp8_quantize(x, scale.cpu(), fp8_dtype=fp8, rowwise=rw, columnwise=cw)
+        assert_all_same(got, want, fp8, ("data", "transpose", "scale_inv"))
+    for d in (torch.float32, torch.bfloat16, torch.float16):
+        assert_same(B.fp8_dequantize(got[1].to(DEVICE), got[2], fp8_dtype=fp8, dtype=d),
+                    ref.fp8_dequantize(want[1], want[2], fp8_dtype=fp8, dtype=d))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-20, 3e5])
+def test_delayed_scaling_accumulates_amax(scale):
+    x = make_input(40, 64, torch.bfloat16, seed=3)
+    s = torch.tensor([scale])
+    for prior in (0.0, 1e30):
+        got_amax = torch.tensor([prior], device=DEVICE)
+        want_amax = torch.tensor([prior])
+        got = B.fp8_quantize(x.to(DEVICE), s.to(DEVICE), fp8_dtype=DType.E4M3, rowwise=True,
+                             columnwise=False, amax_out=got_amax)
+        want = ref.fp8_quantize(x, s, fp8_dtype=DType.E4M3, rowwise=True, columnwise=False,
+                                amax_out=want_amax)
+        assert_all_same(got, want, DType.E4M3, ("data", "transpose", "scale_inv"))
+        assert_same(got_amax, want_amax)

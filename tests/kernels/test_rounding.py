@@ -1,0 +1,67 @@
+"""Each shared rounding helper against the reference encoder on special and random fp32 bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernels_util import DEVICE
+from quant_core.dtypes import DType
+from quant_core.reference._rounding import fp8_encode
+from quant_core.reference.mxfp8 import e8m0_roundup
+from quant_core.reference.nvfp4 import e2m1_encode
+from quant_kernels.encoders import encode
+
+
+def _probe_values() -> torch.Tensor:
+    """Specials, every FP8/E2M1 grid point and midpoint with ±1 ulp, and random bit patterns."""
+    g = torch.Generator().manual_seed(0)
+    rand_bits = torch.randint(-(2**31), 2**31, (1 << 14,), generator=g, dtype=torch.int64)
+    grid = torch.cat([
+        torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(),
+        torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2).float(),
+        torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0,
+                      6.0, 7.0, 448.0, 464.0, 480.0, 57344.0, 61440.0, 2.0**-127, 2.0**-149,
+                      1.5 * 2.0**-127, 2.0**127, 3.4028234663852886e38]),
+    ])
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[:-1] + grid[1:]) / 2
+    base = torch.cat([grid, mids, torch.tensor([float("inf"), float("nan"), -0.0])])
+    base = torch.cat([base, -base])
+    bits = base.view(torch.int32).to(torch.int64)
+    near = torch.cat([bits - 1, bits, bits + 1, rand_bits])
+    near = torch.where(near >= 2**31, near - 2**32, near).clamp(-(2**31), 2**31 - 1)
+    return near.to(torch.int32).view(torch.float32)
+
+
+V = _probe_values()
+
+
+@pytest.mark.parametrize("rule", ["e4m3", "e5m2"])
+def test_fp8_rne_satfinite(rule):
+    fp8 = DType.E4M3 if rule == "e4m3" else DType.E5M2
+    got = encode(V.to(DEVICE), rule).cpu()
+    want = fp8_encode(V, fp8).to(torch.int32)
+    nan = torch.isnan(V)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.isnan(got[nan].to(torch.uint8).view(fp8.torch_dtype).float()).all()
+
+
+def test_e8m0_roundup():
+    a = V.abs()
+    assert torch.equal(encode(a.to(DEVICE), "e8m0").cpu(), e8m0_roundup(a).to(torch.int32))
+
+
+def test_e2m1_rne():
+    assert torch.equal(encode(V.to(DEVICE), "e2m1").cpu(), e2m1_encode(V).to(torch.int32))
+
+
+def test_div_rn_is_correctly_rounded():
+    v = V[torch.isfinite(V) & (V != 0)]
+    want = (1.0 / v.double()).float().view(torch.int32)
+    assert torch.equal(encode(v.to(DEVICE), "div_rn").cpu(), want)
+
+
+def test_bf16_rne():
+    v = V[~torch.isnan(V)]
+    want = v.to(torch.bfloat16).float().view(torch.int32)
+    assert torch.equal(encode(v.to(DEVICE), "bf16").cpu(), want)
