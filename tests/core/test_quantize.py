@@ -55,6 +55,15 @@ def test_storage_buffer_shapes_for_leading_dims(name):
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_every_buffer_is_contiguous(name):
+    """Custom ops' fake kernels, checkpoints and GEMMs assume the row-major layout."""
+    for q in (QUANTIZERS[name], QUANTIZERS[name].replace(optimize_for_gemm=True)):
+        storage = q.quantize(_randn(16, 256))
+        for buf_name, buf in storage.buffers().items():
+            assert buf is None or buf.is_contiguous(), buf_name
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_dequantize_has_input_shape_and_dtype(name):
     x = _randn(2, 48, 64)
     q = QUANTIZERS[name]

@@ -35,7 +35,7 @@ def expand_blocks(
 
 
 def _pad_cols(s: torch.Tensor, cols: int) -> torch.Tensor:
-    return F.pad(s, (0, cols - s.shape[1]))
+    return F.pad(s, (0, cols - s.shape[1])).contiguous()
 
 
 def _block_dims(block_scaling_dim: int, columnwise: bool) -> tuple[int, int]:

@@ -215,7 +215,10 @@ def nvfp4_quantize(
 
         row_scale = None if row_scale is None else swizzle_scales(row_scale)
         col_scale = None if col_scale is None else swizzle_scales(col_scale)
-    return row_data, row_scale, col_data, col_scale
+    # storages hold contiguous buffers (custom ops and checkpoints rely on the layout)
+    return tuple(
+        None if t is None else t.contiguous() for t in (row_data, row_scale, col_data, col_scale)
+    )
 
 
 def nvfp4_dequantize(
