@@ -1,0 +1,41 @@
+"""On every torch release, a compiled quantized ``Linear`` gives eager's bits, forward and
+backward: with ``fullgraph=True`` where quant-dynamo has an opaque-object API, and through graph
+breaks where it has none (torch 2.9: `spec/torch-versions.md` §3)."""
+
+from __future__ import annotations
+
+import pytest
+import quant_dynamo
+import quant_recipes as qr
+import torch
+
+RECIPES = {
+    "current": qr.Float8CurrentScaling(),
+    "block": qr.Float8BlockScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_compiled_linear_equals_eager(name):
+    recipe = RECIPES[name]
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+
+    def step(x):
+        with qr.autocast(recipe=recipe):
+            return layer(x)
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    eager = step(x)
+    eager.float().sum().backward()
+    grads = (x.grad, layer.weight.grad)
+    x.grad = layer.weight.grad = None
+
+    torch._dynamo.reset()
+    fullgraph = quant_dynamo.status()["mode"] != "none"
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x)
+    compiled.float().sum().backward()
+    assert torch.equal(compiled, eager)
+    assert torch.equal(x.grad, grads[0]) and torch.equal(layer.weight.grad, grads[1])
