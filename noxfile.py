@@ -5,7 +5,9 @@ it declares), the full suite on torch 2.13 with every package, and the torch-ver
 
 Virtualenvs live outside the clone (``$QUANT_NOX_ENVDIR``, default ``~/.cache/quant-nox``) and are
 reused: third-party requirements are installed only when they change (a stamp file per venv), so a
-warm run does not reinstall six torch builds.
+warm run does not reinstall six torch builds. The project's own packages are installed editable
+(the stamp records the clone's path), so a source change needs no reinstall and a new clone
+reinstalls only them.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def lint(session: nox.Session) -> None:
 def core(session: nox.Session) -> None:
     """quant-core alone: torch and nothing else (no triton, no other quant package)."""
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
-    _stamp_install(session, "local", [_pkg("quant-core")])
+    _stamp_install(session, "local", _editable("quant-core"))
     _assert_absent(session, "triton", "quant_kernels", "quant_dynamo", "quant_recipes")
     _pytest(session, "tests/core")
 
@@ -105,7 +107,7 @@ def core(session: nox.Session) -> None:
 def kernels(session: nox.Session) -> None:
     """quant-kernels with quant-core, through the Triton interpreter on the CPU."""
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", *TEST_TOOLS])
-    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-kernels")])
+    _stamp_install(session, "local", _editable("quant-core", "quant-kernels"))
     _assert_absent(session, "quant_dynamo", "quant_recipes")
     _pytest(session, "tests/kernels", env={"TRITON_INTERPRET": "1"})
 
@@ -114,7 +116,7 @@ def kernels(session: nox.Session) -> None:
 def dynamo(session: nox.Session) -> None:
     """quant-dynamo with quant-core only."""
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
-    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-dynamo")])
+    _stamp_install(session, "local", _editable("quant-core", "quant-dynamo"))
     _assert_absent(session, "triton", "quant_kernels", "quant_recipes")
     _pytest(session, "tests/dynamo")
 
@@ -123,7 +125,7 @@ def dynamo(session: nox.Session) -> None:
 def recipes(session: nox.Session) -> None:
     """quant-recipes with quant-core only (compile tests needing quant-dynamo skip here)."""
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
-    _stamp_install(session, "local", [_pkg("quant-core"), _pkg("quant-recipes")])
+    _stamp_install(session, "local", _editable("quant-core", "quant-recipes"))
     _assert_absent(session, "triton", "quant_kernels", "quant_dynamo")
     _pytest(session, "tests/recipes")
 
