@@ -3,53 +3,16 @@
 from __future__ import annotations
 
 import math
-import struct
 
 import pytest
 import torch
+from _oracles import assert_same_values, bits_to_f32, decoded, f32, fp8_value
 from quant_core.dtypes import DType
 from quant_core.reference import amax, current_scale, fp8_dequantize, fp8_quantize
 
 E4M3, E5M2 = DType.E4M3, DType.E5M2
 NAN, INF = math.nan, math.inf
 FLT_MAX_BITS = 0x7F7FFFFF
-
-
-def bits_to_f32(b: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", b))[0]
-
-
-def f32(v: float) -> float:
-    """Round a double to fp32 (RNE, overflow to Inf, subnormals kept)."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", v))[0]
-    except OverflowError:
-        return math.copysign(INF, v)
-
-
-def fp8_value(v: float, fmt: DType) -> float:
-    """Scalar oracle of ``fp8_satfinite_rne`` (§2): RNE onto the format's grid, ±max on overflow."""
-    mant_bits, emin, fmax = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}[fmt]
-    if math.isnan(v) or v == 0:
-        return v
-    a = abs(v)
-    if a >= fmax:
-        return math.copysign(fmax, v)
-    step = 2.0 ** (max(math.frexp(a)[1] - 1, emin) - mant_bits)
-    return math.copysign(min(round(a / step) * step, fmax), v)  # round(): ties to even
-
-
-def decoded(data: torch.Tensor, fmt: DType) -> torch.Tensor:
-    return data.view(fmt.torch_dtype).to(torch.float32)
-
-
-def assert_same_values(actual: torch.Tensor, expected: torch.Tensor):
-    """Equal values, equal sign bits (so -0.0 counts), NaN where expected NaN."""
-    expected = expected.to(actual.dtype)
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(actual[~nan], expected[~nan])
-    assert torch.equal(torch.signbit(actual[~nan]), torch.signbit(expected[~nan]))
 
 
 def scale_of(amax_value: float, fmt=E4M3, pow2=False, eps=0.0) -> float:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import struct
 
 import pytest
 import torch
+from _oracles import assert_same_values, bits_to_f32, decoded, f32, fp8_value
 from quant_core import shapes
 from quant_core.dtypes import DType
 from quant_core.reference import (
@@ -24,30 +24,6 @@ BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
 # ------------------------------------------------------------------------------ scalar oracle
-
-
-def f32(v: float) -> float:
-    """Round a double to fp32 (RNE, overflow to Inf, subnormals kept)."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", v))[0]
-    except OverflowError:
-        return math.copysign(INF, v)
-
-
-def bits_to_f32(b: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", b))[0]
-
-
-def fp8_value(v: float, fmt: DType) -> float:
-    """Scalar ``fp8_satfinite_rne`` (§2): RNE onto the format's grid, ±max on overflow."""
-    mant_bits, emin, fmax = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}[fmt]
-    if math.isnan(v) or v == 0:
-        return v
-    a = abs(v)
-    if a >= fmax:
-        return math.copysign(fmax, v)
-    step = 2.0 ** (max(math.frexp(a)[1] - 1, emin) - mant_bits)
-    return math.copysign(min(round(a / step) * step, fmax), v)  # round(): ties to even
 
 
 def e8m0_scalar(v: float) -> int:
@@ -85,18 +61,6 @@ def oracle(x: torch.Tensor, fmt: DType, block_rows: int, block_cols: int):
             for (i, j), q in zip(cells, quantized, strict=True):
                 values[i][j] = q
     return torch.tensor(values).reshape(m, k), torch.tensor(scale, dtype=torch.uint8)
-
-
-def decoded(data: torch.Tensor, fmt: DType) -> torch.Tensor:
-    return data.view(fmt.torch_dtype).to(torch.float32)
-
-
-def assert_same_values(actual: torch.Tensor, expected: torch.Tensor):
-    """Equal values, equal sign bits (so -0.0 counts), NaN where expected NaN."""
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(actual[~nan], expected[~nan])
-    assert torch.equal(torch.signbit(actual[~nan]), torch.signbit(expected[~nan]))
 
 
 def quantize(x, fmt=E4M3, rowwise=True, columnwise=False, two_d=False, swizzle=False):

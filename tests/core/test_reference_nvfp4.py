@@ -11,32 +11,22 @@ Recurring hand arithmetic (fp32 = 24 significant bits):
 from __future__ import annotations
 
 import math
-import struct
 
 import pytest
 import torch
+from _oracles import assert_same_values, bits_to_f32, f32, random_byte
 from quant_core import shapes
 from quant_core.reference import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
 from quant_core.reference.nvfp4 import e2m1_encode, pack_e2m1
 from quant_core.reference.rht import DEFAULT_SIGNS
 
 INF, NAN = math.inf, math.nan
-FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+FLT_MAX = bits_to_f32(0x7F7FFFFF)
 MASK = 55272
 
 # ---------------------------------------------------------------------------------------------
 # Scalar oracle: a straightforward per-block re-statement of §7.1-§7.8 with Python floats.
 # ---------------------------------------------------------------------------------------------
-
-
-def f32(v: float) -> float:
-    """Round a double to fp32 (RNE, overflow to Inf, subnormals kept). A product or quotient of
-    two fp32 values is exact or safely double-rounded in a double, so f32(a op b) is fp32(a op b).
-    """
-    try:
-        return struct.unpack("<f", struct.pack("<f", v))[0]
-    except OverflowError:
-        return math.copysign(INF, v)
 
 
 #: Non-negative finite E4M3 values by byte 0x00..0x7E (bias 7, subnormals m/8 * 2^-6).
@@ -66,25 +56,6 @@ def e2m1_code(v: float) -> int:
     if math.isnan(v):
         return 7
     return nearest_even(E2M1, abs(v)) | (8 if math.copysign(1.0, v) < 0 else 0)
-
-
-def lowbias32(x: int) -> int:
-    m = 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & m
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & m
-    return x ^ (x >> 16)
-
-
-def random_byte(seed: int, index: int) -> int:
-    """The documented formula of ``sr_random_byte`` in plain uint32 arithmetic."""
-    s = seed & (2**64 - 1)
-    h = lowbias32((s & 0xFFFFFFFF) ^ 0x9E3779B9)
-    h = lowbias32(h ^ (s >> 32))
-    h = lowbias32(h ^ (index >> 32))
-    h = lowbias32(h ^ (index & 0xFFFFFFFF))
-    return h >> 24
 
 
 def sr_value(v: float, byte: int) -> float:
@@ -231,15 +202,6 @@ def dequantize(data, scale, amax_value, dtype=torch.float32, swizzled=False):
 
 def u8(*vals) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.uint8)
-
-
-def assert_same_values(actual: torch.Tensor, expected: torch.Tensor):
-    """Equal values and sign bits (so -0.0 counts), NaN where expected NaN."""
-    expected = expected.to(actual.dtype)
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(actual[~nan], expected[~nan])
-    assert torch.equal(torch.signbit(actual[~nan]), torch.signbit(expected[~nan]))
 
 
 # ---------------------------------------------------------------------------------------------

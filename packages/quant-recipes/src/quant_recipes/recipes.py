@@ -86,8 +86,14 @@ def _env_backward_override() -> str | None:
     return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
 
 
-def _set(obj: Any, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)
+_FP8_QPARAM_FIELDS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+def _fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
+    """Give each field named in ``defaults`` that is still ``None`` its default (frozen-safe)."""
+    for name, value in defaults.items():
+        if getattr(recipe, name) is None:
+            object.__setattr__(recipe, name, value)
 
 
 def _check_common(recipe: Recipe) -> None:
@@ -197,9 +203,8 @@ class Float8CurrentScaling(Recipe):
         _check_common(self)
         if self.fp8_format is Format.E2M1:
             raise ValueError("Float8CurrentScaling.fp8_format must be an FP8 format, got E2M1")
-        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
-            if getattr(self, name) is None:
-                _set(self, name, QParams(power_2_scale=self.use_power_2_scales))
+        pow2 = self.use_power_2_scales
+        _fill_unset(self, {name: QParams(power_2_scale=pow2) for name in _FP8_QPARAM_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -268,9 +273,8 @@ class Float8BlockScaling(Recipe):
                 raise ValueError(f"Float8BlockScaling.{name}: split accumulator is required")
         if self.fp8_dpa or self.fp8_mha:
             raise ValueError("Float8BlockScaling does not support FP8 attention (fp8_dpa/fp8_mha)")
-        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
-            if getattr(self, name) is None:
-                _set(self, name, QParams(power_2_scale=not self.use_f32_scales))
+        pow2 = not self.use_f32_scales
+        _fill_unset(self, {name: QParams(power_2_scale=pow2) for name in _FP8_QPARAM_FIELDS})
 
 
 _4OVER6_SCOPES = ("none", "weights", "activations", "all")
@@ -330,9 +334,7 @@ class NVFP4BlockScaling(Recipe):
                 stochastic_rounding=not self.disable_stochastic_rounding,
             ),
         }
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                _set(self, name, value)
+        _fill_unset(self, defaults)
 
 
 @dataclass(frozen=True)
