@@ -36,6 +36,8 @@ TRITON = "3.6.0"
 #: Releases whose opaque-object API differs (spec/torch-versions.md).
 COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
+#: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy.
+INTERPRETER = ["numpy>=1.26"]
 
 # The machine's pip config caps torch at 2.14.1 through a constraints file; pointing
 # PIP_CONSTRAINT at an empty file lifts the cap for one command (an empty value does not).
@@ -106,7 +108,9 @@ def core(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def kernels(session: nox.Session) -> None:
     """quant-kernels with quant-core, through the Triton interpreter on the CPU."""
-    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", *TEST_TOOLS])
+    _stamp_install(
+        session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", *INTERPRETER, *TEST_TOOLS]
+    )
     _stamp_install(session, "local", _editable("quant-core", "quant-kernels"))
     _assert_absent(session, "quant_dynamo", "quant_recipes")
     _pytest(session, "tests/kernels", env={"TRITON_INTERPRET": "1"})
@@ -135,7 +139,8 @@ def tests(session: nox.Session) -> None:
     """The whole suite on torch 2.13 with all four packages; kernels through TRITON_INTERPRET=1."""
     _stamp_install(
         session, "deps",
-        [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7", *TEST_TOOLS],
+        [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7", *INTERPRETER,
+         *TEST_TOOLS],
     )
     _stamp_install(
         session, "local",
