@@ -39,3 +39,23 @@ def test_compiled_linear_equals_eager(name):
     compiled.float().sum().backward()
     assert torch.equal(compiled, eager)
     assert torch.equal(x.grad, grads[0]) and torch.equal(layer.weight.grad, grads[1])
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_compiled_inference_equals_eager(name):
+    """Without gradients the module narrows its quantizers' usages (derived inside the graph
+    where the API allows it; torch 2.10 keeps the full-usage quantizer): same bits either way."""
+    recipe = RECIPES[name]
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+
+    def step(x):
+        with qr.autocast(recipe=recipe):
+            return layer(x)
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = step(x)
+        torch._dynamo.reset()
+        fullgraph = quant_dynamo.status()["mode"] != "none"
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x)
+    assert torch.equal(compiled, eager)

@@ -26,9 +26,14 @@ def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     runs = {r["recipe"]: r for r in results["runs"]}
     assert len(runs["mxfp8"]["losses"]) == 3
-    if HAVE_DYNAMO:  # compiled with fullgraph=True: one graph, no break
-        assert runs["mxfp8"]["compiles"] == 1 and runs["mxfp8"]["graph_breaks"] == 0
-        assert runs["mxfp8"]["note"] == ""
+    assert runs["mxfp8"]["note"] == ""  # compiled (or eager without quant-dynamo), no fallback
+    if HAVE_DYNAMO:
+        import quant_dynamo
+
+        if quant_dynamo.status()["mode"] != "none":  # fullgraph=True: one graph, no break
+            assert runs["mxfp8"]["compiles"] == 1 and runs["mxfp8"]["graph_breaks"] == 0
+        else:  # torch 2.9: compiled through graph breaks, which the table reports
+            assert runs["mxfp8"]["compiles"] >= 1
     assert (out / "loss_curves.png").exists() == HAVE_MATPLOTLIB
 
 

@@ -38,10 +38,15 @@ Public API
     straight-through gradient.
 ``buffer_names(cls_or_obj) -> tuple[str, ...]``
     The buffer order of ``quantize`` for this quantizer class.
+``DERIVES_IN_GRAPH: bool``
+    Whether compiled code may derive a new quantizer from one it holds (``q.replace``,
+    ``q.with_usage``): those methods then run on the real object at trace time and the result is
+    baked. False on 2.10 (no ``members`` in the API) and without the API.
 """
 
 from __future__ import annotations
 
+from ._api import probe as _probe
 from .fx_repr import rebuild_quantizer
 from .ops import buffer_names, qdq, quantize
 from .registration import (
@@ -57,8 +62,10 @@ from .registration import (
 
 __version__ = "0.1.0"
 
+DERIVES_IN_GRAPH: bool = _probe().mode not in ("repr", "none")
+
 __all__ = [
     "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",
     "opaque_schema_type", "check_quantizer_arg", "flatten_quantizer", "unflatten_quantizer",
-    "quantize", "qdq", "buffer_names", "rebuild_quantizer",
+    "quantize", "qdq", "buffer_names", "rebuild_quantizer", "DERIVES_IN_GRAPH",
 ]

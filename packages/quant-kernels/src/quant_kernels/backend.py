@@ -1,9 +1,9 @@
 """The ``triton`` backend of quant-core (entry point ``quant_core.backends``).
 
 ``BACKEND`` exposes the functions of ``quant_core.reference`` with identical signatures and
-return conventions, computed by the Triton kernels of this package. Two scalar-sized helpers
-delegate to the reference on purpose (no bandwidth at stake): ``current_scale`` (one element)
-and ``swizzle_scales`` / ``unswizzle_scales`` (scale matrices are 1/32 to 1/16 of the data; the
+return conventions, computed by the Triton kernels of this package. Two helpers
+delegate to the reference on purpose (no bandwidth at stake): ``swizzle_scales`` /
+``unswizzle_scales`` (scale matrices are 1/32 to 1/16 of the data; the
 quantize and dequantize kernels write and read the swizzled layout directly instead).
 """
 
@@ -31,8 +31,13 @@ class TritonBackend:
             return True
         return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
+    @staticmethod
+    def preferred(device: torch.device) -> bool:
+        """Automatic choice takes Triton on CUDA only: the interpreter is for tests, by name."""
+        return torch.device(device).type == "cuda"
+
     amax = staticmethod(fp8_tensor.amax)
-    current_scale = staticmethod(reference.current_scale)
+    current_scale = staticmethod(fp8_tensor.current_scale)
     fp8_quantize = staticmethod(fp8_tensor.fp8_quantize)
     fp8_dequantize = staticmethod(fp8_tensor.fp8_dequantize)
     mxfp8_quantize = staticmethod(mxfp8.mxfp8_quantize)

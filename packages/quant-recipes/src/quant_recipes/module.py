@@ -62,6 +62,13 @@ class QuantizerSet:
     def variant(self, q: Quantizer, **fields: Any) -> Quantizer:
         """``q`` with ``fields`` changed (cached per ``(id(q), fields)``; value ones interned)."""
         if torch.compiler.is_compiling():
+            import quant_dynamo
+
+            if not quant_dynamo.DERIVES_IN_GRAPH:
+                # torch 2.10 cannot run a baked quantizer's methods at trace time: keep q. Only
+                # usage flags differ under compile, and the GEMMs read the same buffers of the
+                # full-usage quantizer, so outputs and gradients keep eager's bits.
+                return q
             return derive(q, **fields)
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
