@@ -1,5 +1,6 @@
 """GPU conformance: every Triton kernel against the reference on large random tensors (bitwise),
-and each elementwise encoder over all 2^32 fp32 bit patterns (chunks of 2^28).
+and each elementwise encoder over all 2^32 fp32 bit patterns (chunks of 2^29): the software FP8
+and bf16 encoders AND the native-cast ones the kernels use on GPU (``_common.NATIVE_CASTS``).
 
 Run on a CUDA machine: ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src
 python bench/check_gpu.py``. Prints one mismatch count per check (goal: 0 everywhere).
@@ -11,11 +12,13 @@ import sys
 import time
 
 import torch
+import triton
 from quant_core import reference as ref
 from quant_core.dtypes import DType
 from quant_core.reference._rounding import fp8_encode
 from quant_core.reference.mxfp8 import e8m0_roundup
 from quant_core.reference.nvfp4 import e2m1_encode
+from quant_kernels._common import native_bf16, native_fp8
 from quant_kernels.backend import BACKEND as B
 from quant_kernels.encoders import encode
 
@@ -45,29 +48,46 @@ def count(got, want, fp8: DType | None = None) -> int:
     return int((got != want).sum())
 
 
-def sweep_encoders(chunk_log2: int = 28) -> None:
-    """All 2^32 fp32 patterns through each shared encoder vs the reference encoder."""
+def sweep_encoders(chunk_log2: int = 29) -> None:
+    """All 2^32 fp32 patterns through each shared encoder (software and native paths) vs the
+    reference encoders; FP8 NaN bytes and bf16 NaNs compare by NaN-ness."""
     chunk = 1 << chunk_log2
-    totals = {r: 0 for r in ("e4m3", "e5m2", "e8m0", "e2m1")}
+    rules = ("e4m3", "e5m2", "e4m3_native", "e5m2_native", "e8m0", "e2m1", "bf16", "bf16_native")
+    totals = dict.fromkeys(rules, 0)
     t0 = time.time()
     for start in range(0, 1 << 32, chunk):
         bits = torch.arange(start, start + chunk, dtype=torch.int64, device=DEV)
         v = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
         del bits
         nan = torch.isnan(v)
-        for rule, fp8 in (("e4m3", DType.E4M3), ("e5m2", DType.E5M2)):
-            got = encode(v, rule)
+        for fp8 in (DType.E4M3, DType.E5M2):
             want = fp8_encode(v, fp8).to(torch.int32)
-            gnan = torch.isnan(got.to(torch.uint8).view(fp8.torch_dtype).float())
+            for rule in (fp8.name.lower(), fp8.name.lower() + "_native"):
+                got = encode(v, rule)
+                gnan = torch.isnan(got.to(torch.uint8).view(fp8.torch_dtype).float())
+                totals[rule] += int(((got != want) & ~nan).sum() + (gnan != nan).sum())
+                del got, gnan
+            del want
+        want = v.to(torch.bfloat16).float().view(torch.int32)
+        for rule in ("bf16", "bf16_native"):
+            got = encode(v, rule)
+            gnan = torch.isnan(got.view(torch.float32))
             totals[rule] += int(((got != want) & ~nan).sum() + (gnan != nan).sum())
+            del got, gnan
+        del want
         a = v.abs()
         totals["e8m0"] += int((encode(a, "e8m0") != e8m0_roundup(a).to(torch.int32)).sum())
         del a
         totals["e2m1"] += int((encode(v, "e2m1") != e2m1_encode(v).to(torch.int32)).sum())
+        del v, nan
         torch.cuda.empty_cache()
     for rule, n in totals.items():
         report(f"exhaustive 2^32 {rule}", n)
     print(f"(sweep took {time.time() - t0:.1f} s)")
+    bad_native = [r for r in rules if r.endswith("_native") and totals[r]]
+    if bad_native:
+        print(f"NATIVE CAST MISMATCH in {bad_native}: set quant_kernels._common."
+              "NATIVE_FP8_CASTS (e4m3/e5m2) or NATIVE_BF16_CASTS (bf16) to False")
 
 
 def make(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -88,6 +108,21 @@ def check_formats(m: int, k: int) -> None:
         for fp8 in (DType.E4M3, DType.E5M2):
             a = ref.amax(x)
             s = ref.current_scale(a, fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0)
+            n = 0
+            for av in (a, torch.zeros_like(a), torch.full_like(a, float("inf")), a * 2.0**-140):
+                for p2 in (False, True):
+                    kw = dict(fp8_dtype=fp8, force_pow_2_scales=p2, amax_epsilon=0.0)
+                    n += count(B.current_scale(av, **kw), ref.current_scale(av, **kw))
+            report(f"current_scale {fp8.name} {tag}", n)
+            for rw, cw in ((True, False), (False, True)):
+                for fn, kw in ((B.mxfp8_quantize, dict(with_2d_quantization=False, swizzle=True)),
+                               (B.fp8_block_quantize, dict(block_scaling_dim=1, amax_epsilon=0.0,
+                                                           force_pow_2_scales=False))):
+                    kw = dict(kw, fp8_dtype=fp8, rowwise=rw, columnwise=cw)
+                    rfn = getattr(ref, fn.__name__)
+                    n = sum(count(g, w, fp8) for g, w in zip(fn(x, **kw), rfn(x, **kw),
+                                                              strict=True))
+                    report(f"{fn.__name__} {fp8.name} row={rw} col={cw} {tag}", n)
             ga, wa = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
             got = B.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True, amax_out=ga)
             want = ref.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True,
@@ -138,10 +173,13 @@ def check_formats(m: int, k: int) -> None:
 
 
 def main() -> int:
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
+          "native casts in kernels: fp8", native_fp8(), "bf16", native_bf16(), flush=True)
+    t0 = time.time()
+    sweep_encoders()
     check_formats(4096, 4096)
     check_formats(1040, 2080)  # ragged M for 32 / 128 blocks
-    sweep_encoders()
+    print(f"(checks took {time.time() - t0:.1f} s)")
     bad = [(n, c) for n, c in RESULTS if c]
     print(f"CHECKS {len(RESULTS)}, with mismatches: {len(bad)}")
     return 1 if bad else 0

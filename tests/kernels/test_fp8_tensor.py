@@ -12,6 +12,21 @@ from quant_kernels.backend import BACKEND as B
 SHAPES = [(70, 96), (5, 33), (0, 64)]
 
 
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_current_scale(fp8, pow2, eps):
+    for v in (0.0, 1e-30, 1e-4, 0.3, 448.0, 3e38, float("inf"), float("nan"), 2.0**-149):
+        a = torch.tensor([v])
+        kw = dict(fp8_dtype=fp8, force_pow_2_scales=pow2, amax_epsilon=eps)
+        assert_same(B.current_scale(a.to(DEVICE), **kw), ref.current_scale(a, **kw), what=str(v))
+
+
+def test_amax_persistent_loop():
+    x = make_input(300, 96, torch.bfloat16, seed=4)  # 7 tiles over 2 programs: loops
+    assert_same(B.amax(x.to(DEVICE)), ref.amax(x))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_amax(shape, dtype):

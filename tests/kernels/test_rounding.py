@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels_util import DEVICE
+from _kernels_util import DEVICE, INTERPRET
 from quant_core.dtypes import DType
 from quant_core.reference._rounding import fp8_encode
 from quant_core.reference.mxfp8 import e8m0_roundup
@@ -36,9 +36,14 @@ def _probe_values() -> torch.Tensor:
 V = _probe_values()
 
 
-@pytest.mark.parametrize("rule", ["e4m3", "e5m2"])
+NATIVE_ONLY_GPU = pytest.mark.skipif(INTERPRET, reason="native casts: GPU only (interpreter wrong)")
+
+
+@pytest.mark.parametrize("rule", ["e4m3", "e5m2",
+                                  pytest.param("e4m3_native", marks=NATIVE_ONLY_GPU),
+                                  pytest.param("e5m2_native", marks=NATIVE_ONLY_GPU)])
 def test_fp8_rne_satfinite(rule):
-    fp8 = DType.E4M3 if rule == "e4m3" else DType.E5M2
+    fp8 = DType.E4M3 if rule.startswith("e4m3") else DType.E5M2
     got = encode(V.to(DEVICE), rule).cpu()
     want = fp8_encode(V, fp8).to(torch.int32)
     nan = torch.isnan(V)
@@ -61,7 +66,15 @@ def test_div_rn_is_correctly_rounded():
     assert torch.equal(encode(v.to(DEVICE), "div_rn").cpu(), want)
 
 
-def test_bf16_rne():
+@pytest.mark.parametrize("rule", ["bf16", pytest.param("bf16_native", marks=NATIVE_ONLY_GPU)])
+def test_bf16_rne(rule):
     v = V[~torch.isnan(V)]
     want = v.to(torch.bfloat16).float().view(torch.int32)
-    assert torch.equal(encode(v.to(DEVICE), "bf16").cpu(), want)
+    assert torch.equal(encode(v.to(DEVICE), rule).cpu(), want)
+
+
+def test_native_rules_refused_by_interpreter():
+    if not INTERPRET:
+        pytest.skip("interpreter only")
+    with pytest.raises(ValueError, match="GPU"):
+        encode(V[:4], "e4m3_native")

@@ -12,6 +12,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: Native hardware casts on real GPUs (never under the interpreter, whose fp8 cast rounds wrongly:
+#: `numerics.md`, Known traps). bench/check_gpu.py sweeps the native AND the software encoders
+#: over all 2^32 fp32 inputs; if a native one ever mismatches, set its constant to False and every
+#: kernel falls back to the software rounding helpers of `_rounding` for that rule.
+#: FP8: clamp to ±max, then ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32``; NaN -> 0x7F explicitly.
+NATIVE_FP8_CASTS = True
+#: bf16: ``cvt.rn.bf16.f32`` (RNE) for bf16 outputs and the RHT rounding, plain bf16 -> fp32
+#: widening, and ``max.f32(|x|, 0)`` (returns the non-NaN operand) for NaN-dropping maxima.
+NATIVE_BF16_CASTS = True
+
+
+def native_fp8() -> bool:
+    """True when kernels use the native fp32 -> e4m3/e5m2 cast."""
+    return NATIVE_FP8_CASTS and not interpreting()
+
+
+def native_bf16() -> bool:
+    """True when kernels use the native bf16 casts and NaN-dropping hardware max."""
+    return NATIVE_BF16_CASTS and not interpreting()
+
+
 #: Tile configs per kernel: ``{name: {"gpu": {...}, "interp": {...}}}``; the benchmark may edit the
 #: "gpu" entries in place to sweep them. Interpreter tiles are large to keep the grid small.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {}
@@ -37,7 +58,6 @@ def tile_args(cfg: dict[str, int]) -> dict[str, int]:
 def as_i32(t: torch.Tensor) -> torch.Tensor:
     """View an fp32 tensor as int32 (for atomic max on the bits of non-negative floats)."""
     return t.view(torch.int32)
-
 
 
 def tl_dtype(dtype: torch.dtype):

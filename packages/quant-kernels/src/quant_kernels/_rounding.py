@@ -1,9 +1,11 @@
 """Shared element encoders and decoders: ONE ``@triton.jit`` helper per rounding rule.
 
-Every kernel rounds in software (bit-level integer arithmetic, or an exact power-of-two multiply
-followed by one IEEE add), never through Triton's native fp32 -> fp8/bf16 casts: the interpreter's
-casts round wrongly (`numerics.md`, Known traps), so the same code is byte-exact on CPU and GPU.
-Maxima drop NaN through ``abs_nan0`` (a ``tl.where``), never a NaN-propagating ``tl.maximum``.
+Two paths per cast rule, chosen at import by the constexprs ``NATIVE_FP8`` / ``NATIVE`` (the
+``_common.NATIVE_FP8_CASTS`` / ``NATIVE_BF16_CASTS`` switches): on a real GPU the hardware casts
+(fp32 -> e4m3/e5m2 after an explicit clamp, RNE satfinite; fp32 <-> bf16, RNE); under the
+interpreter (whose fp8 cast rounds wrongly, `numerics.md` Known traps) software rounding (an exact
+power-of-two grid add, integer bit tricks). bench/check_gpu.py sweeps both paths over all 2^32
+fp32 inputs. Maxima drop NaN (``abs_nan0``), never through a NaN-propagating ``tl.maximum``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import native_bf16, native_fp8
+
+#: Native casts in every kernel (False under the interpreter, or by the ``_common`` constants).
+NATIVE_FP8 = tl.constexpr(native_fp8())
+NATIVE = tl.constexpr(native_bf16())
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 #: Exact fp32 values (as Python floats) of fp32(1/448), fp32(1/57344) (MXFP8 multiplies by
 #: these, §5) and fp32(1/6) (NVFP4, §7.3).
@@ -25,9 +32,11 @@ E5M2_MAX = tl.constexpr(57344.0)
 
 @triton.jit
 def widen(x):
-    """``float(x)``: exact fp32 of an fp32/bf16/fp16 tensor. bf16 is widened on its bits (the
-    interpreter's bf16 -> fp32 cast mangles subnormals)."""
-    if x.dtype == tl.bfloat16:
+    """``float(x)``: exact fp32 of an fp32/bf16/fp16 tensor. Software path: bf16 is widened on
+    its bits (the interpreter's bf16 -> fp32 cast mangles subnormals)."""
+    if NATIVE:
+        return x.to(tl.float32)
+    elif x.dtype == tl.bfloat16:
         return ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32,
                                                                                bitcast=True)
     else:
@@ -36,9 +45,14 @@ def widen(x):
 
 @triton.jit
 def abs_nan0(x):
-    """``|float(x)|`` with NaN mapped to 0 (NaN-dropping maxima, §10)."""
+    """``|float(x)|`` with NaN mapped to 0 (NaN-dropping maxima, §10). Native path: one
+    ``max.f32(|x|, 0)``, which returns the non-NaN operand (no ``propagate_nan``); the
+    interpreter's numpy maximum propagates NaN, hence the ``tl.where`` there."""
     a = tl.abs(widen(x))
-    return tl.where(a == a, a, 0.0)
+    if NATIVE:
+        return tl.maximum(a, 0.0)
+    else:
+        return tl.where(a == a, a, 0.0)
 
 
 @triton.jit
@@ -53,7 +67,30 @@ def f32_from_bits(b):
 
 @triton.jit
 def fp8_rne_sat(v, IS_E4M3: tl.constexpr):
-    """``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2).
+    """``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2), NaN -> 0x7F: the native
+    or the software encoder (``NATIVE_FP8``)."""
+    if NATIVE_FP8:
+        return fp8_native(v, IS_E4M3)
+    else:
+        return fp8_soft(v, IS_E4M3)
+
+
+@triton.jit
+def fp8_native(v, IS_E4M3: tl.constexpr):
+    """Clamp to ±max, the hardware RNE satfinite cast (``cvt.rn.satfinite.e4m3x2/e5m2x2``), NaN
+    -> the canonical 0x7F. GPU only: the interpreter's cast rounds wrongly."""
+    if IS_E4M3:
+        MAXV: tl.constexpr = 448.0
+        b = tl.minimum(tl.maximum(v, -MAXV), MAXV).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        MAXV: tl.constexpr = 57344.0
+        b = tl.minimum(tl.maximum(v, -MAXV), MAXV).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where(v == v, b, tl.full(b.shape, 0x7F, tl.uint8))
+
+
+@triton.jit
+def fp8_soft(v, IS_E4M3: tl.constexpr):
+    """Software ``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2).
 
     Exact grid rounding, then a cast of an exactly representable value: ``|v|`` is clamped to
     the max (Inf too), rounded to the format's quantum by ``(a + c) - c`` with
@@ -138,18 +175,18 @@ def e8m0_decode(e):
 
 @triton.jit
 def e2m1_rne(v):
-    """E2M1 code (int32, sign in bit 3) of fp32 ``v``: RNE, satfinite, NaN -> +6 (§7.4, §10)."""
-    a = tl.abs(v)
-    c = tl.where(a <= 0.25, 0, 1)
-    c = tl.where(a >= 0.75, 2, c)
-    c = tl.where(a > 1.25, 3, c)
-    c = tl.where(a >= 1.75, 4, c)
-    c = tl.where(a > 2.5, 5, c)
-    c = tl.where(a >= 3.5, 6, c)
-    c = tl.where(a > 5.0, 7, c)
-    neg = ((f32_bits(v) >> 31) & 1) != 0
-    c = tl.where(neg, c | 8, c)
-    return tl.where(v != v, 7, c)
+    """E2M1 code (int32, sign in bit 3) of fp32 ``v``: RNE, satfinite, NaN -> +6 (§7.4, §10).
+
+    ``a = min(|v|, 6)`` is rounded onto the E2M1 grid by one IEEE add, ``(a + c) - c`` with
+    ``c = 2^(exponent(a) + 22)`` floored at ``2^22`` (quantum 0.5 below 2, 1 in [2, 4), 2 from
+    4), which ties to even exactly as E2M1 does. Scaled by 2^-126 the grid value's fp32 bits
+    (subnormal for 0.5) are the code shifted left by 22.
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    c = f32_from_bits(tl.maximum((f32_bits(a) & 0x7F800000) + (22 << 23), 0x4A800000))
+    r = (a + c) - c
+    code = (f32_bits(r * 1.1754943508222875e-38) >> 22) | ((f32_bits(v) >> 28) & 8)
+    return tl.where(v != v, 7, code)
 
 
 @triton.jit
@@ -192,9 +229,20 @@ def bf16_rne(x):
 
 
 @triton.jit
+def bf16_round(x):
+    """fp32 ``x`` rounded to bf16 (RNE) as an exact fp32 value: native cast or ``bf16_rne``."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return bf16_rne(x)
+
+
+@triton.jit
 def to_out(x, OUT_DTYPE: tl.constexpr):
-    """Cast fp32 ``x`` to the output dtype with RNE (bf16 rounded in software, see Known traps)."""
-    if OUT_DTYPE == tl.bfloat16:
+    """Cast fp32 ``x`` to the output dtype with RNE (bf16: native cast on GPU, else software)."""
+    if NATIVE:
+        return x.to(OUT_DTYPE)
+    elif OUT_DTYPE == tl.bfloat16:
         return (f32_bits(bf16_rne(x)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(OUT_DTYPE)

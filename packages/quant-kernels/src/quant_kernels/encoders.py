@@ -1,8 +1,10 @@
 """Elementwise access to the shared rounding helpers, for tests and exhaustive GPU sweeps.
 
 ``encode(v, rule)`` applies one helper of ``_rounding`` to every fp32 element of ``v`` and returns
-int32 codes: ``"e4m3"``/``"e5m2"`` (FP8 RNE satfinite byte), ``"e8m0"`` (round-up byte), ``"e2m1"``
-(RNE code), ``"div_rn"`` (bits of ``div_rn(1, v)``), ``"bf16"`` (bits of the bf16-rounded value).
+int32 codes: ``"e4m3"``/``"e5m2"`` (software FP8 RNE satfinite byte), ``"e4m3_native"`` /
+``"e5m2_native"`` (the hardware cast path; GPU only), ``"e8m0"`` (round-up byte), ``"e2m1"`` (RNE
+code), ``"div_rn"`` (bits of ``div_rn(1, v)``), ``"bf16"`` / ``"bf16_native"`` (bits of the
+bf16-rounded value, software / hardware cast; the latter GPU only).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
-from ._rounding import bf16_rne, e2m1_rne, e8m0_roundup, f32_bits, fp8_rne_sat
+from ._rounding import bf16_rne, e2m1_rne, e8m0_roundup, f32_bits, fp8_native, fp8_soft
 
-RULES = ("e4m3", "e5m2", "e8m0", "e2m1", "div_rn", "bf16")
+RULES = ("e4m3", "e5m2", "e8m0", "e2m1", "div_rn", "bf16", "e4m3_native", "e5m2_native",
+         "bf16_native")
 
 
 @triton.jit
@@ -23,22 +26,30 @@ def _encode_kernel(v_ptr, out_ptr, n, RULE: tl.constexpr, BLOCK: tl.constexpr):
     mask = offs < n
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     if RULE == 0:
-        c = fp8_rne_sat(v, True)
+        c = fp8_soft(v, True).to(tl.int32)
     elif RULE == 1:
-        c = fp8_rne_sat(v, False)
+        c = fp8_soft(v, False).to(tl.int32)
     elif RULE == 2:
         c = e8m0_roundup(v)
     elif RULE == 3:
         c = e2m1_rne(v)
     elif RULE == 4:
         c = f32_bits(tl.math.div_rn(1.0, v))
-    else:
+    elif RULE == 5:
         c = f32_bits(bf16_rne(v))
+    elif RULE == 6:
+        c = fp8_native(v, True).to(tl.int32)
+    elif RULE == 7:
+        c = fp8_native(v, False).to(tl.int32)
+    else:
+        c = f32_bits(v.to(tl.bfloat16).to(tl.float32))
     tl.store(out_ptr + offs, c, mask=mask)
 
 
 def encode(v: torch.Tensor, rule: str) -> torch.Tensor:
     """int32 codes of fp32 ``v`` (1D, contiguous) under ``rule`` (one of ``RULES``)."""
+    if rule.endswith("_native") and interpreting():
+        raise ValueError(f"rule {rule!r} needs a GPU (the interpreter's casts are wrong)")
     out = torch.empty(v.shape, dtype=torch.int32, device=v.device)
     n = v.numel()
     if n:

@@ -18,6 +18,10 @@ CONFIGS["fp8_block"] = {
     "gpu": {"BM_ROW": 64, "num_warps": 8},  # BM_ROW: tile height of the rowwise-only 1D path
     "interp": {"BM_ROW": 128},
 }
+#: 128x128 tiles (columnwise or 2D), processed in SLAB-row slabs
+#: (winners of the 2026-11-29 run 3 sweep: 1D row+col SLAB 32 / 4 warps, 2D SLAB 64 / 8 warps)
+CONFIGS["fp8_block_col"] = {"gpu": {"SLAB": 32, "num_warps": 4}, "interp": {"SLAB": 64}}
+CONFIGS["fp8_block_2d"] = {"gpu": {"SLAB": 64, "num_warps": 8}, "interp": {"SLAB": 64}}
 CONFIGS["fp8_block_dequant"] = {
     "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
     "interp": {"BM": 128, "BK": 128},
@@ -31,39 +35,53 @@ def _fp8_block_kernel(
     x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, eps,
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, VINF: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SLAB: tl.constexpr,
 ):
+    """A ``[BM, BK]`` tile in ``SLAB``-row slabs (few registers, no spills). Column (1D) or tile
+    (2D) amaxes need the whole tile first: pass 1 keeps an elementwise running max over the
+    slabs, pass 2 reloads each slab (from cache) and quantizes it."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
-    xf = widen(x)
-    a = abs_nan0(x)
-    if TWO_D:
-        s = scale_from_amax(tl.max(tl.max(a, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
-        q = fp8_rne_sat(xf * s, IS_E4M3).to(tl.uint8)
-        s_inv = tl.math.div_rn(1.0, s)
-        if ROW:
-            tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
-            tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
-        if COL:
-            tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
-                     mask=tl.trans(mask))
-            tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
-    else:
-        if ROW:
-            s = scale_from_amax(tl.max(a, axis=1), eps, FP8_MAX, POW2, VINF)
-            q = fp8_rne_sat(xf * s[:, None], IS_E4M3).to(tl.uint8)
-            tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
-            tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
-        if COL:
-            s = scale_from_amax(tl.max(a, axis=0), eps, FP8_MAX, POW2, VINF)
-            q = fp8_rne_sat(xf * s[None, :], IS_E4M3).to(tl.uint8)
-            tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
-                     mask=tl.trans(mask))
-            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s), mask=rk < K)
+    if COL or TWO_D:
+        acc = tl.zeros([SLAB, BK], tl.float32)
+        for r in range(BM // SLAB):  # a real loop: unrolled, the reloads would be CSEd
+            rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
+            mask = (rm[:, None] < M) & (rk[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+            acc = tl.maximum(acc, abs_nan0(x))
+        if TWO_D:
+            s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
+            s_inv = tl.math.div_rn(1.0, s_t)
+            if ROW:
+                tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
+            if COL:
+                tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
+        else:
+            s_c = scale_from_amax(tl.max(acc, axis=0), eps, FP8_MAX, POW2, VINF)
+            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s_c), mask=rk < K)
+    for r in range(BM // SLAB):
+        rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+        xf = widen(x)
+        if TWO_D:
+            q = fp8_rne_sat(xf * s_t, IS_E4M3)
+            if ROW:
+                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+            if COL:
+                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                         mask=tl.trans(mask))
+        else:
+            if ROW:
+                s = scale_from_amax(tl.max(abs_nan0(x), axis=1), eps, FP8_MAX, POW2, VINF)
+                q = fp8_rne_sat(xf * s[:, None], IS_E4M3)
+                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+                tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
+            if COL:
+                q = fp8_rne_sat(xf * s_c[None, :], IS_E4M3)
+                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                         mask=tl.trans(mask))
 
 
 def _check_dim(block_scaling_dim: int) -> None:
@@ -99,8 +117,11 @@ def fp8_block_quantize(
         cs = torch.zeros(cs_shape, dtype=torch.float32, device=dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
-    cfg = config("fp8_block")
-    bm = cfg["BM_ROW"] if (block_scaling_dim == 1 and not columnwise) else BLOCK
+    row_only = block_scaling_dim == 1 and not columnwise
+    cfg = config("fp8_block" if row_only else
+                 "fp8_block_2d" if block_scaling_dim == 2 else "fp8_block_col")
+    bm = cfg["BM_ROW"] if row_only else BLOCK
+    slab = bm if row_only else cfg["SLAB"]
     grid = (triton.cdiv(m, bm), triton.cdiv(k, BLOCK))
     dummy = rd if rd is not None else cd
     dummy_s = rs if rs is not None else cs
@@ -109,7 +130,7 @@ def fp8_block_quantize(
         cs if columnwise else dummy_s, m, k, rs_shape[1], cs_shape[1], float(amax_epsilon),
         ROW=rowwise, COL=columnwise, TWO_D=block_scaling_dim == 2,
         IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
-        VINF=_DTYPE_MAX[x.dtype], BM=bm, BK=BLOCK, **launch_kwargs(cfg),
+        VINF=_DTYPE_MAX[x.dtype], BM=bm, BK=BLOCK, SLAB=slab, **launch_kwargs(cfg),
     )
     return rd, rs, cd, cs
 

@@ -8,38 +8,86 @@ import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
 
-from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
-from ._rounding import abs_nan0, f32_bits, fp8_decode, fp8_rne_sat, to_out, widen
+from ._common import CONFIGS, config, interpreting, launch_kwargs, tile_args, tl_dtype
+from ._rounding import (
+    FLT_MAX,
+    abs_nan0,
+    f32_bits,
+    fp8_decode,
+    fp8_rne_sat,
+    scale_from_amax,
+    to_out,
+    widen,
+)
 
-CONFIGS["amax"] = {"gpu": {"BLOCK": 8192, "num_warps": 8}, "interp": {"BLOCK": 4096}}
+#: amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
+CONFIGS["amax"] = {"gpu": {"BLOCK": 8192, "num_warps": 8, "per_sm": 4},
+                   "interp": {"BLOCK": 4096, "per_sm": 1}}
 CONFIGS["fp8_cast"] = {
-    "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
+    "gpu": {"BM": 32, "BK": 128, "num_warps": 4},
     "interp": {"BM": 64, "BK": 64},
 }
 CONFIGS["fp8_dequant"] = {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}}
 
 
 @triton.jit
-def _amax_kernel(x_ptr, out_bits_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(abs_nan0(x), axis=0)))
+def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid
+    while t < n_tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
+        offs = t * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, abs_nan0(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+        t += tl.num_programs(0)
+    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(acc, axis=0)))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if interpreting() or dev.type != "cuda":
+        return 2
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
 
 
 def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Max-accumulate NaN-dropping ``max|x|`` into fp32 ``out (1,)`` (non-negative) in place."""
+    """Max-accumulate NaN-dropping ``max|x|`` into fp32 ``out (1,)`` (non-negative) in place:
+    a persistent grid, an elementwise running max per program, one atomic max (fp32 bits) each."""
     n = x.numel()
     if n == 0:
         return
     cfg = config("amax")
-    grid = (triton.cdiv(n, cfg["BLOCK"]),)
-    _amax_kernel[grid](x, out.view(torch.int32), n, **tile_args(cfg), **launch_kwargs(cfg))
+    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
+    _amax_kernel[(grid,)](x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
+                       **launch_kwargs(cfg))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as fp32 ``(1,)``, NaN dropped, 0 for an empty tensor (one atomic-max pass)."""
     out = torch.zeros(1, dtype=torch.float32, device=x.device)
     amax_into(x.reshape(-1), out)
+    return out
+
+
+@triton.jit
+def _current_scale_kernel(amax_ptr, out_ptr, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    tl.store(out_ptr, scale_from_amax(tl.load(amax_ptr), eps, FP8_MAX, POW2, FLT_MAX))
+
+
+def current_scale(
+    amax: torch.Tensor, *, fp8_dtype: DType, force_pow_2_scales: bool, amax_epsilon: float
+) -> torch.Tensor:
+    """Current-scaling encode scale, fp32 ``(1,)`` (§3 step 3), in one tiny launch. Mirrors
+    ``reference.current_scale``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    out = torch.empty(1, dtype=torch.float32, device=amax.device)
+    _current_scale_kernel[(1,)](amax.to(torch.float32).reshape(1), out, float(amax_epsilon),
+                                FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales))
     return out
 
 
@@ -56,7 +104,7 @@ def _fp8_cast_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
     s = tl.load(scale_ptr)
-    q = fp8_rne_sat(widen(x) * s, IS_E4M3).to(tl.uint8)
+    q = fp8_rne_sat(widen(x) * s, IS_E4M3)
     if ROW:
         tl.store(data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
     if COL:

@@ -25,7 +25,11 @@ from ._rounding import (
     widen,
 )
 
-CONFIGS["mxfp8"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 4}, "interp": {"BM": 64, "BK": 64}}
+#: Tile configs, set from the winners of the 2026-11-29 run 3 sweep: rowwise-only, and any
+#: columnwise (alone, fused with rowwise, or 2D).
+CONFIGS["mxfp8"] = {"gpu": {"BM": 64, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}}
+CONFIGS["mxfp8_col"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 4},
+                        "interp": {"BM": 64, "BK": 64}}
 CONFIGS["mxfp8_dequant"] = {
     "gpu": {"BM": 32, "BK": 128, "num_warps": 4},
     "interp": {"BM": 64, "BK": 64},
@@ -48,24 +52,23 @@ def _mxfp8_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    xf = widen(x)
-    a = abs_nan0(x)
-    # scale index vectors: rows of the tile, 32-row blocks, 32-column blocks
-    rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
     kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
-    mb_total = (M + 31) // 32
     if TWO_D:
+        rm = pid_m * BM + tl.arange(0, BM)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        xf = widen(x)
+        a = abs_nan0(x)
+        rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        mb_total = (M + 31) // 32
         t = tl.max(tl.max(tl.reshape(a, [BM // 32, 32, BK // 32, 32]), axis=3), axis=1)
         e = e8m0_roundup(t * _rcp(IS_E4M3))
         s = e8m0_encode_mult(e)
         s_full = tl.reshape(tl.broadcast_to(s[:, None, :, None], [BM // 32, 32, BK // 32, 32]),
                             [BM, BK])
-        q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
+        q = fp8_rne_sat(xf * s_full, IS_E4M3)
         eb = e.to(tl.uint8)
         if ROW:
             tl.store(rd_ptr + offs, q, mask=mask)
@@ -82,29 +85,43 @@ def _mxfp8_kernel(
             else:
                 so = scale_offset(rb[:, None], rk[None, :], CS_C, False)
             tl.store(cs_ptr + so, e_cols, mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
-    else:
-        if ROW:
-            t = tl.max(tl.reshape(a, [BM, BK // 32, 32]), axis=2)
-            e = e8m0_roundup(t * _rcp(IS_E4M3))
-            s = e8m0_encode_mult(e)
-            s_full = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 32, 32]), [BM, BK])
-            q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
-            tl.store(rd_ptr + offs, q, mask=mask)
-            so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
-            tl.store(rs_ptr + so, e.to(tl.uint8), mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
-        if COL:
-            t = tl.max(tl.reshape(a, [BM // 32, 32, BK]), axis=1)
-            e = e8m0_roundup(t * _rcp(IS_E4M3))
-            s = e8m0_encode_mult(e)
-            s_full = tl.reshape(tl.broadcast_to(s[:, None, :], [BM // 32, 32, BK]), [BM, BK])
-            q = fp8_rne_sat(xf * s_full, IS_E4M3).to(tl.uint8)
-            tl.store(cd_ptr + offs, q, mask=mask)
-            if SWIZZLE:
-                so = scale_offset(rk[None, :], rb[:, None], CS_SW_C, True)
-            else:
-                so = scale_offset(rb[:, None], rk[None, :], CS_C, False)
-            tl.store(cs_ptr + so, e.to(tl.uint8),
-                     mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
+    else:  # 1D: one 32-row slab at a time, so column blocks reduce over axis 0 (no reshape)
+        for r in tl.static_range(BM // 32):
+            _mxfp8_slab(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
+                        pid_m * (BM // 32) + r, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, BK)
+
+
+@triton.jit
+def _mxfp8_slab(
+    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, rk, kb,
+    ROW: tl.constexpr, COL: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """1D blocks of the 32 rows of block-row ``rb`` and columns ``rk``: rowwise 1x32 blocks
+    along K, columnwise 32x1 blocks as a plain max over axis 0 of the loaded tile."""
+    rm = rb * 32 + tl.arange(0, 32)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    xf = widen(x)
+    a = abs_nan0(x)
+    if ROW:
+        t = tl.max(tl.reshape(a, [32, BK // 32, 32]), axis=2)
+        e = e8m0_roundup(t * _rcp(IS_E4M3))
+        s = e8m0_encode_mult(e)
+        s_full = tl.reshape(tl.broadcast_to(s[:, :, None], [32, BK // 32, 32]), [32, BK])
+        tl.store(rd_ptr + offs, fp8_rne_sat(xf * s_full, IS_E4M3), mask=mask)
+        so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
+        tl.store(rs_ptr + so, e.to(tl.uint8), mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
+    if COL:
+        e = e8m0_roundup(tl.max(a, axis=0) * _rcp(IS_E4M3))
+        tl.store(cd_ptr + offs, fp8_rne_sat(xf * e8m0_encode_mult(e)[None, :], IS_E4M3),
+                 mask=mask)
+        if SWIZZLE:
+            so = scale_offset(rk, rb, CS_SW_C, True)
+        else:
+            so = scale_offset(rb, rk, CS_C, False)
+        tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & (rb < (M + 31) // 32))
 
 
 def _check_k(k: int) -> None:
@@ -140,7 +157,7 @@ def mxfp8_quantize(
         cs = torch.zeros(cs_shape, dtype=torch.uint8, device=dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
-    cfg = config("mxfp8")
+    cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
     dummy = rd if rd is not None else cd
     _mxfp8_kernel[grid](

@@ -17,7 +17,7 @@ from ._rounding import (
     RCP_6,
     RCP_2688,
     abs_nan0,
-    bf16_rne,
+    bf16_round,
     e2m1_decode,
     e2m1_rne,
     e2m1_sr,
@@ -32,7 +32,7 @@ from ._rounding import (
 from .fp8_tensor import amax_into
 
 CONFIGS["nvfp4_row"] = {
-    "gpu": {"BM": 16, "BK": 256, "num_warps": 4},
+    "gpu": {"BM": 32, "BK": 256, "num_warps": 8},
     "interp": {"BM": 64, "BK": 64},
 }
 CONFIGS["nvfp4_col"] = {"gpu": {"G": 4, "BK": 64, "num_warps": 4}, "interp": {"G": 4, "BK": 64}}
@@ -69,192 +69,227 @@ def _encode(v, index, state, SR: tl.constexpr):
 
 
 @triton.jit
+def _unpair(p, DT: tl.constexpr):
+    """Exact fp32 (even, odd) elements of pair words ``p``: int64 holding two fp32 (DT 0), int32
+    holding two bf16 (DT 1) or two fp16 (DT 2), little-endian (element 2j in the low half)."""
+    if DT == 0:
+        lo = (p & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    elif DT == 1:
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        hi = (p & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _nvfp4_row_kernel(
-    x_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, S_C,
-    SR: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
+    xp_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, S_C,
+    DT: tl.constexpr, SR: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """Rowwise: the input is read as pair words, so the even and odd elements of each packed
+    byte come out in the same layout (no split / join)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
-    rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    x = widen(tl.load(x_ptr + offs, mask=mask, other=0.0))
-    a = abs_nan0(x)
+    rp = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+    mask = (rm[:, None] < M) & (rp[None, :] < K // 2)
+    poffs = rm[:, None].to(tl.int64) * (K // 2) + rp[None, :]
+    lo, hi = _unpair(tl.load(xp_ptr + poffs, mask=mask, other=0), DT)
+    a = tl.maximum(abs_nan0(lo), abs_nan0(hi))
     if TWO_D:
-        t2 = tl.max(tl.max(tl.reshape(a, [BM // 16, 16, BK // 16, 16]), axis=3), axis=1)
+        t2 = tl.max(tl.max(tl.reshape(a, [BM // 16, 16, BK // 16, 8]), axis=3), axis=1)
         bmax = tl.reshape(tl.broadcast_to(t2[:, None, :], [BM // 16, 16, BK // 16]),
                           [BM, BK // 16])
     else:
-        bmax = tl.max(tl.reshape(a, [BM, BK // 16, 16]), axis=2)
+        bmax = tl.max(tl.reshape(a, [BM, BK // 16, 8]), axis=2)
     s_dec, t = _global_scales(amax_ptr)
     e4, enc = _block_scales(bmax, s_dec, t)
-    v = x * tl.reshape(tl.broadcast_to(enc[:, :, None], [BM, BK // 16, 16]), [BM, BK])
+    enc = tl.reshape(tl.broadcast_to(enc[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
     state = sr_seed_state(seed_ptr) if SR else 0
-    codes = _encode(v, offs, state, SR)
-    lo, hi = tl.split(tl.reshape(codes, [BM, BK // 2, 2]))
-    rk2 = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-    tl.store(d_ptr + rm[:, None].to(tl.int64) * (K // 2) + rk2[None, :],
-             (lo | (hi << 4)).to(tl.uint8), mask=(rm[:, None] < M) & (rk2[None, :] < K // 2))
+    c_lo = _encode(lo * enc, 2 * poffs, state, SR)
+    c_hi = _encode(hi * enc, 2 * poffs + 1, state, SR)
+    tl.store(d_ptr + poffs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=mask)
     kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
     tl.store(s_ptr + scale_offset(rm[:, None], kb[None, :], S_C, SWIZZLE), e4.to(tl.uint8),
              mask=(rm[:, None] < M) & (kb[None, :] < K // 16))
 
 
 @triton.jit
-def _split16(t):
-    """The 16 slices ``t[..., i]`` of ``t [..., 16]`` in index order."""
-    t = tl.reshape(t, [t.shape[0], t.shape[1], 2, 2, 2, 2])
-    a0, a1 = tl.split(t)
-    a00, a01 = tl.split(a0)
-    a10, a11 = tl.split(a1)
-    a000, a001 = tl.split(a00)
-    a010, a011 = tl.split(a01)
-    a100, a101 = tl.split(a10)
-    a110, a111 = tl.split(a11)
-    a0000, a0001 = tl.split(a000)
-    a0010, a0011 = tl.split(a001)
-    a0100, a0101 = tl.split(a010)
-    a0110, a0111 = tl.split(a011)
-    a1000, a1001 = tl.split(a100)
-    a1010, a1011 = tl.split(a101)
-    a1100, a1101 = tl.split(a110)
-    a1110, a1111 = tl.split(a111)
-    return (a0000, a1000, a0100, a1100, a0010, a1010, a0110, a1110,
-            a0001, a1001, a0101, a1101, a0011, a1011, a0111, a1111)
+def _load_row(x_ptr, base, ROW: tl.constexpr, gi, M, K, kmask):
+    return widen(tl.load(x_ptr + base + ROW * K, mask=((gi * 16 + ROW) < M)[:, None] & kmask,
+                         other=0.0))
 
 
 @triton.jit
-def _join16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15):
-    """Inverse of ``_split16``: ``[..., 16]`` with ``y_i`` at index ``i``."""
-    c0 = tl.join(y0, y8)
-    c1 = tl.join(y1, y9)
-    c2 = tl.join(y2, y10)
-    c3 = tl.join(y3, y11)
-    c4 = tl.join(y4, y12)
-    c5 = tl.join(y5, y13)
-    c6 = tl.join(y6, y14)
-    c7 = tl.join(y7, y15)
-    d0 = tl.join(c0, c4)
-    d1 = tl.join(c1, c5)
-    d2 = tl.join(c2, c6)
-    d3 = tl.join(c3, c7)
-    e0 = tl.join(d0, d2)
-    e1 = tl.join(d1, d3)
-    f = tl.join(e0, e1)
-    return tl.reshape(f, [y0.shape[0], y0.shape[1], 16])
+def _load16(x_ptr, pid_m, pid_k, M, K, G: tl.constexpr, BK: tl.constexpr):
+    """Rows ``i = 0..15`` of the G 16-row groups of the tile, each ``[G, BK]`` fp32 (0 past M)."""
+    gi = pid_m * G + tl.arange(0, G)
+    rk = pid_k * BK + tl.arange(0, BK)
+    kmask = (rk < K)[None, :]
+    base = gi[:, None].to(tl.int64) * (16 * K) + rk[None, :]
+    return (_load_row(x_ptr, base, 0, gi, M, K, kmask), _load_row(x_ptr, base, 1, gi, M, K, kmask),
+            _load_row(x_ptr, base, 2, gi, M, K, kmask), _load_row(x_ptr, base, 3, gi, M, K, kmask),
+            _load_row(x_ptr, base, 4, gi, M, K, kmask), _load_row(x_ptr, base, 5, gi, M, K, kmask),
+            _load_row(x_ptr, base, 6, gi, M, K, kmask), _load_row(x_ptr, base, 7, gi, M, K, kmask),
+            _load_row(x_ptr, base, 8, gi, M, K, kmask), _load_row(x_ptr, base, 9, gi, M, K, kmask),
+            _load_row(x_ptr, base, 10, gi, M, K, kmask),
+            _load_row(x_ptr, base, 11, gi, M, K, kmask),
+            _load_row(x_ptr, base, 12, gi, M, K, kmask),
+            _load_row(x_ptr, base, 13, gi, M, K, kmask),
+            _load_row(x_ptr, base, 14, gi, M, K, kmask),
+            _load_row(x_ptr, base, 15, gi, M, K, kmask))
 
 
 @triton.jit
-def _term(v, ROW: tl.constexpr, J: tl.constexpr, MASK: tl.constexpr):
-    """``v * R[ROW, J]`` with ``R = diag(s) H16 / 4`` (exact: a product with ±0.25)."""
+def _pm(acc, q, ROW: tl.constexpr, J: tl.constexpr, MASK: tl.constexpr):
+    """``acc + q * 4 R[ROW, J]`` with ``R = diag(s) H16 / 4``: an add or a subtract of
+    ``q = x * 0.25`` (``a - q == a + (-q)`` exactly, so the reference's products are kept)."""
     B: tl.constexpr = ROW & J
     PAR: tl.constexpr = (B ^ (B >> 1) ^ (B >> 2) ^ (B >> 3) ^ (MASK >> ROW)) & 1
-    C: tl.constexpr = 0.25 - 0.5 * PAR
-    return v * C
+    if PAR:
+        return acc - q
+    else:
+        return acc + q
 
 
 @triton.jit
-def _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15,
              J: tl.constexpr, MASK: tl.constexpr):
-    """``bf16(Σ_i x_i R[i, J])``, summed sequentially over i = 0..15 in fp32 as the reference."""
-    acc = _term(x0, 0, J, MASK)
-    acc = acc + _term(x1, 1, J, MASK)
-    acc = acc + _term(x2, 2, J, MASK)
-    acc = acc + _term(x3, 3, J, MASK)
-    acc = acc + _term(x4, 4, J, MASK)
-    acc = acc + _term(x5, 5, J, MASK)
-    acc = acc + _term(x6, 6, J, MASK)
-    acc = acc + _term(x7, 7, J, MASK)
-    acc = acc + _term(x8, 8, J, MASK)
-    acc = acc + _term(x9, 9, J, MASK)
-    acc = acc + _term(x10, 10, J, MASK)
-    acc = acc + _term(x11, 11, J, MASK)
-    acc = acc + _term(x12, 12, J, MASK)
-    acc = acc + _term(x13, 13, J, MASK)
-    acc = acc + _term(x14, 14, J, MASK)
-    acc = acc + _term(x15, 15, J, MASK)
-    return bf16_rne(acc)
-
-
-@triton.jit
-def _rht(t, MASK: tl.constexpr):
-    """RHT of each 16-group ``t [G, BK, 16]`` (fp32) along its last dim, rounded to bf16."""
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _split16(t)
-    return _join16(
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 0, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 1, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 2, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 3, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 4, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 5, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 6, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 7, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 8, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 9, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 10, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 11, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 12, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 13, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 14, MASK),
-        _rht_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 15, MASK),
-    )
+    """``bf16(Σ_i x_i R[i, J])`` from ``q_i = x_i / 4``, summed sequentially over i = 0..15 in
+    fp32 as the reference (the first term is the product itself, as ``x_0 * R[0, J]``)."""
+    PAR0: tl.constexpr = (MASK & 1)
+    if PAR0:
+        acc = -q0
+    else:
+        acc = q0
+    acc = _pm(acc, q1, 1, J, MASK)
+    acc = _pm(acc, q2, 2, J, MASK)
+    acc = _pm(acc, q3, 3, J, MASK)
+    acc = _pm(acc, q4, 4, J, MASK)
+    acc = _pm(acc, q5, 5, J, MASK)
+    acc = _pm(acc, q6, 6, J, MASK)
+    acc = _pm(acc, q7, 7, J, MASK)
+    acc = _pm(acc, q8, 8, J, MASK)
+    acc = _pm(acc, q9, 9, J, MASK)
+    acc = _pm(acc, q10, 10, J, MASK)
+    acc = _pm(acc, q11, 11, J, MASK)
+    acc = _pm(acc, q12, 12, J, MASK)
+    acc = _pm(acc, q13, 13, J, MASK)
+    acc = _pm(acc, q14, 14, J, MASK)
+    acc = _pm(acc, q15, 15, J, MASK)
+    return bf16_round(acc)
 
 
 @triton.jit
 def _col_values(x_ptr, pid_m, pid_k, M, K, RHT: tl.constexpr, MASK: tl.constexpr,
                 G: tl.constexpr, BK: tl.constexpr):
-    """The columnwise values ``[G, BK, 16]`` (group g, column k, row-in-group i) of the tile of
-    rows ``16 * G * pid_m ...``: x itself (zero past M), or its bf16-rounded RHT."""
-    rows = pid_m * (16 * G) + tl.arange(0, 16 * G)
-    rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
-    t = tl.permute(tl.reshape(widen(x), [G, 16, BK]), (0, 2, 1))
+    """The 16 columnwise values ``y_j [G, BK]`` (row j of each 16-row group) of the tile: x
+    itself (zero past M), or its bf16-rounded RHT. Everything stays elementwise on [G, BK]."""
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
+        x_ptr, pid_m, pid_k, M, K, G, BK)
     if RHT:
-        t = _rht(t, MASK)
-    return t
+        q0, q1, q2, q3 = x0 * 0.25, x1 * 0.25, x2 * 0.25, x3 * 0.25
+        q4, q5, q6, q7 = x4 * 0.25, x5 * 0.25, x6 * 0.25, x7 * 0.25
+        q8, q9, q10, q11 = x8 * 0.25, x9 * 0.25, x10 * 0.25, x11 * 0.25
+        q12, q13, q14, q15 = x12 * 0.25, x13 * 0.25, x14 * 0.25, x15 * 0.25
+        return (
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 0, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 1, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 2, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 3, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 4, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 5, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 6, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 7, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 8, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 9, MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 10,
+                     MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 11,
+                     MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 12,
+                     MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 13,
+                     MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 14,
+                     MASK),
+            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 15,
+                     MASK),
+        )
+    else:
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15):
+    """Elementwise NaN-dropping ``max_j |y_j|``."""
+    a = tl.maximum(abs_nan0(y0), abs_nan0(y1))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y2), abs_nan0(y3)))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y4), abs_nan0(y5)))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y6), abs_nan0(y7)))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y8), abs_nan0(y9)))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y10), abs_nan0(y11)))
+    a = tl.maximum(a, tl.maximum(abs_nan0(y12), abs_nan0(y13)))
+    return tl.maximum(a, tl.maximum(abs_nan0(y14), abs_nan0(y15)))
 
 
 @triton.jit
 def _rht_amax_kernel(x_ptr, out_bits_ptr, M, K, MASK: tl.constexpr, G: tl.constexpr,
                      BK: tl.constexpr):
-    y = _col_values(x_ptr, tl.program_id(0), tl.program_id(1), M, K, True, MASK, G, BK)
-    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(tl.max(tl.max(abs_nan0(y), axis=2), axis=1),
-                                                axis=0)))
+    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _col_values(
+        x_ptr, tl.program_id(0), tl.program_id(1), M, K, True, MASK, G, BK)
+    a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(tl.max(a, axis=1), axis=0)))
+
+
+@triton.jit
+def _byte(ye, yo, enc, idx, J: tl.constexpr, state, SR: tl.constexpr):
+    """Packed byte (int64) of rows ``J`` (low nibble) and ``J + 1`` of each group."""
+    lo = _encode(ye * enc, idx + J, state, SR)
+    hi = _encode(yo * enc, idx + (J + 1), state, SR)
+    return (lo | (hi << 4)).to(tl.int64)
 
 
 @triton.jit
 def _nvfp4_col_kernel(
-    x_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, MH, S_C,
+    x_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, MHW, S_C,
     RHT: tl.constexpr, MASK: tl.constexpr, SR: tl.constexpr, TWO_D: tl.constexpr,
     SWIZZLE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
 ):
+    """Columnwise: 16 row loads per group, elementwise block math on [G, BK], the 8 packed bytes
+    of a group gathered into one int64 word; only the words are transposed for the
+    ``[K, ceil(M/2)]`` store (``d_ptr`` is the int64 view, ``MHW`` words per row)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    y = _col_values(x_ptr, pid_m, pid_k, M, K, RHT, MASK, G, BK)  # [G, BK, 16]
-    bmax = tl.max(abs_nan0(y), axis=2)  # [G, BK]
+    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _col_values(
+        x_ptr, pid_m, pid_k, M, K, RHT, MASK, G, BK)
+    bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         t2 = tl.max(tl.reshape(bmax, [G, BK // 16, 16]), axis=2)
         bmax = tl.reshape(tl.broadcast_to(t2[:, :, None], [G, BK // 16, 16]), [G, BK])
     s_dec, t = _global_scales(amax_ptr)
     e4, enc = _block_scales(bmax, s_dec, t)
-    v = y * enc[:, :, None]
     gi = pid_m * G + tl.arange(0, G)
     rk = pid_k * BK + tl.arange(0, BK)
     state = sr_seed_state(seed_ptr) if SR else 0
     if SR:
-        m_idx = gi[:, None, None].to(tl.int64) * 16 + tl.arange(0, 16)[None, None, :]
-        index = M.to(tl.int64) * K + rk[None, :, None].to(tl.int64) * M + m_idx
+        idx = M.to(tl.int64) * K + rk[None, :].to(tl.int64) * M + gi[:, None].to(tl.int64) * 16
     else:
-        index = 0
-    codes = _encode(v, index, state, SR)  # [G, BK, 16]
-    lo, hi = tl.split(tl.reshape(codes, [G, BK, 8, 2]))
-    packed = tl.reshape(tl.permute((lo | (hi << 4)).to(tl.uint8), (1, 0, 2)), [BK, 8 * G])
-    cols = pid_m * (8 * G) + tl.arange(0, 8 * G)
-    tl.store(d_ptr + rk[:, None].to(tl.int64) * MH + cols[None, :], packed,
-             mask=(rk[:, None] < K) & (cols[None, :] < MH))
+        idx = 0
+    w = _byte(y0, y1, enc, idx, 0, state, SR)
+    w = w | (_byte(y2, y3, enc, idx, 2, state, SR) << 8)
+    w = w | (_byte(y4, y5, enc, idx, 4, state, SR) << 16)
+    w = w | (_byte(y6, y7, enc, idx, 6, state, SR) << 24)
+    w = w | (_byte(y8, y9, enc, idx, 8, state, SR) << 32)
+    w = w | (_byte(y10, y11, enc, idx, 10, state, SR) << 40)
+    w = w | (_byte(y12, y13, enc, idx, 12, state, SR) << 48)
+    w = w | (_byte(y14, y15, enc, idx, 14, state, SR) << 56)
+    tl.store(d_ptr + rk[:, None].to(tl.int64) * MHW + gi[None, :], tl.trans(w),
+             mask=(rk[:, None] < K) & (gi[None, :] < MHW))
     so = scale_offset(rk[:, None], gi[None, :], S_C, SWIZZLE)
     tl.store(s_ptr + so, tl.trans(e4.to(tl.uint8)),
              mask=(rk[:, None] < K) & (gi[None, :] < (M + 15) // 16))
@@ -270,6 +305,16 @@ def _check_rht(x: torch.Tensor) -> None:
         raise ValueError(f"NVFP4 RHT requires bf16 input, got {x.dtype}")
     if x.shape[0] % 16:
         raise ValueError(f"NVFP4 RHT requires M % 16 == 0 (it mixes 16 rows), got M = {x.shape[0]}")
+
+
+def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` viewed as pair words (int64 for fp32, int32 for bf16/fp16) and its ``DT`` code."""
+    x = x.contiguous()
+    if x.storage_offset() % 2:
+        x = x.clone()
+    if x.dtype == torch.float32:
+        return x.view(torch.int64), 0
+    return x.view(torch.int32), 1 if x.dtype == torch.bfloat16 else 2
 
 
 def _col_grid(m: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -339,22 +384,27 @@ def nvfp4_quantize(
         if m and k:
             cfg = config("nvfp4_row")
             grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+            xp, dt = _pairs(x)
             _nvfp4_row_kernel[grid](
-                x, amax_rowwise.to(torch.float32).reshape(1), seed, rd, rs, m, k, rs.shape[1],
-                SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
+                xp, amax_rowwise.to(torch.float32).reshape(1), seed, rd, rs, m, k, rs.shape[1],
+                DT=dt, SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
                 SWIZZLE=bool(swizzle), **tile_args(cfg), **launch_kwargs(cfg),
             )
     if columnwise:
-        cd = torch.zeros(shapes.nvfp4_columnwise_data_shape(m, k), dtype=torch.uint8, device=dev)
+        cd_shape = shapes.nvfp4_columnwise_data_shape(m, k)
+        # rows padded to whole int64 words (8 bytes = one 16-row group), cut back below
+        mhw = triton.cdiv(cd_shape[1], 8)
+        cdw = torch.empty((cd_shape[0], mhw * 8), dtype=torch.uint8, device=dev)
         cs = torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
             cfg = config("nvfp4_col")
             _nvfp4_col_kernel[_col_grid(m, k, cfg)](
-                x, amax_columnwise.to(torch.float32).reshape(1), seed, cd, cs, m, k,
-                cd.shape[1], cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
+                x, amax_columnwise.to(torch.float32).reshape(1), seed, cdw.view(torch.int64), cs,
+                m, k, mhw, cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
                 SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
                 SWIZZLE=bool(swizzle), **tile_args(cfg), **launch_kwargs(cfg),
             )
+        cd = cdw if cdw.shape[1] == cd_shape[1] else cdw[:, :cd_shape[1]].contiguous()
     return rd, rs, cd, cs
 
 
