@@ -71,3 +71,14 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
     for needle in ("torch", "compile API", "backends", "reference", "MXFP8", "NVFP4"):
         assert needle in text
     assert "emulated" in text
+
+
+def test_doctor_format_table_follows_the_capability():
+    from quant_recipes.doctor import format_support
+
+    hopper = {name: gemm for name, gemm, _ in format_support((9, 0))}
+    assert hopper["FP8 per-tensor"] == "native"  # torch._scaled_mm on sm_89+
+    assert hopper["MXFP8"] == hopper["NVFP4"] == "emulated"
+    ada = {name: why for name, _, why in format_support((8, 9))}
+    assert "native needs sm_90+" in ada["FP8 block 1x128/128x128"]
+    assert {gemm for _, gemm, _ in format_support(None)} == {"emulated"}

@@ -33,16 +33,21 @@ def compile_mode() -> str:
 
 
 def format_support(capability: tuple[int, int] | None) -> list[tuple[str, str, str]]:
-    """Per format: (name, "native" | "emulated", why) for a GPU of ``capability`` (None: CPU)."""
+    """Per format: (name, GEMM path of ``quant_recipes.Linear``, why) on a GPU of ``capability``
+    (None: CPU). Quantization itself runs everywhere with the same bytes."""
     rows = []
     for name, low, high in _FORMATS:
-        if capability is None:
-            rows.append((name, "emulated", "no GPU: reference quantization, emulated GEMM"))
-        elif capability >= low and (high is None or capability < high):
-            rows.append((name, "native", f"sm_{capability[0]}{capability[1]} has the instruction"))
+        has = capability is not None and capability >= low and (high is None or capability < high)
+        where = "no GPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        if has and name == "FP8 per-tensor":
+            rows.append((name, "native", f"{where}: torch._scaled_mm (FP8 tensor cores)"))
+        elif has:
+            rows.append((name, "emulated", f"{where} has the instruction, but this release "
+                                           "emulates the GEMM (dequantize, then matmul)"))
         else:
             need = f"sm_{low[0]}{low[1]}" + (f" to below sm_{high[0]}{high[1]}" if high else "+")
-            rows.append((name, "emulated", f"needs {need}: same bits, dequantize-then-matmul GEMM"))
+            rows.append((name, "emulated", f"{where}; native needs {need}: same bits, "
+                                           "dequantize-then-matmul GEMM"))
     return rows
 
 
@@ -63,7 +68,7 @@ def run_doctor() -> int:
         print("GPU              none")
     print(f"backend on CPU   {backends.get(None, 'cpu').name}")
     print()
-    print(f"{'format':26s} {'support':9s} why")
+    print(f"{'format':26s} {'GEMM':9s} why (quantization runs on every device, same bytes)")
     for name, support, why in format_support(capability):
         print(f"{name:26s} {support:9s} {why}")
     return 0
