@@ -48,6 +48,8 @@ class Quantizer(metaclass=QuantizerMeta):
     #: "high_precision" for a passthrough). A class attribute, so code that only sees a compiled
     #: graph's opaque wrapper (where ``isinstance`` does not work) can still dispatch on it.
     storage_format: ClassVar[str | None] = None
+    #: The storage class ``quantize`` returns.
+    _storage_class: ClassVar[type | None] = None
 
     #: Set on a class by :func:`value_quantizer`; they count only where ``_value_owner is cls``,
     #: so a subclass that did not opt in itself inherits them without becoming a value type.
@@ -173,6 +175,42 @@ class Quantizer(metaclass=QuantizerMeta):
 
     def _rebuild_derived_state(self) -> None:
         """Rebuild non-value attributes from the fields (after ``__init__`` and reconstruction)."""
+
+    # ------------------------------------------------------------------ allocation
+    def inner_tensor_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{buffer: (shape, dtype)}`` of every buffer ``quantize`` produces for an input of
+        ``shape`` with this quantizer's usages, in the storage's declaration order (absent
+        directions omitted). The one allocation path: ``quantize``, ``make_empty`` and the custom
+        ops' fake kernels all use it."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its buffers")
+
+    def _storage_tags(self) -> dict[str, Any]:
+        """The storage's non-tensor tags (format dtype, layout flags)."""
+        return {}
+
+    def _make_storage(self, shape, dtype: torch.dtype, buffers: dict[str, torch.Tensor]):
+        """The storage for an input of ``shape``/``dtype``; each buffer of
+        :meth:`inner_tensor_specs` is taken from ``buffers`` and viewed in its spec shape."""
+        shape = torch.Size(shape)
+        present = {
+            name: buffers[name].view(spec_shape)
+            for name, (spec_shape, _) in self.inner_tensor_specs(shape).items()
+        }
+        return self._storage_class(
+            shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
+        )
+
+    def alloc_tensors(self, shape, device=None) -> dict[str, torch.Tensor]:
+        """Zero-filled buffers per :meth:`inner_tensor_specs` (FakeTensors under fake mode)."""
+        return {
+            name: torch.zeros(s, dtype=d, device=device)
+            for name, (s, d) in self.inner_tensor_specs(shape).items()
+        }
+
+    def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None):
+        """A storage with exactly the buffers, shapes and dtypes ``quantize`` would produce for an
+        input of ``shape`` and ``dtype``; every byte (padding included) is zero."""
+        return self._make_storage(shape, dtype, self.alloc_tensors(shape, device))
 
     # ------------------------------------------------------------------ the work
     def quantize(self, x: torch.Tensor, *, amax_reduction_group=None, backend: str | None = None):

@@ -12,6 +12,15 @@ NVFP4_BLOCK = 16
 FP8_BLOCK = 128
 
 
+def m_k(shape) -> tuple[int, int]:
+    """``(M, K)`` of the 2D view of ``shape``: M is the product of all dims but the last."""
+    k = shape[-1]
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, k
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

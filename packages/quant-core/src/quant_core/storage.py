@@ -13,6 +13,7 @@ import torch
 
 from . import backends
 from .dtypes import DType
+from .shapes import m_k
 
 
 class QuantizedStorage:
@@ -92,11 +93,6 @@ def _pick(storage: QuantizedStorage, rowwise: str, columnwise: str) -> tuple[tor
     return data, True
 
 
-def _m_and_k(shape: torch.Size) -> tuple[int, int]:
-    k = shape[-1]
-    return (shape.numel() // k if k else 0), k
-
-
 class Float8TensorStorage(QuantizedStorage):
     """Per-tensor FP8 (current or delayed scaling): ``_data`` ``[shape]``, ``_transpose``
     ``[K, *leading]`` (byte transpose), ``_scale_inv`` fp32 ``(1,)``."""
@@ -159,7 +155,7 @@ class Float8BlockwiseQTensorStorage(QuantizedStorage):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self._dtype
         data, columnwise = _pick(self, "_rowwise_data", "_columnwise_data")
-        m, k = _m_and_k(self.shape)
+        m, k = m_k(self.shape)
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
         data2d = data.reshape(k, m) if columnwise else data.reshape(m, k)
         out = self._backend().fp8_block_dequantize(
@@ -188,7 +184,7 @@ class NVFP4TensorStorage(QuantizedStorage):
                 "NVFP4 dequantization needs rowwise data; this storage holds only the "
                 "columnwise form (quantize with rowwise_usage=True)"
             )
-        m, k = _m_and_k(self.shape)
+        m, k = m_k(self.shape)
         out = self._backend().nvfp4_dequantize(
             self._rowwise_data.reshape(m, k // 2), self._rowwise_scale_inv, self._amax_rowwise,
             swizzled=bool(self._with_gemm_swizzled_scales), dtype=dtype,

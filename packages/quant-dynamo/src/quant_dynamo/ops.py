@@ -22,14 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from quant_core import storage as st
-from quant_core.quantizers import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
 
 from . import fake
 from .registration import (
@@ -45,22 +37,11 @@ _lib = torch.library.Library("quant", "FRAGMENT")
 #: class qualname -> overload name of ``quantize`` and ``qdq`` defined for it.
 OVERLOADS: dict[str, str] = {}
 
-_STORAGE_OF = (
-    (NVFP4Quantizer, st.NVFP4TensorStorage),
-    (MXFP8Quantizer, st.MXFP8TensorStorage),
-    (Float8BlockQuantizer, st.Float8BlockwiseQTensorStorage),
-    (Float8CurrentScalingQuantizer, st.Float8TensorStorage),
-    (Float8Quantizer, st.Float8TensorStorage),
-)
-
-
 def buffer_names(cls_or_obj: Any) -> tuple[str, ...]:
     """The buffer order of ``quantize`` for this quantizer class (``()`` if unknown)."""
     cls = cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
-    for base, storage_cls in _STORAGE_OF:
-        if issubclass(cls, base):
-            return storage_cls._buffer_names
-    return ()
+    storage_cls = getattr(cls, "_storage_class", None)
+    return storage_cls._buffer_names if storage_cls is not None else ()
 
 
 # ----------------------------------------------------------------------------- kernels

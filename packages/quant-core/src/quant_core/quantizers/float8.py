@@ -18,22 +18,36 @@ def _quantize_per_tensor(q: Quantizer, x, x2d, be, scale, amax_out=None):
         x2d, scale, fp8_dtype=q.dtype, rowwise=q.rowwise_usage, columnwise=q.columnwise_usage,
         amax_out=amax_out,
     )
-    return Float8TensorStorage(
-        shape=x.shape, dtype=x.dtype, quantizer=q, _fp8_dtype=q.dtype,
-        _data=None if data is None else data.view(x.shape),
-        _transpose=None if transpose is None else transpose.view(transposed_shape(x.shape)),
-        _scale_inv=scale_inv,
+    return q._make_storage(
+        x.shape, x.dtype, {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
     )
 
 
-class Float8Quantizer(Quantizer):
+class _PerTensorFP8:
+    """Buffers and tags shared by the two per-tensor FP8 quantizers (`numerics.md` §4 layout)."""
+
+    storage_format = "fp8"
+    _storage_class = Float8TensorStorage
+
+    def inner_tensor_specs(self, shape):
+        specs = {}
+        if self.rowwise_usage:
+            specs["_data"] = (tuple(shape), torch.uint8)
+        if self.columnwise_usage:
+            specs["_transpose"] = (transposed_shape(shape), torch.uint8)
+        specs["_scale_inv"] = ((1,), torch.float32)
+        return specs
+
+    def _storage_tags(self):
+        return {"_fp8_dtype": self.dtype}
+
+
+class Float8Quantizer(_PerTensorFP8, Quantizer):
     """Delayed scaling: casts with the ``scale`` it holds and records ``max|x|`` into ``amax``.
 
     ``scale`` and ``amax`` are fp32 views into a recipe state's buffers (``scale[i]`` and
     ``amax_history[0][i]``), so this quantizer holds live state: identity semantics, eager only.
     """
-
-    storage_format = "fp8"
 
     scale: torch.Tensor
     amax: torch.Tensor
@@ -65,15 +79,13 @@ class Float8Quantizer(Quantizer):
 
 
 @value_quantizer
-class Float8CurrentScalingQuantizer(Quantizer):
+class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     """Per-tensor current scaling: the scale comes from this tensor's own amax.
 
     The deprecated ``amax_reduction_group=`` is accepted for TransformerEngine users (with a
     ``DeprecationWarning``); such an object refuses ``==``, ``hash`` and compilation. Pass the
     group per call: ``q.quantize(x, amax_reduction_group=g)``.
     """
-
-    storage_format = "fp8"
 
     dtype: DType = DType.E4M3
     with_amax_reduction: bool = False

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import backends
 from ..dtypes import DType, check_fp8
 from ..inputs import as_2d, transposed_shape
 from ..quantizer import Quantizer, value_quantizer
-from ..shapes import FP8_BLOCK
+from ..shapes import (
+    FP8_BLOCK,
+    fp8_block_columnwise_scale_shape,
+    fp8_block_rowwise_scale_shape,
+    m_k,
+)
 from ..storage import Float8BlockwiseQTensorStorage
 
 
@@ -15,6 +22,7 @@ class Float8BlockQuantizer(Quantizer):
     """FP8 blocks of ``block_len`` (always 128): 1D (1x128) or 2D (128x128); any shape."""
 
     storage_format = "fp8_block"
+    _storage_class = Float8BlockwiseQTensorStorage
 
     dtype: DType = DType.E4M3
     block_len: int = FP8_BLOCK
@@ -40,13 +48,29 @@ class Float8BlockQuantizer(Quantizer):
             force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
             rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
         )
-        return Float8BlockwiseQTensorStorage(
-            shape=x.shape, dtype=x.dtype, quantizer=self, _fp8_dtype=self.dtype,
-            _is_2D_scaled=self.block_scaling_dim == 2,
-            _rowwise_data=None if rd is None else rd.view(x.shape), _rowwise_scale_inv=rs,
-            _columnwise_data=None if cd is None else cd.view(transposed_shape(x.shape)),
-            _columnwise_scale_inv=cs,
-        )
+        return self._make_storage(x.shape, x.dtype, {
+            "_rowwise_data": rd, "_rowwise_scale_inv": rs,
+            "_columnwise_data": cd, "_columnwise_scale_inv": cs,
+        })
+
+    def inner_tensor_specs(self, shape):
+        m, k = m_k(shape)
+        dim = self.block_scaling_dim
+        specs = {}
+        if self.rowwise_usage:
+            specs["_rowwise_data"] = (tuple(shape), torch.uint8)
+            specs["_rowwise_scale_inv"] = (
+                fp8_block_rowwise_scale_shape(m, k, dim), torch.float32
+            )
+        if self.columnwise_usage:
+            specs["_columnwise_data"] = (transposed_shape(shape), torch.uint8)
+            specs["_columnwise_scale_inv"] = (
+                fp8_block_columnwise_scale_shape(m, k, dim), torch.float32
+            )
+        return specs
+
+    def _storage_tags(self):
+        return {"_fp8_dtype": self.dtype, "_is_2D_scaled": self.block_scaling_dim == 2}
 
     def is_requantization_safe(self) -> bool:
         return True

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import backends
 from ..dtypes import DType, check_fp8
 from ..inputs import as_2d
 from ..quantizer import Quantizer, value_quantizer
-from ..shapes import MXFP8_BLOCK
+from ..shapes import (
+    MXFP8_BLOCK,
+    m_k,
+    mxfp8_columnwise_scale_shape,
+    mxfp8_rowwise_scale_shape,
+)
 from ..storage import MXFP8TensorStorage
 
 
@@ -15,6 +22,7 @@ class MXFP8Quantizer(Quantizer):
     """MXFP8 block scaling; K must be a multiple of 32, any M."""
 
     storage_format = "mxfp8"
+    _storage_class = MXFP8TensorStorage
 
     dtype: DType = DType.E4M3
     with_2d_quantization: bool = False
@@ -31,12 +39,24 @@ class MXFP8Quantizer(Quantizer):
             columnwise=self.columnwise_usage, with_2d_quantization=self.with_2d_quantization,
             swizzle=self.optimize_for_gemm,
         )
-        return MXFP8TensorStorage(
-            shape=x.shape, dtype=x.dtype, quantizer=self, _fp8_dtype=self.dtype,
-            _with_gemm_swizzled_scales=self.optimize_for_gemm,
-            _rowwise_data=None if rd is None else rd.view(x.shape), _rowwise_scale_inv=rs,
-            _columnwise_data=None if cd is None else cd.view(x.shape), _columnwise_scale_inv=cs,
-        )
+        return self._make_storage(x.shape, x.dtype, {
+            "_rowwise_data": rd, "_rowwise_scale_inv": rs,
+            "_columnwise_data": cd, "_columnwise_scale_inv": cs,
+        })
+
+    def inner_tensor_specs(self, shape):
+        m, k = m_k(shape)
+        specs = {}
+        if self.rowwise_usage:
+            specs["_rowwise_data"] = (tuple(shape), torch.uint8)
+            specs["_rowwise_scale_inv"] = (mxfp8_rowwise_scale_shape(m, k), torch.uint8)
+        if self.columnwise_usage:
+            specs["_columnwise_data"] = (tuple(shape), torch.uint8)
+            specs["_columnwise_scale_inv"] = (mxfp8_columnwise_scale_shape(m, k), torch.uint8)
+        return specs
+
+    def _storage_tags(self):
+        return {"_fp8_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm}
 
     def is_requantization_safe(self) -> bool:
         return True

@@ -9,7 +9,13 @@ from ..distributed import reduce_amax
 from ..dtypes import DType
 from ..inputs import as_2d
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
-from ..shapes import NVFP4_BLOCK
+from ..shapes import (
+    NVFP4_BLOCK,
+    m_k,
+    nvfp4_columnwise_data_shape,
+    nvfp4_columnwise_scale_shape,
+    nvfp4_rowwise_scale_shape,
+)
 from ..storage import NVFP4TensorStorage
 
 #: The spec's fixed RHT sign vector as a mask (bit i set where s_i == -1): 0xD7E8.
@@ -27,6 +33,7 @@ class NVFP4Quantizer(Quantizer):
     """
 
     storage_format = "nvfp4"
+    _storage_class = NVFP4TensorStorage
 
     dtype: DType = DType.E2M1
     with_rht: bool = False
@@ -123,14 +130,29 @@ class NVFP4Quantizer(Quantizer):
             stochastic_rounding=self.stochastic_rounding, rng_seed=seed,
             swizzle=self.optimize_for_gemm,
         )
-        return NVFP4TensorStorage(
-            shape=x.shape, dtype=x.dtype, quantizer=self, _fp4_dtype=self.dtype,
-            _with_gemm_swizzled_scales=self.optimize_for_gemm,
-            _rowwise_data=None if rd is None else rd.view(*x.shape[:-1], k // 2),
-            _rowwise_scale_inv=rs, _columnwise_data=cd, _columnwise_scale_inv=cs,
-            _amax_rowwise=amax_r if self.rowwise_usage else None,
-            _amax_columnwise=amax_c if self.columnwise_usage else None,
-        )
+        return self._make_storage(x.shape, x.dtype, {
+            "_rowwise_data": rd, "_rowwise_scale_inv": rs,
+            "_columnwise_data": cd, "_columnwise_scale_inv": cs,
+            "_amax_rowwise": amax_r, "_amax_columnwise": amax_c,
+        })
+
+    def inner_tensor_specs(self, shape):
+        m, k = m_k(shape)
+        specs = {}
+        if self.rowwise_usage:
+            specs["_rowwise_data"] = ((*shape[:-1], k // 2), torch.uint8)
+            specs["_rowwise_scale_inv"] = (nvfp4_rowwise_scale_shape(m, k), torch.uint8)
+        if self.columnwise_usage:
+            specs["_columnwise_data"] = (nvfp4_columnwise_data_shape(m, k), torch.uint8)
+            specs["_columnwise_scale_inv"] = (nvfp4_columnwise_scale_shape(m, k), torch.uint8)
+        if self.rowwise_usage:
+            specs["_amax_rowwise"] = ((1,), torch.float32)
+        if self.columnwise_usage:
+            specs["_amax_columnwise"] = ((1,), torch.float32)
+        return specs
+
+    def _storage_tags(self):
+        return {"_fp4_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm}
 
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
