@@ -6,13 +6,9 @@ import importlib.metadata
 import inspect
 
 import torch
-from quant_core import reference
+from quant_core import backends, reference
 
-NAMES = (
-    "amax", "current_scale", "fp8_quantize", "fp8_dequantize", "mxfp8_quantize",
-    "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize", "nvfp4_amax",
-    "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
-)
+NAMES = backends.FUNCTIONS
 
 
 def _backend():

@@ -23,7 +23,8 @@ import torch
 from . import reference
 
 ENTRY_POINT_GROUP = "quant_core.backends"
-_FUNCTIONS = (
+#: The functions every backend provides, with the reference's signatures.
+FUNCTIONS = (
     "amax", "current_scale", "fp8_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
@@ -31,7 +32,7 @@ _FUNCTIONS = (
 
 
 def _reference_backend() -> types.SimpleNamespace:
-    fns = {name: getattr(reference, name) for name in _FUNCTIONS if hasattr(reference, name)}
+    fns = {name: getattr(reference, name) for name in FUNCTIONS}
     return types.SimpleNamespace(name="reference", priority=0, supports=lambda device: True, **fns)
 
 

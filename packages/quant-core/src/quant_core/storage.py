@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import torch
 
 from . import backends
-from .dtypes import DType
 from .shapes import m_k
 
 
@@ -194,5 +193,5 @@ class NVFP4TensorStorage(QuantizedStorage):
 
 __all__ = [
     "QuantizedStorage", "Float8TensorStorage", "MXFP8TensorStorage",
-    "Float8BlockwiseQTensorStorage", "NVFP4TensorStorage", "DType",
+    "Float8BlockwiseQTensorStorage", "NVFP4TensorStorage",
 ]

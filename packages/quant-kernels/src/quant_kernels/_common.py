@@ -55,11 +55,6 @@ def tile_args(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k.isupper()}
 
 
-def as_i32(t: torch.Tensor) -> torch.Tensor:
-    """View an fp32 tensor as int32 (for atomic max on the bits of non-negative floats)."""
-    return t.view(torch.int32)
-
-
 def tl_dtype(dtype: torch.dtype):
     """The ``triton.language`` dtype of a float torch dtype."""
     import triton.language as tl

@@ -9,7 +9,6 @@ are fields here, derived from the recipe's switches in ``__post_init__`` unless 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
 from collections.abc import Callable
@@ -428,7 +427,3 @@ class DelayedScalingRequest:
             reduce_amax=self.reduce_amax, backward_override=None,
         )
 
-
-def recipe_fields(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's fields as a dict (for reports and the command line)."""
-    return {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
