@@ -28,7 +28,8 @@ SWEEP = {  # first entry = the package default (run 3's winner); others from the
     "amax": [dict(BLOCK=8192, num_warps=8, per_sm=4), dict(BLOCK=4096, num_warps=8, per_sm=8),
              dict(BLOCK=2048, num_warps=4, per_sm=16)],
     "mxfp8": [_MX[2]] + [c for c in _MX if c is not _MX[2]],
-    "mxfp8_col": list(_MX),
+    "mxfp8_col": [dict(BM=32, BK=128, num_warps=1), dict(BM=64, BK=128, num_warps=1),
+                  dict(BM=32, BK=512, num_warps=4), dict(BM=32, BK=128, num_warps=4)],
     "fp8_block": [dict(BM_ROW=64, num_warps=8), dict(BM_ROW=32, num_warps=4),
                   dict(BM_ROW=128, num_warps=8)],
     "fp8_block_col": list(_SLABS),
@@ -114,12 +115,9 @@ def peer_rows(x: torch.Tensor, times: dict, copy_bw: float) -> list[dict]:
     return rows
 
 
-def run(n: int) -> dict:
-    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+def cases(x: torch.Tensor) -> list[tuple]:
+    """(name, target share, configs to sweep, fn, minimal bytes) of every benchmarked kernel."""
     N = x.numel()
-    y = torch.empty_like(x)
-    t_copy = bench(lambda: y.copy_(x))
-    copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
     amax = B.amax(x)
     scale = B.current_scale(amax, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0)
     acc = torch.zeros(1, device="cuda")
@@ -130,8 +128,7 @@ def run(n: int) -> dict:
     nv = dict(with_rht=False, rht_sign_mask=0xD7E8, with_2d_quantization=False,
               stochastic_rounding=False, rng_seed=None, swizzle=False)
     s32, s128, s16 = N // 32, N // 128 * 4, N // 16
-    cases = [
-        # name, target share, configs to sweep, fn, minimal bytes
+    return [
         ("FP8 current scaling (amax + row + transpose)", 0.60, ("amax", "fp8_cast"),
          lambda: B.fp8_quantize(x, B.current_scale(B.amax(x), fp8_dtype=DType.E4M3,
                                                    force_pow_2_scales=False, amax_epsilon=0.0),
@@ -166,8 +163,15 @@ def run(n: int) -> dict:
          lambda: B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
                               rht_sign_mask=0xD7E8), 2 * N),
     ]
+
+
+def run(n: int) -> dict:
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
     rows = []
-    for name, target, cfgs, fn, nbytes in cases:
+    for name, target, cfgs, fn, nbytes in cases(x):
         t, cfg = best(cfgs, fn)
         bw = nbytes / t / 1e6
         rows.append(dict(name=name, ms=t, gbs=bw, share=bw / copy_bw, target=target, cfg=cfg))

@@ -2,7 +2,7 @@
 
 Two paths per cast rule, chosen at import by the constexprs ``NATIVE_FP8`` / ``NATIVE`` (the
 ``_common.NATIVE_FP8_CASTS`` / ``NATIVE_BF16_CASTS`` switches): on a real GPU the hardware casts
-(fp32 -> e4m3/e5m2 after an explicit clamp, RNE satfinite; fp32 <-> bf16, RNE); under the
+(fp32 -> e4m3/e5m2, RNE satfinite; fp32 <-> bf16, RNE); under the
 interpreter (whose fp8 cast rounds wrongly, `numerics.md` Known traps) software rounding (an exact
 power-of-two grid add, integer bit tricks). bench/check_gpu.py sweeps both paths over all 2^32
 fp32 inputs. Maxima drop NaN (``abs_nan0``), never through a NaN-propagating ``tl.maximum``.
@@ -56,6 +56,27 @@ def abs_nan0(x):
 
 
 @triton.jit
+def abs_for_max(x):
+    """``|float(x)|`` to feed NaN-dropping maxima (``tl.max`` / ``tl.maximum``), then
+    ``nan_to_0``. Native path: NaN is kept, because ``max.f32`` returns the non-NaN operand (a
+    max over a block is NaN only when every element is), and ``|.|`` folds into the max
+    instruction; interpreter: NaN -> 0 (numpy's maximum propagates NaN)."""
+    if NATIVE:
+        return tl.abs(widen(x))
+    else:
+        return abs_nan0(x)
+
+
+@triton.jit
+def nan_to_0(t):
+    """A maximum of ``abs_for_max`` values with the all-NaN case (NaN) mapped to 0."""
+    if NATIVE:
+        return tl.maximum(t, 0.0)
+    else:
+        return t
+
+
+@triton.jit
 def f32_bits(v):
     return v.to(tl.int32, bitcast=True)
 
@@ -67,8 +88,8 @@ def f32_from_bits(b):
 
 @triton.jit
 def fp8_rne_sat(v, IS_E4M3: tl.constexpr):
-    """``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2), NaN -> 0x7F: the native
-    or the software encoder (``NATIVE_FP8``)."""
+    """``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2), NaN -> an FP8 NaN (0x7F
+    in software; the hardware's NaN natively): the native or the software encoder."""
     if NATIVE_FP8:
         return fp8_native(v, IS_E4M3)
     else:
@@ -77,15 +98,14 @@ def fp8_rne_sat(v, IS_E4M3: tl.constexpr):
 
 @triton.jit
 def fp8_native(v, IS_E4M3: tl.constexpr):
-    """Clamp to ±max, the hardware RNE satfinite cast (``cvt.rn.satfinite.e4m3x2/e5m2x2``), NaN
-    -> the canonical 0x7F. GPU only: the interpreter's cast rounds wrongly."""
+    """The hardware RNE satfinite cast alone (Triton lowers fp32 -> e4m3/e5m2 to
+    ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32``): ±Inf and overflow become ±max, NaN stays an FP8
+    NaN (`numerics.md` §2: clamp + cast equals satfinite + RNE; NaN compares by NaN-ness, §10).
+    GPU only: the interpreter's cast rounds wrongly."""
     if IS_E4M3:
-        MAXV: tl.constexpr = 448.0
-        b = tl.minimum(tl.maximum(v, -MAXV), MAXV).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        MAXV: tl.constexpr = 57344.0
-        b = tl.minimum(tl.maximum(v, -MAXV), MAXV).to(tl.float8e5).to(tl.uint8, bitcast=True)
-    return tl.where(v == v, b, tl.full(b.shape, 0x7F, tl.uint8))
+        return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
 
 
 @triton.jit

@@ -11,7 +11,15 @@ from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
 
 from ._common import CONFIGS, config, launch_kwargs, tl_dtype
-from ._rounding import abs_nan0, fp8_decode, fp8_rne_sat, scale_from_amax, to_out, widen
+from ._rounding import (
+    abs_for_max,
+    fp8_decode,
+    fp8_rne_sat,
+    nan_to_0,
+    scale_from_amax,
+    to_out,
+    widen,
+)
 
 BLOCK = shapes.FP8_BLOCK
 CONFIGS["fp8_block"] = {
@@ -49,7 +57,7 @@ def _fp8_block_kernel(
             rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
             mask = (rm[:, None] < M) & (rk[None, :] < K)
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
-            acc = tl.maximum(acc, abs_nan0(x))
+            acc = tl.maximum(acc, abs_for_max(x))  # acc starts at 0: never NaN
         if TWO_D:
             s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
             s_inv = tl.math.div_rn(1.0, s_t)
@@ -74,7 +82,8 @@ def _fp8_block_kernel(
                          mask=tl.trans(mask))
         else:
             if ROW:
-                s = scale_from_amax(tl.max(abs_nan0(x), axis=1), eps, FP8_MAX, POW2, VINF)
+                s = scale_from_amax(nan_to_0(tl.max(abs_for_max(x), axis=1)), eps, FP8_MAX,
+                                    POW2, VINF)
                 q = fp8_rne_sat(xf * s[:, None], IS_E4M3)
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
                 tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)

@@ -11,10 +11,11 @@ from quant_core.dtypes import DType, check_fp8
 from ._common import CONFIGS, config, interpreting, launch_kwargs, tile_args, tl_dtype
 from ._rounding import (
     FLT_MAX,
-    abs_nan0,
+    abs_for_max,
     f32_bits,
     fp8_decode,
     fp8_rne_sat,
+    nan_to_0,
     scale_from_amax,
     to_out,
     widen,
@@ -37,7 +38,7 @@ def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
     t = pid
     while t < n_tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
         offs = t * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, abs_nan0(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+        acc = tl.maximum(acc, abs_for_max(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
         t += tl.num_programs(0)
     tl.atomic_max(out_bits_ptr, f32_bits(tl.max(acc, axis=0)))
 
@@ -111,7 +112,8 @@ def _fp8_cast_kernel(
         tl.store(t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
                  mask=tl.trans(mask))
     if AMAX:
-        tl.atomic_max(amax_bits_ptr, f32_bits(tl.max(tl.max(abs_nan0(x), axis=1), axis=0)))
+        tl.atomic_max(amax_bits_ptr,
+                      f32_bits(nan_to_0(tl.max(tl.max(abs_for_max(x), axis=1), axis=0))))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, s))
 

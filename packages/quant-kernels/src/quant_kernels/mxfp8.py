@@ -15,12 +15,13 @@ from ._layout import scale_offset
 from ._rounding import (
     RCP_E4M3,
     RCP_E5M2,
-    abs_nan0,
+    abs_for_max,
     e8m0_decode,
     e8m0_encode_mult,
     e8m0_roundup,
     fp8_decode,
     fp8_rne_sat,
+    nan_to_0,
     to_out,
     widen,
 )
@@ -60,10 +61,10 @@ def _mxfp8_kernel(
         offs = rm[:, None].to(tl.int64) * K + rk[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         xf = widen(x)
-        a = abs_nan0(x)
+        a = abs_for_max(x)
         rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
         mb_total = (M + 31) // 32
-        t = tl.max(tl.max(tl.reshape(a, [BM // 32, 32, BK // 32, 32]), axis=3), axis=1)
+        t = nan_to_0(tl.max(tl.max(tl.reshape(a, [BM // 32, 32, BK // 32, 32]), axis=3), axis=1))
         e = e8m0_roundup(t * _rcp(IS_E4M3))
         s = e8m0_encode_mult(e)
         s_full = tl.reshape(tl.broadcast_to(s[:, None, :, None], [BM // 32, 32, BK // 32, 32]),
@@ -104,9 +105,9 @@ def _mxfp8_slab(
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     xf = widen(x)
-    a = abs_nan0(x)
+    a = abs_for_max(x)
     if ROW:
-        t = tl.max(tl.reshape(a, [32, BK // 32, 32]), axis=2)
+        t = nan_to_0(tl.max(tl.reshape(a, [32, BK // 32, 32]), axis=2))
         e = e8m0_roundup(t * _rcp(IS_E4M3))
         s = e8m0_encode_mult(e)
         s_full = tl.reshape(tl.broadcast_to(s[:, :, None], [32, BK // 32, 32]), [32, BK])
@@ -114,7 +115,7 @@ def _mxfp8_slab(
         so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
         tl.store(rs_ptr + so, e.to(tl.uint8), mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
     if COL:
-        e = e8m0_roundup(tl.max(a, axis=0) * _rcp(IS_E4M3))
+        e = e8m0_roundup(nan_to_0(tl.max(a, axis=0)) * _rcp(IS_E4M3))
         tl.store(cd_ptr + offs, fp8_rne_sat(xf * e8m0_encode_mult(e)[None, :], IS_E4M3),
                  mask=mask)
         if SWIZZLE:

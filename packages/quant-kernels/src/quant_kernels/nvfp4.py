@@ -16,7 +16,7 @@ from ._rounding import (
     FLT_MAX,
     RCP_6,
     RCP_2688,
-    abs_nan0,
+    abs_for_max,
     bf16_round,
     e2m1_decode,
     e2m1_rne,
@@ -24,6 +24,7 @@ from ._rounding import (
     f32_bits,
     fp8_decode,
     fp8_rne_sat,
+    nan_to_0,
     sr_random_byte,
     sr_seed_state,
     to_out,
@@ -99,13 +100,13 @@ def _nvfp4_row_kernel(
     mask = (rm[:, None] < M) & (rp[None, :] < K // 2)
     poffs = rm[:, None].to(tl.int64) * (K // 2) + rp[None, :]
     lo, hi = _unpair(tl.load(xp_ptr + poffs, mask=mask, other=0), DT)
-    a = tl.maximum(abs_nan0(lo), abs_nan0(hi))
+    a = tl.maximum(abs_for_max(lo), abs_for_max(hi))
     if TWO_D:
-        t2 = tl.max(tl.max(tl.reshape(a, [BM // 16, 16, BK // 16, 8]), axis=3), axis=1)
+        t2 = nan_to_0(tl.max(tl.max(tl.reshape(a, [BM // 16, 16, BK // 16, 8]), axis=3), axis=1))
         bmax = tl.reshape(tl.broadcast_to(t2[:, None, :], [BM // 16, 16, BK // 16]),
                           [BM, BK // 16])
     else:
-        bmax = tl.max(tl.reshape(a, [BM, BK // 16, 8]), axis=2)
+        bmax = nan_to_0(tl.max(tl.reshape(a, [BM, BK // 16, 8]), axis=2))
     s_dec, t = _global_scales(amax_ptr)
     e4, enc = _block_scales(bmax, s_dec, t)
     enc = tl.reshape(tl.broadcast_to(enc[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
@@ -227,14 +228,14 @@ def _col_values(x_ptr, pid_m, pid_k, M, K, RHT: tl.constexpr, MASK: tl.constexpr
 @triton.jit
 def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15):
     """Elementwise NaN-dropping ``max_j |y_j|``."""
-    a = tl.maximum(abs_nan0(y0), abs_nan0(y1))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y2), abs_nan0(y3)))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y4), abs_nan0(y5)))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y6), abs_nan0(y7)))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y8), abs_nan0(y9)))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y10), abs_nan0(y11)))
-    a = tl.maximum(a, tl.maximum(abs_nan0(y12), abs_nan0(y13)))
-    return tl.maximum(a, tl.maximum(abs_nan0(y14), abs_nan0(y15)))
+    a = tl.maximum(abs_for_max(y0), abs_for_max(y1))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y2), abs_for_max(y3)))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y4), abs_for_max(y5)))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y6), abs_for_max(y7)))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y8), abs_for_max(y9)))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y10), abs_for_max(y11)))
+    a = tl.maximum(a, tl.maximum(abs_for_max(y12), abs_for_max(y13)))
+    return nan_to_0(tl.maximum(a, tl.maximum(abs_for_max(y14), abs_for_max(y15))))
 
 
 @triton.jit
