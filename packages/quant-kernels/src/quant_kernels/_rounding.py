@@ -109,6 +109,24 @@ def fp8_native(v, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
+def fp8_rne_sat_t(v, IS_E4M3: tl.constexpr):
+    """``fp8_rne_sat`` for bytes stored TRANSPOSED. Native path: clamp to ±max, cast, NaN ->
+    0x7F by a select on the byte. Triton 3.6 on H200 writes garbage (0x7F) into a transposed
+    1-byte store fed by the bare cast, or by the cast plus the select alone, on fp32 inputs
+    (bench/debug/fp32_transpose.py, 2026-11-29; akin to triton-lang/triton#11111); this form was
+    byte-exact in every GPU check."""
+    if NATIVE_FP8:
+        if IS_E4M3:
+            MAXV: tl.constexpr = 448.0
+        else:
+            MAXV: tl.constexpr = 57344.0
+        b = fp8_native(tl.minimum(tl.maximum(v, -MAXV), MAXV), IS_E4M3)
+        return tl.where(v == v, b, tl.full(b.shape, 0x7F, tl.uint8))
+    else:
+        return fp8_soft(v, IS_E4M3)
+
+
+@triton.jit
 def fp8_soft(v, IS_E4M3: tl.constexpr):
     """Software ``fp8_satfinite_rne(v)`` of fp32 ``v`` as its uint8 byte (§2).
 

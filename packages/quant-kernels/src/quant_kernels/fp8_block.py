@@ -15,6 +15,7 @@ from ._rounding import (
     abs_for_max,
     fp8_decode,
     fp8_rne_sat,
+    fp8_rne_sat_t,
     nan_to_0,
     scale_from_amax,
     to_out,
@@ -74,11 +75,12 @@ def _fp8_block_kernel(
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
         xf = widen(x)
         if TWO_D:
-            q = fp8_rne_sat(xf * s_t, IS_E4M3)
             if ROW:
-                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
+                         fp8_rne_sat(xf * s_t, IS_E4M3), mask=mask)
             if COL:
-                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                         tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3)),
                          mask=tl.trans(mask))
         else:
             if ROW:
@@ -88,7 +90,7 @@ def _fp8_block_kernel(
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
                 tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
             if COL:
-                q = fp8_rne_sat(xf * s_c[None, :], IS_E4M3)
+                q = fp8_rne_sat_t(xf * s_c[None, :], IS_E4M3)
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
                          mask=tl.trans(mask))
 

@@ -15,6 +15,7 @@ from ._rounding import (
     f32_bits,
     fp8_decode,
     fp8_rne_sat,
+    fp8_rne_sat_t,
     nan_to_0,
     scale_from_amax,
     to_out,
@@ -105,11 +106,12 @@ def _fp8_cast_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
     s = tl.load(scale_ptr)
-    q = fp8_rne_sat(widen(x) * s, IS_E4M3)
+    v = widen(x) * s
     if ROW:
-        tl.store(data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(data_ptr + rm[:, None] * K + rk[None, :], fp8_rne_sat(v, IS_E4M3), mask=mask)
     if COL:
-        tl.store(t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+        tl.store(t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)),
                  mask=tl.trans(mask))
     if AMAX:
         tl.atomic_max(amax_bits_ptr,
