@@ -94,6 +94,17 @@ def sweep_encoders(chunk_log2: int = 29) -> None:
               "NATIVE_FP8_CASTS (e4m3/e5m2) or NATIVE_BF16_CASTS (bf16) to False")
 
 
+def check_decoders() -> None:
+    """All 256 FP8 bytes through the dequantize kernel (scale 1, fp32 out) vs the reference:
+    the kernels widen FP8 with the native cast on GPU (``_rounding.fp8_decode``)."""
+    b = torch.arange(256, dtype=torch.uint8, device=DEV).reshape(1, 256)
+    one = torch.ones(1, device=DEV)
+    for fp8 in (DType.E4M3, DType.E5M2):
+        kw = dict(fp8_dtype=fp8, dtype=torch.float32)
+        report(f"fp8 decode, all 256 bytes, {fp8.name}",
+               count(B.fp8_dequantize(b, one, **kw), ref.fp8_dequantize(b, one, **kw)))
+
+
 def make(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(m, k, generator=g, device=DEV)
@@ -181,6 +192,7 @@ def main() -> int:
           "native casts in kernels: fp8", native_fp8(), "bf16", native_bf16(), flush=True)
     t0 = time.time()
     sweep_encoders()
+    check_decoders()
     check_formats(4096, 4096)
     check_formats(1040, 2080)  # ragged M for 32 / 128 blocks
     print(f"(checks took {time.time() - t0:.1f} s)")

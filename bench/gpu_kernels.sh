@@ -7,7 +7,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:/tmp/site
 export PYTHONUNBUFFERED=1
-timeout "${CHECK_LIMIT:-120}" python3 bench/check_gpu.py > "$OUT/check.log" 2>&1
+timeout "${CHECK_LIMIT:-200}" python3 bench/check_gpu.py > "$OUT/check.log" 2>&1
 echo "check rc=$?"; grep -E "mismatches=[1-9]|CHECKS|sweep took|MISMATCH" "$OUT/check.log"
 timeout "${BENCH_LIMIT:-300}" python3 bench/kernels.py "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; grep -v "^  " "$OUT/bench.log" | tail -45

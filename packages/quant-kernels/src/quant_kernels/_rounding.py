@@ -160,7 +160,14 @@ def fp8_soft(v, IS_E4M3: tl.constexpr):
 
 @triton.jit
 def fp8_decode(b, IS_E4M3: tl.constexpr):
-    """fp32 value of FP8 byte(s) ``b`` (any int dtype holding 0..255); exact."""
+    """fp32 value of FP8 byte(s) ``b`` (any int dtype holding 0..255); exact. Native path: the
+    hardware widening (``cvt.rn.f16x2.e4m3x2`` / e5m2 -> f16, exact for all 256 codes, NaN and
+    Inf kept), then f16 -> f32."""
+    if NATIVE_FP8:
+        if IS_E4M3:
+            return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            return b.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
     b = b.to(tl.int32) & 0xFF
     if IS_E4M3:
         MB: tl.constexpr = 3
@@ -220,11 +227,16 @@ def e2m1_rne(v):
     4), which ties to even exactly as E2M1 does. Scaled by 2^-126 the grid value's fp32 bits
     (subnormal for 0.5) are the code shifted left by 22.
     """
+    if NATIVE:  # min.f32 returns the non-NaN operand: NaN -> +FLT_MAX -> code 7, one op
+        v = tl.minimum(v, FLT_MAX)
     a = tl.minimum(tl.abs(v), 6.0)
     c = f32_from_bits(tl.maximum((f32_bits(a) & 0x7F800000) + (22 << 23), 0x4A800000))
     r = (a + c) - c
     code = (f32_bits(r * 1.1754943508222875e-38) >> 22) | ((f32_bits(v) >> 28) & 8)
-    return tl.where(v != v, 7, code)
+    if NATIVE:
+        return code
+    else:
+        return tl.where(v != v, 7, code)
 
 
 @triton.jit

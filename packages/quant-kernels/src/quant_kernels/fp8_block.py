@@ -24,13 +24,13 @@ from ._rounding import (
 
 BLOCK = shapes.FP8_BLOCK
 CONFIGS["fp8_block"] = {
-    "gpu": {"BM_ROW": 64, "num_warps": 8},  # BM_ROW: tile height of the rowwise-only 1D path
+    "gpu": {"BM_ROW": 32, "num_warps": 4},  # BM_ROW: tile height of the rowwise-only 1D path
     "interp": {"BM_ROW": 128},
 }
 #: 128x128 tiles (columnwise or 2D), processed in SLAB-row slabs
-#: (winners of the 2026-11-29 run 3 sweep: 1D row+col SLAB 32 / 4 warps, 2D SLAB 64 / 8 warps)
+#: (winners of the 2026-11-29 run 4 sweep: 1D row+col SLAB 32 / 4 warps, 2D SLAB 128 / 8 warps)
 CONFIGS["fp8_block_col"] = {"gpu": {"SLAB": 32, "num_warps": 4}, "interp": {"SLAB": 64}}
-CONFIGS["fp8_block_2d"] = {"gpu": {"SLAB": 64, "num_warps": 8}, "interp": {"SLAB": 64}}
+CONFIGS["fp8_block_2d"] = {"gpu": {"SLAB": 128, "num_warps": 8}, "interp": {"SLAB": 64}}
 CONFIGS["fp8_block_dequant"] = {
     "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
     "interp": {"BM": 128, "BK": 128},
@@ -52,47 +52,56 @@ def _fp8_block_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rk = pid_k * BK + tl.arange(0, BK)
-    if COL or TWO_D:
+    if TWO_D:
         acc = tl.zeros([SLAB, BK], tl.float32)
         for r in range(BM // SLAB):  # a real loop: unrolled, the reloads would be CSEd
-            rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
-            mask = (rm[:, None] < M) & (rk[None, :] < K)
-            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+            x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
             acc = tl.maximum(acc, abs_for_max(x))  # acc starts at 0: never NaN
-        if TWO_D:
-            s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
-            s_inv = tl.math.div_rn(1.0, s_t)
-            if ROW:
-                tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
-            if COL:
-                tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
-        else:
-            s_c = scale_from_amax(tl.max(acc, axis=0), eps, FP8_MAX, POW2, VINF)
-            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s_c), mask=rk < K)
-    for r in range(BM // SLAB):
-        rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
-        xf = widen(x)
-        if TWO_D:
+        s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
+        s_inv = tl.math.div_rn(1.0, s_t)
+        if ROW:
+            tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
+        if COL:
+            tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
+        for r in range(BM // SLAB):
+            x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
+            xf = widen(x)
             if ROW:
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
                          fp8_rne_sat(xf * s_t, IS_E4M3), mask=mask)
             if COL:
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
-                         tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3)),
-                         mask=tl.trans(mask))
-        else:
+                         tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3)), mask=tl.trans(mask))
+    else:
+        # pass 1: the rowwise 1x128 blocks lie inside a slab; column maxima accumulate
+        acc = tl.zeros([SLAB, BK], tl.float32)
+        for r in range(BM // SLAB):
+            x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
             if ROW:
                 s = scale_from_amax(nan_to_0(tl.max(abs_for_max(x), axis=1)), eps, FP8_MAX,
                                     POW2, VINF)
-                q = fp8_rne_sat(xf * s[:, None], IS_E4M3)
-                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+                tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
+                         fp8_rne_sat(widen(x) * s[:, None], IS_E4M3), mask=mask)
                 tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
             if COL:
-                q = fp8_rne_sat_t(xf * s_c[None, :], IS_E4M3)
+                acc = tl.maximum(acc, abs_for_max(x))
+        if COL:  # pass 2: the 128x1 column blocks, slabs reloaded (from cache), stored transposed
+            s_c = scale_from_amax(tl.max(acc, axis=0), eps, FP8_MAX, POW2, VINF)
+            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s_c), mask=rk < K)
+            for r in range(BM // SLAB):
+                x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
+                q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
                          mask=tl.trans(mask))
+
+
+@triton.jit
+def _load_slab(x_ptr, pid_m, r, rk, M, K, BM: tl.constexpr, SLAB: tl.constexpr):
+    """Slab ``r`` (``SLAB`` rows) of the ``BM``-row tile ``pid_m``: (x, rows, mask); 0 outside."""
+    rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+    return x, rm, mask
 
 
 def _check_dim(block_scaling_dim: int) -> None:

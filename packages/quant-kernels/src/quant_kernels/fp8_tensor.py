@@ -23,10 +23,10 @@ from ._rounding import (
 )
 
 #: amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
-CONFIGS["amax"] = {"gpu": {"BLOCK": 8192, "num_warps": 8, "per_sm": 4},
+CONFIGS["amax"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
                    "interp": {"BLOCK": 4096, "per_sm": 1}}
 CONFIGS["fp8_cast"] = {
-    "gpu": {"BM": 32, "BK": 128, "num_warps": 4},
+    "gpu": {"BM": 32, "BK": 256, "num_warps": 8},
     "interp": {"BM": 64, "BK": 64},
 }
 CONFIGS["fp8_dequant"] = {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}}
