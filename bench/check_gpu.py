@@ -16,6 +16,7 @@ import triton
 from quant_core import reference as ref
 from quant_core.dtypes import DType
 from quant_core.reference._rounding import fp8_encode
+from quant_core.reference.fp8_tensor import compute_scale_from_amax
 from quant_core.reference.mxfp8 import e8m0_roundup
 from quant_core.reference.nvfp4 import e2m1_encode
 from quant_kernels._common import native_bf16, native_fp8
@@ -23,6 +24,7 @@ from quant_kernels.backend import BACKEND as B
 from quant_kernels.encoders import encode
 
 DEV = "cuda"
+FLT_MAX = 3.4028234663852886e38
 RESULTS: list[tuple[str, int]] = []
 
 
@@ -52,7 +54,8 @@ def sweep_encoders(chunk_log2: int = 29) -> None:
     """All 2^32 fp32 patterns through each shared encoder (software and native paths) vs the
     reference encoders; FP8 NaN bytes and bf16 NaNs compare by NaN-ness."""
     chunk = 1 << chunk_log2
-    rules = ("e4m3", "e5m2", "e4m3_native", "e5m2_native", "e8m0", "e2m1", "bf16", "bf16_native")
+    rules = ("e4m3", "e5m2", "e4m3_native", "e5m2_native", "e8m0", "e2m1", "bf16", "bf16_native",
+             "pow2_scale_e4m3", "pow2_scale_e5m2")
     totals = dict.fromkeys(rules, 0)
     nan_bytes = dict.fromkeys(rules, 0)  # NaN inputs whose byte is a NaN other than 0x7F
     t0 = time.time()
@@ -81,6 +84,13 @@ def sweep_encoders(chunk_log2: int = 29) -> None:
         totals["e8m0"] += int((encode(a, "e8m0") != e8m0_roundup(a).to(torch.int32)).sum())
         del a
         totals["e2m1"] += int((encode(v, "e2m1") != e2m1_encode(v).to(torch.int32)).sum())
+        a = v.abs()
+        for fp8 in (DType.E4M3, DType.E5M2):
+            want = compute_scale_from_amax(a, fp8.max, force_pow_2_scales=True,
+                                           amax_epsilon=0.0, value_for_inf=FLT_MAX)
+            rule = f"pow2_scale_{fp8.name.lower()}"
+            totals[rule] += int((encode(a, rule) != want.view(torch.int32)).sum())
+        del a
         del v, nan
         torch.cuda.empty_cache()
     for rule, n in totals.items():

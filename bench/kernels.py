@@ -22,7 +22,8 @@ from quant_kernels.backend import BACKEND as B
 _MX = [dict(BM=32, BK=128, num_warps=4), dict(BM=32, BK=256, num_warps=8),
        dict(BM=64, BK=256, num_warps=8), dict(BM=128, BK=128, num_warps=8)]
 _SLABS = [dict(SLAB=32, num_warps=4), dict(SLAB=32, num_warps=8), dict(SLAB=64, num_warps=8),
-          dict(SLAB=128, num_warps=8)]
+          dict(SLAB=128, num_warps=8), dict(SLAB=16, num_warps=2), dict(SLAB=32, num_warps=2),
+          dict(SLAB=64, num_warps=4)]
 SWEEP = {  # tried after the package default (bench.best)
     "fp8_cast": [dict(BM=32, BK=128, num_warps=4), dict(BM=64, BK=128, num_warps=8),
                  dict(BM=32, BK=256, num_warps=8)],
@@ -30,12 +31,17 @@ SWEEP = {  # tried after the package default (bench.best)
              dict(BLOCK=2048, num_warps=4, per_sm=16)],
     "mxfp8": list(_MX),
     "mxfp8_col": [dict(BM=32, BK=128, num_warps=1), dict(BM=64, BK=128, num_warps=1),
-                  dict(BM=32, BK=64, num_warps=1), dict(BM=32, BK=512, num_warps=4)],
+                  dict(BM=32, BK=64, num_warps=1), dict(BM=32, BK=256, num_warps=2)],
+    "mxfp8_fused": [dict(BM=32, BK=128, num_warps=1), dict(BM=64, BK=128, num_warps=1),
+                    dict(BM=32, BK=64, num_warps=1), dict(BM=32, BK=128, num_warps=2),
+                    dict(BM=32, BK=256, num_warps=4), dict(BM=32, BK=256, num_warps=2),
+                    dict(BM=32, BK=128, num_warps=1, maxnreg=128)],
     "fp8_block": [dict(BM_ROW=64, num_warps=8), dict(BM_ROW=32, num_warps=4),
                   dict(BM_ROW=128, num_warps=8)],
     "fp8_block_col": list(_SLABS),
     "fp8_block_2d": list(_SLABS),
     "nvfp4_row": [dict(BM=32, BK=256, num_warps=8), dict(BM=16, BK=256, num_warps=4),
+                  dict(BM=32, BK=256, num_warps=4), dict(BM=64, BK=256, num_warps=8),
                   dict(BM=32, BK=128, num_warps=4)],
     "nvfp4_col": [dict(G=4, BK=64, num_warps=4), dict(G=2, BK=128, num_warps=4),
                   dict(G=8, BK=64, num_warps=8), dict(G=2, BK=256, num_warps=8)],
@@ -43,7 +49,14 @@ SWEEP = {  # tried after the package default (bench.best)
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    """Median ms of ``fn`` per call, timed over CUDA-graph replays so that the host's launch
+    overhead (allocation, argument handling: 30-60 us per call, comparable to a kernel at
+    8192^2) stays out of the kernel time; plain ``do_bench`` if ``fn`` cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - e.g. a peer that syncs with the host
+        print(f"  (not capturable: {type(e).__name__}; timed with do_bench)", flush=True)
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 def best(cfg_names: tuple[str, ...], fn) -> tuple[float, str]:
@@ -144,7 +157,7 @@ def cases(x: torch.Tensor) -> list[tuple]:
          lambda: B.mxfp8_quantize(x, rowwise=True, columnwise=False, **mx), 2 * N + N + s32),
         ("MXFP8 columnwise", 0.85, ("mxfp8_col",),
          lambda: B.mxfp8_quantize(x, rowwise=False, columnwise=True, **mx), 2 * N + N + s32),
-        ("MXFP8 row + col fused", 0.85, ("mxfp8_col",),
+        ("MXFP8 row + col fused", 0.85, ("mxfp8_fused",),
          lambda: B.mxfp8_quantize(x, rowwise=True, columnwise=True, **mx),
          2 * N + 2 * N + 2 * s32),
         ("FP8 block 1x128 rowwise", 0.88, ("fp8_block",),
@@ -171,7 +184,11 @@ def cases(x: torch.Tensor) -> list[tuple]:
 def run(n: int) -> dict:
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    t_copy = bench(lambda: y.copy_(x))
+    # the copy is one cudaMemcpy: plain timing has no launch overhead to hide, and its graph
+    # replay came out 35% slower at 16384^2 (run 5); the faster of the two is the baseline
+    t_copy = min(bench(lambda: y.copy_(x)),
+                 triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=40,
+                                         return_mode="median"))
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
     rows = []
     for name, target, cfgs, fn, nbytes in cases(x):

@@ -7,6 +7,7 @@ import torch
 from _kernels_util import DEVICE, INTERPRET
 from quant_core.dtypes import DType
 from quant_core.reference._rounding import fp8_encode
+from quant_core.reference.fp8_tensor import compute_scale_from_amax
 from quant_core.reference.mxfp8 import e8m0_roundup
 from quant_core.reference.nvfp4 import e2m1_encode
 from quant_kernels.encoders import encode
@@ -71,6 +72,26 @@ def test_bf16_rne(rule):
     v = V[~torch.isnan(V)]
     want = v.to(torch.bfloat16).float().view(torch.int32)
     assert torch.equal(encode(v.to(DEVICE), rule).cpu(), want)
+
+
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+def test_pow2_scale_without_division(fp8):
+    """The division-free power-of-two scale equals ``div_rn`` then the mask, on amaxes around
+    every mantissa 1.75 boundary, subnormals, the overflow edge, 0, Inf and NaN."""
+    a = V.abs()
+    m175 = torch.tensor([1.75 * 2.0**e for e in range(-126, 128)]).view(torch.int32)
+    edge = torch.cat([m175 - 1, m175, m175 + 1]).view(torch.float32)
+    a = torch.cat([a, edge, torch.tensor([2.0**-126, 2.0**-127, 1e-45, 448.0 * 2.0**-128])])
+    want = compute_scale_from_amax(a, fp8.max, force_pow_2_scales=True, amax_epsilon=0.0,
+                                   value_for_inf=3.4028234663852886e38).view(torch.int32)
+    got = encode(a.to(DEVICE), f"pow2_scale_{fp8.name.lower()}").cpu()
+    assert torch.equal(got, want)
+
+
+def test_pow2_inverse():
+    s = torch.tensor([2.0**e for e in range(-126, 128)])
+    assert torch.equal(encode(s.to(DEVICE), "pow2_inverse").cpu(),
+                       (1.0 / s.double()).float().view(torch.int32))
 
 
 def test_native_rules_refused_by_interpreter():

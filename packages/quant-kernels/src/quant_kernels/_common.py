@@ -44,10 +44,10 @@ def config(name: str) -> dict[str, int]:
 
 
 def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
-    """``num_warps`` / ``num_stages`` of a config, dropped in interpreter mode."""
+    """``num_warps`` / ``num_stages`` / ``maxnreg`` of a config, dropped in interpreter mode."""
     if interpreting():
         return {}
-    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
 
 
 def tile_args(cfg: dict[str, int]) -> dict[str, int]:

@@ -303,14 +303,38 @@ def scale_from_amax(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                     VALUE_FOR_INF: tl.constexpr):
     """TE's ``compute_scale_from_amax`` (§3 step 3): ``amax < eps -> eps``; Inf, 0, NaN -> 1;
     else ``div_rn(fp8_max, amax)``, Inf -> ``VALUE_FOR_INF``, floored to a power of two (bits
-    ``& 0xFF800000``) when ``POW2``."""
+    ``& 0xFF800000``) when ``POW2``.
+
+    With ``POW2`` no division is done: both FP8 maxima are ``1.75 * 2^E``, so for
+    ``a = m * 2^Ea`` (m in [1, 2)) the exponent of ``RN(fp8_max / a)`` is ``E - Ea``, minus one
+    when ``m > 1.75``; RN never carries the quotient into the next binade (1.75 / m <= 1.75, and
+    for m >= 1.75 + 2^-23 it stays below 1 - 2^-25). A biased exponent past 254 is exactly the
+    overflow to Inf (subnormal ``a`` included), which takes ``VALUE_FOR_INF``'s power of two."""
     a = tl.where(amax < eps, eps, amax)
-    s = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
-    s = tl.where(s == float("inf"), VALUE_FOR_INF, s)
     if POW2:
-        s = f32_from_bits(f32_bits(s) & -8388608)
+        tl.static_assert((FP8_MAX == 448.0) or (FP8_MAX == 57344.0))
+        E: tl.constexpr = 8 if FP8_MAX == 448.0 else 15
+        b = f32_bits(a)
+        sb = (E + 254) - (b >> 23) - ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
+        vinf = f32_from_bits(f32_bits(tl.full(a.shape, VALUE_FOR_INF, tl.float32)) & -8388608)
+        s = tl.where(sb > 254, vinf, f32_from_bits(sb << 23))
+    else:
+        s = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
+        s = tl.where(s == float("inf"), VALUE_FOR_INF, s)
     bad = (a == float("inf")) | (a == 0.0) | (a != a)
     return tl.where(bad, 1.0, s)
+
+
+@triton.jit
+def scale_inverse(s, POW2: tl.constexpr):
+    """``div_rn(1, s)``; for a power of two ``s`` (``POW2``) from the bits, exactly:
+    ``2^(127 - e)``, with ``2^127 -> 2^-127`` (the subnormal 0x00400000)."""
+    if POW2:
+        e = f32_bits(s) >> 23
+        return tl.where(e == 254, f32_from_bits(tl.full(s.shape, 0x00400000, tl.int32)),
+                        f32_from_bits((254 - e) << 23))
+    else:
+        return tl.math.div_rn(1.0, s)
 
 
 @triton.jit

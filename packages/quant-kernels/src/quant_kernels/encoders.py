@@ -4,7 +4,9 @@
 int32 codes: ``"e4m3"``/``"e5m2"`` (software FP8 RNE satfinite byte), ``"e4m3_native"`` /
 ``"e5m2_native"`` (the hardware cast path; GPU only), ``"e8m0"`` (round-up byte), ``"e2m1"`` (RNE
 code), ``"div_rn"`` (bits of ``div_rn(1, v)``), ``"bf16"`` / ``"bf16_native"`` (bits of the
-bf16-rounded value, software / hardware cast; the latter GPU only).
+bf16-rounded value, software / hardware cast; the latter GPU only), ``"pow2_scale_e4m3"`` /
+``"pow2_scale_e5m2"`` (bits of the power-of-two scale from amax ``v``, eps 0, ``value_for_inf``
+FLT_MAX) and ``"pow2_inverse"`` (bits of ``1 / v`` for a power of two ``v``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
-from ._rounding import bf16_rne, e2m1_rne, e8m0_roundup, f32_bits, fp8_native, fp8_soft
+from ._rounding import (
+    FLT_MAX,
+    bf16_rne,
+    e2m1_rne,
+    e8m0_roundup,
+    f32_bits,
+    fp8_native,
+    fp8_soft,
+    scale_from_amax,
+    scale_inverse,
+)
 
 RULES = ("e4m3", "e5m2", "e8m0", "e2m1", "div_rn", "bf16", "e4m3_native", "e5m2_native",
-         "bf16_native")
+         "bf16_native", "pow2_scale_e4m3", "pow2_scale_e5m2", "pow2_inverse")
 
 
 @triton.jit
@@ -41,8 +53,14 @@ def _encode_kernel(v_ptr, out_ptr, n, RULE: tl.constexpr, BLOCK: tl.constexpr):
         c = fp8_native(v, True).to(tl.int32)
     elif RULE == 7:
         c = fp8_native(v, False).to(tl.int32)
-    else:
+    elif RULE == 8:
         c = f32_bits(v.to(tl.bfloat16).to(tl.float32))
+    elif RULE == 9:
+        c = f32_bits(scale_from_amax(v, 0.0, 448.0, True, FLT_MAX))
+    elif RULE == 10:
+        c = f32_bits(scale_from_amax(v, 0.0, 57344.0, True, FLT_MAX))
+    else:
+        c = f32_bits(scale_inverse(v, True))
     tl.store(out_ptr + offs, c, mask=mask)
 
 

@@ -18,6 +18,7 @@ from ._rounding import (
     fp8_rne_sat_t,
     nan_to_0,
     scale_from_amax,
+    scale_inverse,
     to_out,
     widen,
 )
@@ -58,7 +59,7 @@ def _fp8_block_kernel(
             x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
             acc = tl.maximum(acc, abs_for_max(x))  # acc starts at 0: never NaN
         s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
-        s_inv = tl.math.div_rn(1.0, s_t)
+        s_inv = scale_inverse(s_t, POW2)
         if ROW:
             tl.store(rs_ptr + pid_m * RS_C + pid_k, s_inv)
         if COL:
@@ -82,12 +83,12 @@ def _fp8_block_kernel(
                                     POW2, VINF)
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
                          fp8_rne_sat(widen(x) * s[:, None], IS_E4M3), mask=mask)
-                tl.store(rs_ptr + pid_k * RS_C + rm, tl.math.div_rn(1.0, s), mask=rm < M)
+                tl.store(rs_ptr + pid_k * RS_C + rm, scale_inverse(s, POW2), mask=rm < M)
             if COL:
                 acc = tl.maximum(acc, abs_for_max(x))
         if COL:  # pass 2: the 128x1 column blocks, slabs reloaded (from cache), stored transposed
             s_c = scale_from_amax(tl.max(acc, axis=0), eps, FP8_MAX, POW2, VINF)
-            tl.store(cs_ptr + pid_m * CS_C + rk, tl.math.div_rn(1.0, s_c), mask=rk < K)
+            tl.store(cs_ptr + pid_m * CS_C + rk, scale_inverse(s_c, POW2), mask=rk < K)
             for r in range(BM // SLAB):
                 x, rm, mask = _load_slab(x_ptr, pid_m, r, rk, M, K, BM, SLAB)
                 q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)

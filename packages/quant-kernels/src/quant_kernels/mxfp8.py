@@ -26,13 +26,16 @@ from ._rounding import (
     widen,
 )
 
-#: Tile configs (winners of the 2026-11-29 run 4 sweep at 16384^2): rowwise-only, and any
-#: columnwise (alone, fused with rowwise, or 2D). One warp per 32x128 slab keeps every 32-row
+#: Tile configs (winners of the 2026-11-29 sweeps at 16384^2): rowwise-only, and columnwise
+#: (alone or 2D). One warp per 32x128 slab keeps every 32-row
 #: column block inside a thread pair: no shared-memory reduction (ncu: 60M bank conflicts with
 #: four warps).
 CONFIGS["mxfp8"] = {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}}
 CONFIGS["mxfp8_col"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 1},
                         "interp": {"BM": 64, "BK": 64}}
+#: rowwise + columnwise 1D from one read
+CONFIGS["mxfp8_fused"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 1},
+                          "interp": {"BM": 64, "BK": 64}}
 CONFIGS["mxfp8_dequant"] = {
     "gpu": {"BM": 32, "BK": 128, "num_warps": 4},
     "interp": {"BM": 64, "BK": 64},
@@ -160,7 +163,10 @@ def mxfp8_quantize(
         cs = torch.zeros(cs_shape, dtype=torch.uint8, device=dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
-    cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
+    if rowwise and columnwise and not with_2d_quantization:
+        cfg = config("mxfp8_fused")
+    else:
+        cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
     dummy = rd if rd is not None else cd
     _mxfp8_kernel[grid](

@@ -33,7 +33,7 @@ from ._rounding import (
 from .fp8_tensor import amax_into
 
 CONFIGS["nvfp4_row"] = {
-    "gpu": {"BM": 16, "BK": 256, "num_warps": 4},
+    "gpu": {"BM": 32, "BK": 256, "num_warps": 4},
     "interp": {"BM": 64, "BK": 64},
 }
 CONFIGS["nvfp4_col"] = {"gpu": {"G": 4, "BK": 64, "num_warps": 4}, "interp": {"G": 4, "BK": 64}}
