@@ -3,7 +3,8 @@ and each elementwise encoder over all 2^32 fp32 bit patterns (chunks of 2^29): t
 and bf16 encoders AND the native-cast ones the kernels use on GPU (``_common.NATIVE_CASTS``).
 
 Run on a CUDA machine: ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src
-python bench/check_gpu.py``. Prints one mismatch count per check (goal: 0 everywhere).
+python bench/check_gpu.py [format ...]`` (formats: fp8_tensor mxfp8 fp8_block nvfp4; naming
+some skips the encoder sweeps). Prints one mismatch count per check (goal: 0 everywhere).
 """
 
 from __future__ import annotations
@@ -125,75 +126,95 @@ def make(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-def check_formats(m: int, k: int) -> None:
+def check_fp8_tensor(x: torch.Tensor, tag: str) -> None:
+    report(f"amax {tag}", count(B.amax(x), ref.amax(x)))
+    for fp8 in (DType.E4M3, DType.E5M2):
+        a = ref.amax(x)
+        s = ref.current_scale(a, fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0)
+        n = 0
+        for av in (a, torch.zeros_like(a), torch.full_like(a, float("inf")), a * 2.0**-140):
+            for p2 in (False, True):
+                kw = dict(fp8_dtype=fp8, force_pow_2_scales=p2, amax_epsilon=0.0)
+                n += count(B.current_scale(av, **kw), ref.current_scale(av, **kw))
+        report(f"current_scale {fp8.name} {tag}", n)
+        ga, wa = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
+        got = B.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True, amax_out=ga)
+        want = ref.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True, amax_out=wa)
+        n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True)) + count(ga, wa)
+        report(f"fp8 per-tensor {fp8.name} {tag}", n)
+        n = count(B.fp8_dequantize(got[0], got[2], fp8_dtype=fp8, dtype=x.dtype),
+                  ref.fp8_dequantize(want[0], want[2], fp8_dtype=fp8, dtype=x.dtype))
+        report(f"fp8 per-tensor dequant {fp8.name} {tag}", n)
+
+
+def _one_direction(x: torch.Tensor, tag: str, fn, kw: dict) -> None:
+    for fp8 in (DType.E4M3, DType.E5M2):
+        for rw, cw in ((True, False), (False, True)):
+            k2 = dict(kw, fp8_dtype=fp8, rowwise=rw, columnwise=cw)
+            rfn = getattr(ref, fn.__name__)
+            n = sum(count(g, w, fp8) for g, w in zip(fn(x, **k2), rfn(x, **k2), strict=True))
+            report(f"{fn.__name__} {fp8.name} row={rw} col={cw} {tag}", n)
+
+
+def check_mxfp8(x: torch.Tensor, tag: str) -> None:
+    _one_direction(x, tag, B.mxfp8_quantize, dict(with_2d_quantization=False, swizzle=True))
+    for fp8 in (DType.E4M3, DType.E5M2):
+        for two_d in (False, True):
+            for sw in (False, True):
+                kw = dict(fp8_dtype=fp8, rowwise=True, columnwise=True,
+                          with_2d_quantization=two_d, swizzle=sw)
+                got, want = B.mxfp8_quantize(x, **kw), ref.mxfp8_quantize(x, **kw)
+                n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
+                for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
+                    kd = dict(fp8_dtype=fp8, columnwise=cw, swizzled=sw, dtype=x.dtype)
+                    n += count(B.mxfp8_dequantize(*gd, **kd), ref.mxfp8_dequantize(*wd, **kd))
+                report(f"mxfp8 {fp8.name} 2d={two_d} swizzle={sw} (+dequant) {tag}", n)
+
+
+def check_fp8_block(x: torch.Tensor, tag: str) -> None:
+    _one_direction(x, tag, B.fp8_block_quantize,
+                   dict(block_scaling_dim=1, amax_epsilon=0.0, force_pow_2_scales=False))
+    for fp8 in (DType.E4M3, DType.E5M2):
+        for dim in (1, 2):
+            kw = dict(fp8_dtype=fp8, block_scaling_dim=dim, force_pow_2_scales=True,
+                      amax_epsilon=0.0, rowwise=True, columnwise=True)
+            got, want = B.fp8_block_quantize(x, **kw), ref.fp8_block_quantize(x, **kw)
+            n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
+            for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
+                kd = dict(fp8_dtype=fp8, block_scaling_dim=dim, columnwise=cw, dtype=x.dtype)
+                n += count(B.fp8_block_dequantize(*gd, **kd), ref.fp8_block_dequantize(*wd, **kd))
+            report(f"fp8 block dim={dim} {fp8.name} (+dequant) {tag}", n)
+
+
+def check_nvfp4(x: torch.Tensor, tag: str) -> None:
+    seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
+    for rht, two_d, sr in ((False, False, False), (False, True, False), (False, False, True),
+                           (True, False, False), (True, False, True)):
+        if rht and x.dtype != torch.bfloat16:
+            continue
+        ka = dict(rowwise=True, columnwise=True, with_rht=rht, rht_sign_mask=0xD7E8)
+        ga, wa = B.nvfp4_amax(x, **ka), ref.nvfp4_amax(x, **ka)
+        n = count(ga[0], wa[0]) + count(ga[1], wa[1])
+        kw = dict(ka, with_2d_quantization=two_d, stochastic_rounding=sr, rng_seed=seed,
+                  swizzle=sr)
+        got = B.nvfp4_quantize(x, wa[0], wa[1], **kw)
+        want = ref.nvfp4_quantize(x, wa[0], wa[1], **kw)
+        n += sum(count(g, w) for g, w in zip(got, want, strict=True))
+        n += count(B.nvfp4_dequantize(got[0], got[1], wa[0], swizzled=sr, dtype=x.dtype),
+                   ref.nvfp4_dequantize(want[0], want[1], wa[0], swizzled=sr, dtype=x.dtype))
+        report(f"nvfp4 rht={rht} 2d={two_d} sr={sr} (+amax, dequant) {tag}", n)
+
+
+FORMATS = {"fp8_tensor": check_fp8_tensor, "mxfp8": check_mxfp8, "fp8_block": check_fp8_block,
+           "nvfp4": check_nvfp4}
+
+
+def check_formats(m: int, k: int, formats: list[str]) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x = make(m, k, dtype, seed=m + k)
         tag = f"{m}x{k} {str(dtype)[6:]}"
-        report(f"amax {tag}", count(B.amax(x), ref.amax(x)))
-        for fp8 in (DType.E4M3, DType.E5M2):
-            a = ref.amax(x)
-            s = ref.current_scale(a, fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0)
-            n = 0
-            for av in (a, torch.zeros_like(a), torch.full_like(a, float("inf")), a * 2.0**-140):
-                for p2 in (False, True):
-                    kw = dict(fp8_dtype=fp8, force_pow_2_scales=p2, amax_epsilon=0.0)
-                    n += count(B.current_scale(av, **kw), ref.current_scale(av, **kw))
-            report(f"current_scale {fp8.name} {tag}", n)
-            for rw, cw in ((True, False), (False, True)):
-                for fn, kw in ((B.mxfp8_quantize, dict(with_2d_quantization=False, swizzle=True)),
-                               (B.fp8_block_quantize, dict(block_scaling_dim=1, amax_epsilon=0.0,
-                                                           force_pow_2_scales=False))):
-                    kw = dict(kw, fp8_dtype=fp8, rowwise=rw, columnwise=cw)
-                    rfn = getattr(ref, fn.__name__)
-                    n = sum(count(g, w, fp8) for g, w in zip(fn(x, **kw), rfn(x, **kw),
-                                                              strict=True))
-                    report(f"{fn.__name__} {fp8.name} row={rw} col={cw} {tag}", n)
-            ga, wa = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
-            got = B.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True, amax_out=ga)
-            want = ref.fp8_quantize(x, s, fp8_dtype=fp8, rowwise=True, columnwise=True,
-                                    amax_out=wa)
-            n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True)) + count(ga, wa)
-            report(f"fp8 per-tensor {fp8.name} {tag}", n)
-            n = count(B.fp8_dequantize(got[0], got[2], fp8_dtype=fp8, dtype=dtype),
-                      ref.fp8_dequantize(want[0], want[2], fp8_dtype=fp8, dtype=dtype))
-            report(f"fp8 per-tensor dequant {fp8.name} {tag}", n)
-            for two_d in (False, True):
-                for sw in (False, True):
-                    kw = dict(fp8_dtype=fp8, rowwise=True, columnwise=True,
-                              with_2d_quantization=two_d, swizzle=sw)
-                    got, want = B.mxfp8_quantize(x, **kw), ref.mxfp8_quantize(x, **kw)
-                    n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
-                    for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
-                        kd = dict(fp8_dtype=fp8, columnwise=cw, swizzled=sw, dtype=dtype)
-                        n += count(B.mxfp8_dequantize(*gd, **kd),
-                                   ref.mxfp8_dequantize(*wd, **kd))
-                    report(f"mxfp8 {fp8.name} 2d={two_d} swizzle={sw} (+dequant) {tag}", n)
-            for dim in (1, 2):
-                kw = dict(fp8_dtype=fp8, block_scaling_dim=dim, force_pow_2_scales=True,
-                          amax_epsilon=0.0, rowwise=True, columnwise=True)
-                got, want = B.fp8_block_quantize(x, **kw), ref.fp8_block_quantize(x, **kw)
-                n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
-                for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
-                    kd = dict(fp8_dtype=fp8, block_scaling_dim=dim, columnwise=cw, dtype=dtype)
-                    n += count(B.fp8_block_dequantize(*gd, **kd),
-                               ref.fp8_block_dequantize(*wd, **kd))
-                report(f"fp8 block dim={dim} {fp8.name} (+dequant) {tag}", n)
-        seed = torch.tensor([987654321], dtype=torch.int64, device=DEV)
-        for rht, two_d, sr in ((False, False, False), (False, True, False), (False, False, True),
-                               (True, False, False), (True, False, True)):
-            if rht and dtype != torch.bfloat16:
-                continue
-            ka = dict(rowwise=True, columnwise=True, with_rht=rht, rht_sign_mask=0xD7E8)
-            ga, wa = B.nvfp4_amax(x, **ka), ref.nvfp4_amax(x, **ka)
-            n = count(ga[0], wa[0]) + count(ga[1], wa[1])
-            kw = dict(ka, with_2d_quantization=two_d, stochastic_rounding=sr, rng_seed=seed,
-                      swizzle=sr)
-            got = B.nvfp4_quantize(x, wa[0], wa[1], **kw)
-            want = ref.nvfp4_quantize(x, wa[0], wa[1], **kw)
-            n += sum(count(g, w) for g, w in zip(got, want, strict=True))
-            n += count(B.nvfp4_dequantize(got[0], got[1], wa[0], swizzled=sr, dtype=dtype),
-                       ref.nvfp4_dequantize(want[0], want[1], wa[0], swizzled=sr, dtype=dtype))
-            report(f"nvfp4 rht={rht} 2d={two_d} sr={sr} (+amax, dequant) {tag}", n)
+        for name in formats:
+            FORMATS[name](x, tag)
         torch.cuda.empty_cache()
 
 
@@ -201,10 +222,12 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "native casts in kernels: fp8", native_fp8(), "bf16", native_bf16(), flush=True)
     t0 = time.time()
-    sweep_encoders()
-    check_decoders()
-    check_formats(4096, 4096)
-    check_formats(1040, 2080)  # ragged M for 32 / 128 blocks
+    formats = sys.argv[1:] or list(FORMATS)
+    if not sys.argv[1:]:
+        sweep_encoders()
+        check_decoders()
+    check_formats(4096, 4096, formats)
+    check_formats(1040, 2080, formats)  # ragged M for 32 / 128 blocks
     print(f"(checks took {time.time() - t0:.1f} s)")
     bad = [(n, c) for n, c in RESULTS if c]
     print(f"CHECKS {len(RESULTS)}, with mismatches: {len(bad)}")
