@@ -156,18 +156,28 @@ def _one_direction(x: torch.Tensor, tag: str, fn, kw: dict) -> None:
             report(f"{fn.__name__} {fp8.name} row={rw} col={cw} {tag}", n)
 
 
+def _both_directions(x: torch.Tensor, fp8: DType, fmt: str, qkw: dict, dqkw: dict) -> int:
+    """Mismatches of ``<fmt>_quantize(x)`` (rowwise and columnwise) against the reference, plus
+    those of dequantizing each direction back."""
+    kw = dict(qkw, fp8_dtype=fp8, rowwise=True, columnwise=True)
+    got = getattr(B, f"{fmt}_quantize")(x, **kw)
+    want = getattr(ref, f"{fmt}_quantize")(x, **kw)
+    n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
+    for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
+        kd = dict(dqkw, fp8_dtype=fp8, columnwise=cw, dtype=x.dtype)
+        n += count(getattr(B, f"{fmt}_dequantize")(*gd, **kd),
+                   getattr(ref, f"{fmt}_dequantize")(*wd, **kd))
+    return n
+
+
 def check_mxfp8(x: torch.Tensor, tag: str) -> None:
     _one_direction(x, tag, B.mxfp8_quantize, dict(with_2d_quantization=False, swizzle=True))
     for fp8 in (DType.E4M3, DType.E5M2):
         for two_d in (False, True):
             for sw in (False, True):
-                kw = dict(fp8_dtype=fp8, rowwise=True, columnwise=True,
-                          with_2d_quantization=two_d, swizzle=sw)
-                got, want = B.mxfp8_quantize(x, **kw), ref.mxfp8_quantize(x, **kw)
-                n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
-                for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
-                    kd = dict(fp8_dtype=fp8, columnwise=cw, swizzled=sw, dtype=x.dtype)
-                    n += count(B.mxfp8_dequantize(*gd, **kd), ref.mxfp8_dequantize(*wd, **kd))
+                n = _both_directions(x, fp8, "mxfp8",
+                                     dict(with_2d_quantization=two_d, swizzle=sw),
+                                     dict(swizzled=sw))
                 report(f"mxfp8 {fp8.name} 2d={two_d} swizzle={sw} (+dequant) {tag}", n)
 
 
@@ -176,13 +186,9 @@ def check_fp8_block(x: torch.Tensor, tag: str) -> None:
                    dict(block_scaling_dim=1, amax_epsilon=0.0, force_pow_2_scales=False))
     for fp8 in (DType.E4M3, DType.E5M2):
         for dim in (1, 2):
-            kw = dict(fp8_dtype=fp8, block_scaling_dim=dim, force_pow_2_scales=True,
-                      amax_epsilon=0.0, rowwise=True, columnwise=True)
-            got, want = B.fp8_block_quantize(x, **kw), ref.fp8_block_quantize(x, **kw)
-            n = sum(count(g, w, fp8) for g, w in zip(got, want, strict=True))
-            for cw, gd, wd in ((False, got[:2], want[:2]), (True, got[2:], want[2:])):
-                kd = dict(fp8_dtype=fp8, block_scaling_dim=dim, columnwise=cw, dtype=x.dtype)
-                n += count(B.fp8_block_dequantize(*gd, **kd), ref.fp8_block_dequantize(*wd, **kd))
+            n = _both_directions(x, fp8, "fp8_block",
+                                 dict(block_scaling_dim=dim, force_pow_2_scales=True,
+                                      amax_epsilon=0.0), dict(block_scaling_dim=dim))
             report(f"fp8 block dim={dim} {fp8.name} (+dequant) {tag}", n)
 
 
