@@ -5,7 +5,8 @@ Two paths per cast rule, chosen at import by the constexprs ``NATIVE_FP8`` / ``N
 (fp32 -> e4m3/e5m2, RNE satfinite; fp32 <-> bf16, RNE); under the
 interpreter (whose fp8 cast rounds wrongly, `numerics.md` Known traps) software rounding (an exact
 power-of-two grid add, integer bit tricks). bench/check_gpu.py sweeps both paths over all 2^32
-fp32 inputs. Maxima drop NaN (``abs_nan0``), never through a NaN-propagating ``tl.maximum``.
+fp32 inputs. Maxima drop NaN (``abs_nan0``, or ``abs_for_max`` then ``nan_to_0``), never through
+a NaN-propagating maximum.
 """
 
 from __future__ import annotations

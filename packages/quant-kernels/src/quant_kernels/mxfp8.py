@@ -27,9 +27,8 @@ from ._rounding import (
 )
 
 #: Tile configs (winners of the 2026-11-29 sweeps at 16384^2): rowwise-only, and columnwise
-#: (alone or 2D). One warp per 32x128 slab keeps every 32-row
-#: column block inside a thread pair: no shared-memory reduction (ncu: 60M bank conflicts with
-#: four warps).
+#: (alone or 2D). One warp per 32x128 slab keeps every 32-row column block inside a thread pair:
+#: no shared-memory reduction (ncu: 60M bank conflicts with four warps).
 CONFIGS["mxfp8"] = {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}}
 CONFIGS["mxfp8_col"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 1},
                         "interp": {"BM": 64, "BK": 64}}
