@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import re
 
+import pytest
 import torch
 from quant_core import backends, reference
+from quant_core.dtypes import DType
 
 NAMES = backends.FUNCTIONS
 
@@ -41,3 +44,35 @@ def test_supports(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not b.supports(torch.device("cpu"))
     assert not b.supports(torch.device("meta"))
+
+
+_NV = dict(rowwise=True, columnwise=True, rht_sign_mask=0xD7E8, with_2d_quantization=False,
+           stochastic_rounding=False, rng_seed=None, swizzle=False)
+_BAD_CALLS = [
+    ("mxfp8_quantize", (torch.zeros(4, 48),),
+     dict(fp8_dtype=DType.E4M3, rowwise=True, columnwise=True, with_2d_quantization=False,
+          swizzle=False), "MXFP8 needs K to be a multiple of 32, got K = 48"),
+    ("fp8_block_quantize", (torch.zeros(4, 128),),
+     dict(fp8_dtype=DType.E4M3, block_scaling_dim=3, force_pow_2_scales=True, amax_epsilon=0.0,
+          rowwise=True, columnwise=True), "block_scaling_dim must be 1 or 2, got 3"),
+    ("nvfp4_quantize", (torch.zeros(4, 24), torch.ones(1), torch.ones(1)),
+     dict(_NV, with_rht=False), "NVFP4 needs K to be a multiple of 16, got K = 24"),
+    ("nvfp4_quantize", (torch.zeros(16, 32, dtype=torch.bfloat16), torch.ones(1), torch.ones(1)),
+     dict(_NV, with_rht=True, with_2d_quantization=True), "exclusive"),
+    ("nvfp4_quantize", (torch.zeros(16, 32), torch.ones(1), torch.ones(1)),
+     dict(_NV, with_rht=False, stochastic_rounding=True), "needs rng_seed"),
+    ("nvfp4_quantize", (torch.zeros(16, 32), torch.ones(1), torch.ones(1)),
+     dict(_NV, with_rht=True), "RHT needs a bfloat16 input"),
+    ("nvfp4_quantize", (torch.zeros(8, 32, dtype=torch.bfloat16), torch.ones(1), torch.ones(1)),
+     dict(_NV, with_rht=True), "M must be a multiple of 16, got M = 8"),
+]
+
+
+@pytest.mark.parametrize("name, args, kwargs, message", _BAD_CALLS)
+def test_bad_arguments_refused_like_the_reference(monkeypatch, name, args, kwargs, message):
+    """The reference and the Triton backend refuse the same bad arguments with the same message
+    (one rule each in ``quant_core.inputs``), before any kernel runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for impl in (reference, _backend()):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            getattr(impl, name)(*args, **kwargs)

@@ -70,6 +70,6 @@ def test_nvfp4_rht_requires_m16_and_bf16():
     with pytest.raises(ValueError, match="16"):
         B.nvfp4_amax(torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE), rowwise=False,
                      columnwise=True, with_rht=True, rht_sign_mask=MASK)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bfloat16"):
         B.nvfp4_amax(torch.zeros(16, 32, device=DEVICE), rowwise=False, columnwise=True,
                      with_rht=True, rht_sign_mask=MASK)

@@ -33,3 +33,34 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
 def transposed_shape(shape: torch.Size) -> tuple[int, ...]:
     """``[K, *leading]``: the shape of a columnwise buffer stored transposed."""
     return (shape[-1], *shape[:-1])
+
+
+def check_k_multiple(k: int, block: int, fmt: str) -> None:
+    """``ValueError`` unless ``K`` is a multiple of the format's rowwise ``block``."""
+    if k % block:
+        raise ValueError(f"{fmt} needs K to be a multiple of {block}, got K = {k}")
+
+
+def check_block_scaling_dim(block_scaling_dim: int) -> None:
+    """``ValueError`` unless the FP8 block ``block_scaling_dim`` is 1 (1x128) or 2 (128x128)."""
+    if block_scaling_dim not in (1, 2):
+        raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+
+
+def check_rht_input(x: torch.Tensor) -> None:
+    """``ValueError`` unless ``x [M, K]`` can take the NVFP4 16x16 RHT: bf16 and ``M % 16 == 0``."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"NVFP4 with RHT needs a bfloat16 input, got {x.dtype}")
+    if x.shape[0] % 16:
+        raise ValueError("NVFP4 with RHT mixes 16 rows: M must be a multiple of 16, got "
+                         f"M = {x.shape[0]}")
+
+
+def check_nvfp4_modes(with_rht: bool, with_2d_quantization: bool, stochastic_rounding: bool,
+                      rng_seed: torch.Tensor | None) -> None:
+    """``ValueError`` for NVFP4 mode combinations no backend takes: RHT with 2D blocks, or
+    stochastic rounding without a seed."""
+    if with_rht and with_2d_quantization:
+        raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
+    if stochastic_rounding and rng_seed is None:
+        raise ValueError("NVFP4 stochastic rounding needs rng_seed (int64 tensor of shape (1,))")

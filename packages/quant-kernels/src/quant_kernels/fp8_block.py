@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
+from quant_core.inputs import check_block_scaling_dim
 
 from ._common import CONFIGS, config, launch_kwargs, tl_dtype
 from ._rounding import (
@@ -105,11 +106,6 @@ def _load_slab(x_ptr, pid_m, r, rk, M, K, BM: tl.constexpr, SLAB: tl.constexpr):
     return x, rm, mask
 
 
-def _check_dim(block_scaling_dim: int) -> None:
-    if block_scaling_dim not in (1, 2):
-        raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
-
-
 def fp8_block_quantize(
     x: torch.Tensor,
     *,
@@ -124,7 +120,7 @@ def fp8_block_quantize(
     ``row_data [M, K]``, ``col_data [K, M]`` (transposed) and fp32 ``scale_inv`` buffers in the
     GEMM-ready layouts. Mirrors ``reference.fp8_block_quantize``."""
     check_fp8(fp8_dtype, "fp8_dtype")
-    _check_dim(block_scaling_dim)
+    check_block_scaling_dim(block_scaling_dim)
     m, k = x.shape
     dev = x.device
     rd = rs = cd = cs = None
@@ -193,7 +189,7 @@ def fp8_block_dequantize(
     """``float(fp8(data)) * scale_inv`` per block, cast to ``dtype``, ``[M, K]`` (columnwise data
     ``[K, M]`` is transposed back). Mirrors ``reference.fp8_block_dequantize``."""
     check_fp8(fp8_dtype, "fp8_dtype")
-    _check_dim(block_scaling_dim)
+    check_block_scaling_dim(block_scaling_dim)
     m, k = (data.shape[1], data.shape[0]) if columnwise else tuple(data.shape)
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:

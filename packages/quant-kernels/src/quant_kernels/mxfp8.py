@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
+from quant_core.inputs import check_k_multiple
 
 from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
 from ._layout import scale_offset
@@ -130,11 +131,6 @@ def _mxfp8_slab(
         tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & (rb < (M + 31) // 32))
 
 
-def _check_k(k: int) -> None:
-    if k % shapes.MXFP8_BLOCK:
-        raise ValueError(f"MXFP8 needs K to be a multiple of {shapes.MXFP8_BLOCK}, got K={k}")
-
-
 def mxfp8_quantize(
     x: torch.Tensor,
     *,
@@ -150,7 +146,7 @@ def mxfp8_quantize(
     transposed scale matrix). Mirrors ``reference.mxfp8_quantize``."""
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
-    _check_k(k)
+    check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")
     dev = x.device
     rd = rs = cd = cs = None
     rs_shape = shapes.mxfp8_rowwise_scale_shape(m, k)
@@ -214,7 +210,7 @@ def mxfp8_dequantize(
     through the swizzle index directly. Mirrors ``reference.mxfp8_dequantize``."""
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = data.shape
-    _check_k(k)
+    check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:
         return out

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core import shapes
+from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_input
 
 from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
 from ._layout import scale_offset
@@ -296,18 +297,6 @@ def _nvfp4_col_kernel(
              mask=(rk[:, None] < K) & (gi[None, :] < (M + 15) // 16))
 
 
-def _check_k(k: int) -> None:
-    if k % shapes.NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 requires K to be a multiple of 16, got K = {k}")
-
-
-def _check_rht(x: torch.Tensor) -> None:
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"NVFP4 RHT requires bf16 input, got {x.dtype}")
-    if x.shape[0] % 16:
-        raise ValueError(f"NVFP4 RHT requires M % 16 == 0 (it mixes 16 rows), got M = {x.shape[0]}")
-
-
 def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x`` viewed as pair words (int64 for fp32, int32 for bf16/fp16) and its ``DT`` code."""
     x = x.contiguous()
@@ -329,7 +318,7 @@ def nvfp4_amax(
     the bf16-rounded RHT computed in-kernel (never materialised). Mirrors
     ``reference.nvfp4_amax``."""
     m, k = x.shape
-    _check_k(k)
+    check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
     dev = x.device
     row = col = None
     if rowwise or (columnwise and not with_rht):
@@ -337,7 +326,7 @@ def nvfp4_amax(
         amax_into(x.reshape(-1), row)
     if columnwise:
         if with_rht:
-            _check_rht(x)
+            check_rht_input(x)
             col = torch.zeros(1, dtype=torch.float32, device=dev)
             if m and k:
                 cfg = config("nvfp4_col")
@@ -368,13 +357,10 @@ def nvfp4_quantize(
     ``[K, ceil(M/2)]`` from ``[16G, BK]`` tiles (RHT fused). Scales E4M3 bytes, zero-padded,
     swizzled in place when asked. Mirrors ``reference.nvfp4_quantize``."""
     m, k = x.shape
-    _check_k(k)
-    if with_rht and with_2d_quantization:
-        raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
-    if stochastic_rounding and rng_seed is None:
-        raise ValueError("NVFP4 stochastic rounding needs rng_seed (int64 tensor of shape (1,))")
+    check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
+    check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
     if columnwise and with_rht:
-        _check_rht(x)
+        check_rht_input(x)
     dev = x.device
     seed = (rng_seed.to(device=dev, dtype=torch.int64).reshape(1) if stochastic_rounding
             else torch.zeros(1, dtype=torch.int64, device=dev))

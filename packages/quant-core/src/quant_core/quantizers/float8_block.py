@@ -6,7 +6,7 @@ import torch
 
 from .. import backends
 from ..dtypes import DType, check_fp8
-from ..inputs import as_2d, transposed_shape
+from ..inputs import as_2d, check_block_scaling_dim, transposed_shape
 from ..quantizer import Quantizer, value_quantizer
 from ..shapes import (
     FP8_BLOCK,
@@ -33,8 +33,7 @@ class Float8BlockQuantizer(Quantizer):
     def __init__(self, dtype: DType = DType.E4M3, **fields) -> None:
         check_fp8(dtype)
         super().__init__(dtype=dtype, **fields)
-        if self.block_scaling_dim not in (1, 2):
-            raise ValueError(f"block_scaling_dim must be 1 or 2, got {self.block_scaling_dim}")
+        check_block_scaling_dim(self.block_scaling_dim)
         if self.block_len != FP8_BLOCK:
             raise ValueError(f"block_len must be {FP8_BLOCK}, got {self.block_len}")
         if self.amax_epsilon < 0:

@@ -7,7 +7,7 @@ import torch
 from .. import backends
 from ..distributed import reduce_amax
 from ..dtypes import DType
-from ..inputs import as_2d
+from ..inputs import as_2d, check_rht_input
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
 from ..shapes import (
     NVFP4_BLOCK,
@@ -106,10 +106,8 @@ class NVFP4Quantizer(Quantizer):
         x2d = as_2d(x, "NVFP4", NVFP4_BLOCK)
         m, k = x2d.shape
         rht = self.with_rht and self.columnwise_usage
-        if rht and x.dtype != torch.bfloat16:
-            raise ValueError(f"NVFP4 with RHT needs a bfloat16 input, got {x.dtype}")
-        if rht and m % 16:
-            raise ValueError(f"NVFP4 with RHT needs M to be a multiple of 16, got M = {m}")
+        if rht:
+            check_rht_input(x2d)
         be = backends.get(backend, x.device)
         amax_r, amax_c = be.nvfp4_amax(
             x2d, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, with_rht=rht,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
+from ..inputs import check_block_scaling_dim
 from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
 from .fp8_tensor import compute_scale_from_amax, div_rn
 
@@ -42,11 +43,6 @@ def _block_dims(block_scaling_dim: int, columnwise: bool) -> tuple[int, int]:
     if block_scaling_dim == 2:
         return BLOCK, BLOCK
     return (BLOCK, 1) if columnwise else (1, BLOCK)
-
-
-def _check_dim(block_scaling_dim: int) -> None:
-    if block_scaling_dim not in (1, 2):
-        raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
 
 
 def _quantize_blocks(x, block_rows, block_cols, fp8_dtype, force_pow_2_scales, amax_epsilon):
@@ -83,7 +79,7 @@ def fp8_block_quantize(
     padding is 0. ``value_for_inf`` is the max finite value of ``x.dtype``.
     """
     check_fp8(fp8_dtype, "fp8_dtype")
-    _check_dim(block_scaling_dim)
+    check_block_scaling_dim(block_scaling_dim)
     m, k = x.shape
     args = (fp8_dtype, force_pow_2_scales, amax_epsilon)
     row_data = row_scale = col_data = col_scale = None
@@ -122,7 +118,7 @@ def fp8_block_dequantize(
     ``data`` is ``[M, K]`` rowwise or ``[K, M]`` columnwise (transposed back); ``scale_inv`` is in
     the GEMM-ready layout ``fp8_block_quantize`` returns (padding ignored).
     """
-    _check_dim(block_scaling_dim)
+    check_block_scaling_dim(block_scaling_dim)
     values = fp8_decode(data, fp8_dtype)
     if columnwise:
         values = values.t()

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
+from ..inputs import check_k_multiple
 from ._rounding import f32_bits, f32_from_bits, fp8_decode, fp8_encode
 from .fp8_block import block_amax, expand_blocks
 from .swizzle import swizzle_scales, unswizzle_scales
@@ -63,11 +64,6 @@ def e8m0_to_scale(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
 
 
-def _check_k(k: int) -> None:
-    if k % BLOCK:
-        raise ValueError(f"MXFP8 needs K to be a multiple of {BLOCK}, got K={k}")
-
-
 def _pad_to(s: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return F.pad(s, (0, shape[1] - s.shape[1], 0, shape[0] - s.shape[0]))
 
@@ -99,7 +95,7 @@ def mxfp8_quantize(
     """
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
-    _check_k(k)
+    check_k_multiple(k, BLOCK, "MXFP8")
     row_data = row_scale = col_data = col_scale = None
     if with_2d_quantization:
         data, e = _quantize_blocks(x, BLOCK, BLOCK, fp8_dtype)  # e: [ceil(M/32), K/32]
@@ -138,7 +134,7 @@ def mxfp8_dequantize(
     first (columnwise: the transposed matrix was swizzled). Byte 0 is 2^-127, byte 255 NaN.
     """
     m, k = data.shape
-    _check_k(k)
+    check_k_multiple(k, BLOCK, "MXFP8")
     if swizzled:
         if columnwise:
             rows, cols = scale.shape

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType
+from ..inputs import check_k_multiple, check_nvfp4_modes
 from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
 from .rht import rht_columnwise
 from .stochastic import sr_random_byte, sr_round_e2m1
@@ -31,11 +32,6 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def _f32(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
-
-
-def _check_k(k: int) -> None:
-    if k % BLOCK:
-        raise ValueError(f"NVFP4 requires K to be a multiple of 16, got K = {k}")
 
 
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
@@ -145,7 +141,7 @@ def nvfp4_amax(
     Without RHT both directions get ``max|x|``; with RHT the columnwise amax is taken over the
     bf16-rounded RHT of ``xᵀ``. A direction not asked for is ``None``.
     """
-    _check_k(x.shape[1])
+    check_k_multiple(x.shape[1], BLOCK, "NVFP4")
 
     def amax_of(t: torch.Tensor) -> torch.Tensor:
         if t.numel() == 0:
@@ -182,11 +178,8 @@ def nvfp4_quantize(
     With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
     """
     m, k = x.shape
-    _check_k(k)
-    if with_rht and with_2d_quantization:
-        raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
-    if stochastic_rounding and rng_seed is None:
-        raise ValueError("NVFP4 stochastic rounding needs rng_seed (int64 tensor of shape (1,))")
+    check_k_multiple(k, BLOCK, "NVFP4")
+    check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
     mp = shapes.roundup(m, BLOCK)
     xf = F.pad(x.to(torch.float32), (0, 0, 0, mp - m))  # [Mp, K], zero rows past M
     tile_amax = _blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]

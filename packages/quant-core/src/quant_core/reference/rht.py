@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from ..inputs import check_rht_input
+
 RHT_SIZE = 16
 #: TE's fixed sign vector (``with_random_sign_mask=True``); all ones is mask 0.
 DEFAULT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -52,11 +54,8 @@ def rht_columnwise(x: torch.Tensor, sign_mask: int) -> torch.Tensor:
 
     ``out[k, 16g + j] = bf16(Σ_i x[16g + i, k] · R[i, j])``.
     """
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"NVFP4 RHT requires bf16 input, got {x.dtype}")
+    check_rht_input(x)
     m, k = x.shape
-    if m % RHT_SIZE:
-        raise ValueError(f"NVFP4 RHT requires M % 16 == 0 (it mixes 16 rows), got M = {m}")
     # Under torch.compile build R in the graph (dynamo does not honour the cache wrapper).
     build = rht_matrix.__wrapped__ if torch.compiler.is_compiling() else rht_matrix
     r = build(int(sign_mask), x.device).to(torch.float32)
