@@ -7,6 +7,7 @@ backends through the ``quant_core.backends`` entry-point group.
 
 from . import backends, reference, shapes
 from .dtypes import DType
+from .operand import GemmOperand
 from .quantizer import (
     Quantizer,
     add_value_class_hook,
@@ -37,5 +38,5 @@ __all__ = [
     "value_classes", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
     "Float8BlockQuantizer", "NVFP4Quantizer", "DEFAULT_RHT_SIGN_MASK", "QuantizedStorage",
     "Float8TensorStorage", "MXFP8TensorStorage", "Float8BlockwiseQTensorStorage",
-    "NVFP4TensorStorage", "backends", "reference", "shapes",
+    "NVFP4TensorStorage", "GemmOperand", "backends", "reference", "shapes",
 ]

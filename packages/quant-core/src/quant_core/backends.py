@@ -28,6 +28,7 @@ FUNCTIONS = (
     "amax", "current_scale", "fp8_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
+    "mxfp8_gemm", "nvfp4_gemm",
 )
 
 

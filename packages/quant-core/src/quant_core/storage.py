@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import backends
+from .operand import GemmOperand
 from .shapes import m_k
 
 
@@ -70,6 +71,13 @@ class QuantizedStorage:
     def _backend(self):
         return backends.get(None, self.device)
 
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """This tensor as a GEMM row operand (``quant_core.operand``): the 2D view ``X [m, k]``
+        itself, or ``Xᵀ`` when ``transposed`` (the contraction runs over ``m``), as views of the
+        buffers of the direction whose blocks run along the contraction. ``None`` when those
+        buffers are absent, or when the format cannot hand out that operand without a copy."""
+        return None
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -122,6 +130,20 @@ class Float8TensorStorage(QuantizedStorage):
         if columnwise is False:
             self._transpose = None
 
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """One scale for the whole tensor: either buffer serves either role, the rowwise data
+        viewed transposed or the byte transpose as it is."""
+        m, k = m_k(self.shape)
+        if self._data is None and self._transpose is None:
+            return None
+        x = self._data.reshape(m, k) if self._data is not None else None
+        xt = self._transpose.reshape(k, m) if self._transpose is not None else None
+        if transposed:
+            data, rows, kk = (xt if xt is not None else x.t()), k, m
+        else:
+            data, rows, kk = (x if x is not None else xt.t()), m, k
+        return GemmOperand("fp8", data, self._scale_inv, self._fp8_dtype, rows, kk)
+
 
 class MXFP8TensorStorage(QuantizedStorage):
     """MXFP8: rowwise and columnwise data ``[shape]`` (not transposed) with padded E8M0 scales."""
@@ -140,6 +162,24 @@ class MXFP8TensorStorage(QuantizedStorage):
             columnwise=columnwise, swizzled=bool(self._with_gemm_swizzled_scales), dtype=dtype,
         )
         return out.reshape(self.shape)
+
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """Rowwise data with its ``[rows, K/32]`` scales, or the columnwise data viewed
+        transposed with the transposed scale matrix (swizzled: the raw bytes viewed in the
+        transposed shape, whose swizzle they already hold)."""
+        m, k = m_k(self.shape)
+        swz = bool(self._with_gemm_swizzled_scales)
+        if transposed:
+            if self._columnwise_data is None:
+                return None
+            scale = self._columnwise_scale_inv  # [roundup(m/32, 4), roundup(k, 128)]
+            scale = scale.reshape(scale.shape[1], scale.shape[0]) if swz else scale.t()
+            return GemmOperand("mxfp8", self._columnwise_data.reshape(m, k).t(), scale,
+                               self._fp8_dtype, k, m, swz)
+        if self._rowwise_data is None:
+            return None
+        return GemmOperand("mxfp8", self._rowwise_data.reshape(m, k), self._rowwise_scale_inv,
+                           self._fp8_dtype, m, k, swz)
 
 
 class Float8BlockwiseQTensorStorage(QuantizedStorage):
@@ -162,6 +202,22 @@ class Float8BlockwiseQTensorStorage(QuantizedStorage):
             block_scaling_dim=2 if self._is_2D_scaled else 1, columnwise=columnwise, dtype=dtype,
         )
         return out.reshape(self.shape)
+
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """Rowwise ``[m, k]`` or columnwise ``[k, m]`` data (both K-contiguous) with the
+        GEMM-ready scales of that direction."""
+        m, k = m_k(self.shape)
+        dim = 2 if self._is_2D_scaled else 1
+        if transposed:
+            if self._columnwise_data is None:
+                return None
+            return GemmOperand("fp8_block", self._columnwise_data.reshape(k, m),
+                               self._columnwise_scale_inv, self._fp8_dtype, k, m,
+                               block_scaling_dim=dim)
+        if self._rowwise_data is None:
+            return None
+        return GemmOperand("fp8_block", self._rowwise_data.reshape(m, k), self._rowwise_scale_inv,
+                           self._fp8_dtype, m, k, block_scaling_dim=dim)
 
 
 class NVFP4TensorStorage(QuantizedStorage):
@@ -189,6 +245,24 @@ class NVFP4TensorStorage(QuantizedStorage):
             swizzled=bool(self._with_gemm_swizzled_scales), dtype=dtype,
         )
         return out.reshape(self.shape)
+
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """Rowwise ``[m, k/2]`` or columnwise ``[k, ceil(m/2)]`` packed data (columnwise in the
+        RHT basis when the quantizer applied it: both wgrad operands share the transform, which
+        cancels) with that direction's scales and amax. Row-scaled amaxes are not a GEMM
+        operand of this form (``None``)."""
+        m, k = m_k(self.shape)
+        swz = bool(self._with_gemm_swizzled_scales)
+        if transposed:
+            data, scale, amax, rows, kk = (self._columnwise_data, self._columnwise_scale_inv,
+                                           self._amax_columnwise, k, m)
+        else:
+            data, scale, amax, rows, kk = (self._rowwise_data, self._rowwise_scale_inv,
+                                           self._amax_rowwise, m, k)
+        if data is None or amax is None or amax.numel() != 1:
+            return None
+        return GemmOperand("nvfp4", data.reshape(rows, -1), scale, self._fp4_dtype, rows, kk,
+                           swz, amax=amax)
 
 
 __all__ = [

@@ -40,6 +40,12 @@ NVFP4 (§7):
         element ``i`` is ``sr_random_byte(seed, i)``, a counter-based hash any backend can repeat.
     ``nvfp4_dequantize(data, scale, amax, *, swizzled, dtype) -> [M, K]`` (rowwise data only).
 
+GEMMs of row operands ``A [M, K]``, ``B [N, K]`` (contraction along dim 1; DESIGN.md contract 6):
+    ``mxfp8_gemm(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled, bias,
+        out_dtype) -> A @ B.T`` and ``nvfp4_gemm(a, a_scale, a_amax, b, b_scale, b_amax, *,
+        a_swizzled, b_swizzled, bias, out_dtype)``: exact decoded elements, fp32 products and
+        sums; a fast backend may differ only in the order of the fp32 accumulation.
+
 Scale swizzle (§5, GEMM layout):
     ``swizzle_scales(s [R, C]) -> [R, C]`` and ``unswizzle_scales(s) -> [R, C]`` for
     ``R % 128 == 0`` and ``C % 4 == 0``.
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 from .fp8_block import fp8_block_dequantize, fp8_block_quantize  # noqa: F401
 from .fp8_tensor import amax, current_scale, fp8_dequantize, fp8_quantize  # noqa: F401
+from .gemm import mxfp8_gemm, nvfp4_gemm  # noqa: F401
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: F401
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize  # noqa: F401
 from .rht import rht_matrix  # noqa: F401
