@@ -36,8 +36,10 @@ TRITON = "3.6.0"
 #: Releases whose opaque-object API differs (spec/torch-versions.md).
 COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
-#: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy.
-INTERPRETER = ["numpy>=1.26"]
+#: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy. Triton
+#: 3.6's interpreter turns a loop bound into a Python int with ``int(array)``, which numpy 2.4
+#: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.
+INTERPRETER = ["numpy>=1.26,<2.4"]
 
 # The machine's pip config caps torch at 2.14.1 through a constraints file; pointing
 # PIP_CONSTRAINT at an empty file lifts the cap for one command (an empty value does not).

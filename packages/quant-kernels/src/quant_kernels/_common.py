@@ -50,6 +50,12 @@ def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
 
 
+def unfused() -> dict[str, bool]:
+    """Launch option keeping every fp32 multiply and add separately rounded (no FMA contraction),
+    for kernels whose epilogue must round like the reference's separate torch ops."""
+    return {} if interpreting() else {"enable_fp_fusion": False}
+
+
 def tile_args(cfg: dict[str, int]) -> dict[str, int]:
     """The constexpr tile sizes of a config (upper-case keys)."""
     return {k: v for k, v in cfg.items() if k.isupper()}

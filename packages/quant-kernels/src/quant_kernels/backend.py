@@ -14,7 +14,7 @@ import os
 import torch
 from quant_core import reference
 
-from . import fp8_block, fp8_tensor, mxfp8, nvfp4
+from . import fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
 
 
 class TritonBackend:
@@ -49,6 +49,8 @@ class TritonBackend:
     nvfp4_dequantize = staticmethod(nvfp4.nvfp4_dequantize)
     swizzle_scales = staticmethod(reference.swizzle_scales)
     unswizzle_scales = staticmethod(reference.unswizzle_scales)
+    mxfp8_gemm = staticmethod(mxfp8_gemm.mxfp8_gemm)
+    nvfp4_gemm = staticmethod(nvfp4_gemm.nvfp4_gemm)
 
 
 BACKEND = TritonBackend()

@@ -1,0 +1,108 @@
+"""Block-scaled GEMMs as exact bf16 dequantization plus the bf16 tensor-core GEMM of cuBLAS: the
+fastest MXFP8 / NVFP4 path measured on Hopper (bench/RESULTS.md, issue 11), which has no
+block-scaled tensor cores.
+
+Every MXFP8 element ``fp8 * 2^(e - 127)`` and every NVFP4 element ``e2m1 * e4m3`` is a bf16 value
+(MXFP8: unless it falls below 2^-130, where bf16 runs out of subnormal bits), so one memory-bound
+pass writes both operands in bf16, ``torch.mm`` multiplies them with fp32 accumulation and fp32
+output (``aten::mm.dtype``, so no reduced-precision split-K reduction can round a partial sum), and
+one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts once. Each operand is
+dequantized in its stored memory order; a transposed row operand is handed to cuBLAS as a
+transposed view, never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core.dtypes import DType
+
+from . import mxfp8, nvfp4
+from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype, unfused
+from ._rounding import RCP_2688, to_out
+
+CONFIGS["gemm_epilogue"] = {"gpu": {"BLOCK": 4096, "num_warps": 8},
+                            "interp": {"BLOCK": 4096}}
+#: E4M3 block scales decode exactly when the NVFP4 dequantizer's per-tensor factor is
+#: ``fp32(2688 * fp32(1/2688))``: ``e4m3 * 2688`` is exact and the product rounds back to
+#: ``e4m3`` for all 256 codes (checked exhaustively in tests/kernels/test_gemm.py).
+_UNIT_AMAX = 2688.0
+
+
+def _mxfp8_bf16(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: DType, swizzled: bool):
+    """bf16 ``[rows, K]`` of an MXFP8 row operand: the rowwise data as it is, or the columnwise
+    data viewed transposed (dequantized in its stored ``[K, rows]`` order, returned transposed)."""
+    if data.stride(1) == 1 and data.is_contiguous():
+        return mxfp8.mxfp8_dequantize(data, scale, fp8_dtype=fp8_dtype, columnwise=False,
+                                      swizzled=swizzled, dtype=torch.bfloat16)
+    stored = data.t()
+    if not stored.is_contiguous():
+        raise ValueError("mxfp8 dequant GEMM: operand data must be contiguous in either order")
+    stored_scale = scale.reshape(scale.shape[1], scale.shape[0]) if swizzled else scale.t()
+    out = mxfp8.mxfp8_dequantize(stored, stored_scale, fp8_dtype=fp8_dtype, columnwise=True,
+                                 swizzled=swizzled, dtype=torch.bfloat16)
+    return out.t()
+
+
+def _nvfp4_bf16(data: torch.Tensor, scale: torch.Tensor, swizzled: bool):
+    """bf16 ``[rows, K]`` of ``e2m1 * e4m3`` (no per-tensor factor) of a packed row operand."""
+    unit = torch.full((1,), _UNIT_AMAX, dtype=torch.float32, device=data.device)
+    return nvfp4.nvfp4_dequantize(data.contiguous(), scale, unit, swizzled=swizzled,
+                                  dtype=torch.bfloat16)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` of bf16 operands with fp32 accumulation and fp32 output."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return a.float() @ b.float().t()  # CPU (interpreter tests): exact bf16 values, fp32 sums
+
+
+@triton.jit
+def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, N,
+                     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    v = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    if HAS_ALPHA:
+        v = (v * (tl.load(amax_a_ptr) * RCP_2688)) * (tl.load(amax_b_ptr) * RCP_2688)
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
+
+
+def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
+    """``cast((acc * alpha_a) * alpha_b + bias)`` in one pass (alphas only for NVFP4)."""
+    has_alpha = amax_a is not None
+    if out_dtype == torch.float32 and bias is None and not has_alpha:
+        return acc
+    out = torch.empty_like(acc, dtype=out_dtype)
+    if acc.numel() == 0:
+        return out
+    cfg = config("gemm_epilogue")
+    _epilogue_kernel[(triton.cdiv(acc.numel(), cfg["BLOCK"]),)](
+        acc, out, bias if bias is not None else acc,
+        amax_a.to(torch.float32).reshape(1) if has_alpha else acc,
+        amax_b.to(torch.float32).reshape(1) if has_alpha else acc, acc.numel(), acc.shape[1],
+        HAS_ALPHA=has_alpha, HAS_BIAS=bias is not None, OUT=tl_dtype(out_dtype),
+        **tile_args(cfg), **launch_kwargs(cfg), **unfused(),
+    )
+    return out
+
+
+def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled,
+                       bias, out_dtype) -> torch.Tensor:
+    """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
+    av = _mxfp8_bf16(a, a_scale, a_dtype, a_swizzled)
+    bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)
+    return _finish(_mm_fp32(av, bv), bias, out_dtype)
+
+
+def nvfp4_gemm_dequant(a, a_scale, a_amax, b, b_scale, b_amax, *, a_swizzled, b_swizzled, bias,
+                       out_dtype) -> torch.Tensor:
+    """``quant_core.reference.nvfp4_gemm`` through bf16 dequantization and cuBLAS."""
+    av = _nvfp4_bf16(a, a_scale, a_swizzled)
+    bv = _nvfp4_bf16(b, b_scale, b_swizzled)
+    return _finish(_mm_fp32(av, bv), bias, out_dtype, a_amax, b_amax)

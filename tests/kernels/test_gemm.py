@@ -1,0 +1,170 @@
+"""The Triton GEMMs (MXFP8, NVFP4; every implementation) against ``quant_core.reference``.
+
+Two kinds of check (DESIGN.md contract 6: only the order of the fp32 accumulation may differ):
+- bit for bit on operands whose products and partial sums are all exact in fp32;
+- on random operands, elementwise within the bound of two fp32 summations of the same exact
+  products in different orders: ``|fast - ref| <= 2 * K * 2^-24 * (|A| @ |B|ᵀ)`` (each order's
+  error is at most ``(K - 1) * u * sum|a_i b_i|`` with ``u = 2^-24``), plus the final rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernels_util import DEVICE
+from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer, reference
+from quant_kernels import dequant_gemm, mxfp8_gemm, nvfp4_gemm
+from quant_kernels.backend import BACKEND
+
+
+def _x(m, k, seed, integer=False):
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # every 1x16..32x32 block has amax 28: equal power-of-two / 448 scales, exact
+        v = torch.randint(-3, 4, (m, k), generator=g).float()
+        diag = (torch.arange(m)[:, None] % 16) == (torch.arange(k)[None, :] % 16)
+        return torch.where(diag, torch.full_like(v, 28.0), v).to(DEVICE)
+    return (torch.randn(m, k, generator=g)
+            * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g))).to(DEVICE)
+
+
+def _within_bound(got, ref, a_abs, b_abs, k):
+    bound = 2 * k * 2.0**-24 * (a_abs @ b_abs.t()) + 1e-30
+    close = (got.float() - ref.float()).abs() <= bound + 2.0**-7 * ref.float().abs() * (
+        got.dtype != torch.float32)
+    return bool(close.all())
+
+
+def _operands(q, x, w, ta, tb):
+    xs, ws = q.quantize(x), q.quantize(w)
+    return xs.gemm_operand(ta), ws.gemm_operand(tb)
+
+
+MX_MODES = ["bf16", "dequant"] + (["fp8"] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture
+def mx_mode(request):
+    yield request.param
+    mxfp8_gemm.MODE = None
+
+
+@pytest.mark.parametrize("mx_mode", MX_MODES, indirect=True)
+@pytest.mark.parametrize("ta, tb, shape", [
+    (False, False, (64, 96, 128)),    # fprop x @ Wᵀ
+    (False, True, (72, 64, 96)),      # dgrad gy @ W (W's columnwise operand), ragged M
+    (True, True, (64, 96, 200)),      # wgrad gyᵀ @ x, contraction over a ragged 200
+])
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_mxfp8_gemm_matches_reference(mx_mode, ta, tb, shape, swizzle):
+    m, n, k = shape
+    mxfp8_gemm.MODE = mx_mode
+    if mx_mode == "fp8" and (ta or tb):
+        pytest.skip("the FP8 MMA mainloop takes K-contiguous operands only")
+    q = MXFP8Quantizer(DType.E4M3, optimize_for_gemm=swizzle)
+    for integer in (True, False):
+        x = _x(k, m, 1, integer) if ta else _x(m, k, 1, integer)
+        w = _x(k, n, 2, integer) if tb else _x(n, k, 2, integer)
+        ra, rb = _operands(q, x, w, ta, tb)
+        bias = torch.randn(n, device=DEVICE).round()
+        args = (ra.data, ra.scale, rb.data, rb.scale)
+        kw = dict(a_dtype=ra.fp_dtype, b_dtype=rb.fp_dtype, a_swizzled=swizzle,
+                  b_swizzled=swizzle, bias=bias)
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = BACKEND.mxfp8_gemm(*args, **kw, out_dtype=out_dtype)
+            ref = reference.mxfp8_gemm(*args, **kw, out_dtype=out_dtype)
+            assert got.shape == (m, n) and got.dtype == out_dtype
+            if integer:
+                assert torch.equal(got, ref), (mx_mode, out_dtype)
+            else:
+                av = reference.gemm._mxfp8_operand(ra.data, ra.scale, ra.fp_dtype, swizzle)
+                bv = reference.gemm._mxfp8_operand(rb.data, rb.scale, rb.fp_dtype, swizzle)
+                assert _within_bound(got, ref, av.abs(), bv.abs(), k), (mx_mode, out_dtype)
+
+
+@pytest.mark.parametrize("mx_mode", MX_MODES[:2], indirect=True)
+def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(mx_mode):
+    mxfp8_gemm.MODE = mx_mode
+    x, w = _x(32, 64, 3, True), _x(48, 64, 4, True)
+    ra = MXFP8Quantizer(DType.E5M2).quantize(x).gemm_operand(False)
+    rb = MXFP8Quantizer(DType.E4M3).quantize(w).gemm_operand(False)
+    scale = ra.scale.clone()
+    scale[3, 1] = 255  # the E8M0 NaN byte: row 3 of the product is NaN, as in the reference
+    kw = dict(a_dtype=DType.E5M2, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
+              bias=None, out_dtype=torch.float32)
+    got = BACKEND.mxfp8_gemm(ra.data, scale, rb.data, rb.scale, **kw)
+    ref = reference.mxfp8_gemm(ra.data, scale, rb.data, rb.scale, **kw)
+    assert torch.isnan(got[3]).all() and not torch.isnan(got[:3]).any()
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+    empty = BACKEND.mxfp8_gemm(ra.data[:0], scale, rb.data, rb.scale, **kw)
+    assert empty.shape == (0, 48)
+    bias = torch.arange(48.0, device=DEVICE)
+    zero_k = BACKEND.mxfp8_gemm(ra.data[:, :0], scale, rb.data[:, :0], rb.scale,
+                                **{**kw, "bias": bias})
+    assert torch.equal(zero_k, bias.expand(32, 48))
+
+
+@pytest.fixture
+def nv_mode(request):
+    yield request.param
+    nvfp4_gemm.MODE = None
+
+
+@pytest.mark.parametrize("nv_mode", ["fused", "dequant"], indirect=True)
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
+    """fprop-like (rowwise, no RHT) and wgrad-like (columnwise, both in the RHT basis)."""
+    nvfp4_gemm.MODE = nv_mode
+    m, n, k = 48, 80, 96
+    q = NVFP4Quantizer(DType.E2M1, with_rht=rht, with_post_rht_amax=rht,
+                       optimize_for_gemm=swizzle)
+    for integer in ((False,) if rht else (True, False)):  # the RHT mixes values: not exact
+        if rht:  # contraction over the rows of two bf16 tensors, through their columnwise forms
+            x = _x(k, m, 5, integer).bfloat16()
+            w = _x(k, n, 6, integer).bfloat16()
+            ra, rb = _operands(q, x, w, True, True)
+        else:
+            ra, rb = _operands(q, _x(m, k, 5, integer), _x(n, k, 6, integer), False, False)
+        args = (ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax)
+        bias = torch.randn(n, device=DEVICE).round().bfloat16()
+        kw = dict(a_swizzled=swizzle, b_swizzled=swizzle, bias=bias)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = BACKEND.nvfp4_gemm(*args, **kw, out_dtype=out_dtype)
+            ref = reference.nvfp4_gemm(*args, **kw, out_dtype=out_dtype)
+            if integer:
+                assert torch.equal(got, ref), (nv_mode, out_dtype)
+            else:
+                av = reference.gemm._nvfp4_operand(ra.data, ra.scale, swizzle)
+                bv = reference.gemm._nvfp4_operand(rb.data, rb.scale, swizzle)
+                alpha = float(ra.amax) * float(rb.amax) / 2688**2
+                assert _within_bound(got, ref, av.abs() * alpha, bv.abs(), k), (nv_mode,
+                                                                               out_dtype)
+
+
+def test_unit_amax_decodes_every_e4m3_scale_exactly():
+    """The dequant path's claim: ``fp32(fp32(e4m3 * 2688) * fp32(1/2688)) == e4m3`` for every
+    finite E4M3 code, so ``nvfp4_dequantize(..., amax=2688)`` yields ``e2m1 * e4m3`` exactly."""
+    e4 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4 = e4[~torch.isnan(e4)]
+    unit = torch.tensor(dequant_gemm._UNIT_AMAX, dtype=torch.float32)
+    rcp = torch.tensor(1.0, dtype=torch.float32) / 2688.0
+    assert torch.equal((e4 * unit) * rcp, e4)
+
+
+def test_gemm_argument_errors():
+    a = torch.zeros(4, 32, dtype=torch.uint8, device=DEVICE)
+    s = torch.zeros(128, 4, dtype=torch.uint8, device=DEVICE)
+    kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
+              bias=None)
+    with pytest.raises(TypeError, match="a must be a 2D uint8 tensor"):
+        BACKEND.mxfp8_gemm(a.float(), s, a, s, **kw, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="share dim 1"):
+        BACKEND.mxfp8_gemm(a, s, a[:, :16], s, **kw, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        BACKEND.mxfp8_gemm(a, s, a, s, **kw, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        BACKEND.mxfp8_gemm(a, s, a, s, **{**kw, "bias": torch.zeros(5, device=DEVICE)},
+                           out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        BACKEND.nvfp4_gemm(a.t(), s, s, a.t(), s, s, a_swizzled=False, b_swizzled=False, bias=None,
+                           out_dtype=torch.float32)
