@@ -76,9 +76,16 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
 def test_doctor_format_table_follows_the_capability():
     from quant_recipes.doctor import format_support
 
-    hopper = {name: gemm for name, gemm, _ in format_support((9, 0))}
+    hopper = {name: gemm for name, gemm, _ in
+              format_support((9, 0), kernels=True, blockwise_api=True)}
     assert hopper["FP8 per-tensor"] == "native"  # torch._scaled_mm on sm_89+
-    assert hopper["MXFP8"] == hopper["NVFP4"] == "emulated"
-    ada = {name: why for name, _, why in format_support((8, 9))}
-    assert "native needs sm_90+" in ada["FP8 block 1x128/128x128"]
+    assert hopper["FP8 block 1x128/128x128"] == "native"  # cuBLAS block scaling on sm 9.x
+    assert hopper["MXFP8"] == hopper["NVFP4"] == "bf16-tc"  # no MX tensor cores on Hopper
+    bare = {name: gemm for name, gemm, _ in
+            format_support((9, 0), kernels=False, blockwise_api=False)}
+    assert bare["MXFP8"] == bare["FP8 block 1x128/128x128"] == "emulated"
+    ada = {name: why for name, _, why in format_support((8, 9), kernels=True)}
+    assert "sm 9.x only" in ada["FP8 block 1x128/128x128"]
+    blackwell = {name: why for name, _, why in format_support((10, 0), kernels=True)}
+    assert "untested" in blackwell["MXFP8"]
     assert {gemm for _, gemm, _ in format_support(None)} == {"emulated"}

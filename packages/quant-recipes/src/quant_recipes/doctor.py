@@ -7,13 +7,8 @@ import importlib.metadata
 import torch
 from quant_core import backends
 
-#: (format, minimum compute capability of the native GEMM instruction, upper bound or None)
-_FORMATS = (
-    ("FP8 per-tensor", (8, 9), None),
-    ("FP8 block 1x128/128x128", (9, 0), None),
-    ("MXFP8", (10, 0), (12, 0)),
-    ("NVFP4", (10, 0), None),
-)
+#: The formats' rows, in the order printed.
+_FORMATS = ("FP8 per-tensor", "FP8 block 1x128/128x128", "MXFP8", "NVFP4")
 
 
 def _version(dist: str) -> str:
@@ -32,22 +27,54 @@ def compile_mode() -> str:
     return str(quant_dynamo.status()["mode"])
 
 
-def format_support(capability: tuple[int, int] | None) -> list[tuple[str, str, str]]:
+def _has_kernels() -> bool:
+    return any(name != "reference" for name in backends.available())
+
+
+def _has_blockwise_api() -> bool:
+    import torch.nn.functional as F
+
+    scaling = getattr(F, "ScalingType", None)
+    return hasattr(F, "scaled_mm") and scaling is not None and hasattr(scaling, "BlockWise1x128")
+
+
+def format_support(capability: tuple[int, int] | None, *, kernels: bool | None = None,
+                   blockwise_api: bool | None = None) -> list[tuple[str, str, str]]:
     """Per format: (name, GEMM path of ``quant_recipes.Linear``, why) on a GPU of ``capability``
-    (None: CPU). Quantization itself runs everywhere with the same bytes."""
+    (None: CPU), given whether a kernel backend (quant-kernels) is installed and whether torch
+    has cuBLAS's block-scaled FP8 GEMM (defaults: this process). Paths: ``native`` (FP8 tensor
+    cores through cuBLAS), ``bf16-tc`` (exact bf16 dequantization, then bf16 tensor cores),
+    ``emulated`` (dequantize to fp32, fp32 matmul). Quantization itself runs everywhere."""
+    kernels = _has_kernels() if kernels is None else kernels
+    blockwise_api = _has_blockwise_api() if blockwise_api is None else blockwise_api
+    if capability is None:
+        return [(name, "emulated", "no GPU: dequantize, then fp32 matmul (same bits)")
+                for name in _FORMATS]
+    where = f"sm_{capability[0]}{capability[1]}"
     rows = []
-    for name, low, high in _FORMATS:
-        has = capability is not None and capability >= low and (high is None or capability < high)
-        where = "no GPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
-        if has and name == "FP8 per-tensor":
-            rows.append((name, "native", f"{where}: torch._scaled_mm (FP8 tensor cores)"))
-        elif has:
-            rows.append((name, "emulated", f"{where} has the instruction, but this release "
-                                           "emulates the GEMM (dequantize, then matmul)"))
+    if capability >= (8, 9):
+        rows.append((_FORMATS[0], "native", f"{where}: torch._scaled_mm (FP8 tensor cores)"))
+    else:
+        rows.append((_FORMATS[0], "emulated", f"{where}; FP8 tensor cores need sm_89+"))
+    if capability[0] == 9 and blockwise_api:
+        rows.append((_FORMATS[1], "native", f"{where}: cuBLAS block-scaled FP8 (F.scaled_mm)"))
+    elif capability[0] == 9:
+        rows.append((_FORMATS[1], "emulated", f"{where}: this torch has no F.scaled_mm block "
+                                              "scaling (torch >= 2.10 does)"))
+    else:
+        rows.append((_FORMATS[1], "emulated", f"{where}: cuBLAS's 1x128/128x128 FP8 GEMM "
+                                              "runs on sm 9.x only"))
+    for name in _FORMATS[2:]:
+        if not kernels:
+            rows.append((name, "emulated", f"{where}: install quant-kernels for the "
+                                           "tensor-core path"))
+        elif capability >= (10, 0):
+            rows.append((name, "bf16-tc", f"{where}: exact bf16 dequantization + cuBLAS bf16 "
+                                          "GEMM; this chip's MX/NVFP4 tensor cores are "
+                                          "untested here, so not used yet"))
         else:
-            need = f"sm_{low[0]}{low[1]}" + (f" to below sm_{high[0]}{high[1]}" if high else "+")
-            rows.append((name, "emulated", f"{where}; native needs {need}: same bits, "
-                                           "dequantize-then-matmul GEMM"))
+            rows.append((name, "bf16-tc", f"{where} has no {name} tensor cores: exact bf16 "
+                                          "dequantization + cuBLAS bf16 GEMM"))
     return rows
 
 

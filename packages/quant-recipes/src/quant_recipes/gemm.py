@@ -1,16 +1,14 @@
-"""GEMMs on quantized operands, and which path ran.
+"""GEMMs on quantized operands, and which path ran (DESIGN.md contract 6).
 
 Operands travel as buffer lists (a storage's buffers in declaration order, an absent one as an
 empty tensor) plus integer metadata, so the GEMM is one custom op with plain types
-(``quant_recipes::qgemm``) on every torch release. Paths:
-
-- ``"scaled_mm"``: FP8 per-tensor operands on CUDA with compute capability >= 8.9, through
-  ``torch._scaled_mm`` (fp32 accumulation in the tensor cores);
-- ``"emulated"``: dequantize both operands to fp32 (exactly, with quant-core's backend) and
-  multiply in fp32: every format on every device, the reference for the others;
-- ``"high_precision"``: both operands unquantized.
-
-FP8 block, MXFP8 and NVFP4 operands are emulated. :func:`gemm_paths` counts the paths that ran.
+(``quant_recipes::qgemm``) on every torch release. Inside it the buffers become a storage again,
+the storage hands out its GEMM operand for the role (``gemm_operand``), and
+:func:`quant_recipes.gemm_fast.fast_gemm` runs the fastest path for the pair: cuBLAS scaled GEMMs
+for FP8 per-tensor and FP8 blocks, the backend's GEMM for MXFP8 and NVFP4 (Triton on CUDA). Other
+pairs (mixed formats, a transposed use of rowwise blocks, unaligned shapes) are ``"emulated"``:
+both operands dequantized to fp32 with quant-core's backend, then an fp32 matmul; both
+unquantized is ``"high_precision"``. :func:`gemm_paths` counts the paths that ran.
 """
 
 from __future__ import annotations
@@ -20,8 +18,14 @@ import collections
 import torch
 from quant_core import (
     DType,
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    NVFP4TensorStorage,
     backends,
 )
+
+from .gemm_fast import fast_gemm
 
 HP, FP8, MXFP8, FP8_BLOCK, NVFP4 = range(5)
 _FORMAT_NAMES = ("high_precision", "fp8", "mxfp8", "fp8_block", "nvfp4")
@@ -107,25 +111,31 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
     raise ValueError(f"unknown operand format {fmt}")
 
 
-def _scaled_mm_ok(a_meta, b_meta, device: torch.device, shape) -> bool:
-    if a_meta[0] != FP8 or b_meta[0] != FP8 or device.type != "cuda":
-        return False
-    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
-        return False
-    if a_meta[1] == b_meta[1] == DType.E5M2.value:
-        return False
-    return all(d % 16 == 0 for d in shape)
+def _storage(bufs: list[torch.Tensor], meta: list[int], shape):
+    """The storage object of a quantized operand's buffer list (absent buffers are empty)."""
+    fmt, dt, dim, swz = meta
+    cls, tags = {
+        FP8: (Float8TensorStorage, {"_fp8_dtype": DType(dt)}),
+        MXFP8: (MXFP8TensorStorage,
+                {"_fp8_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)}),
+        FP8_BLOCK: (Float8BlockwiseQTensorStorage,
+                    {"_fp8_dtype": DType(dt), "_is_2D_scaled": dim == 2}),
+        NVFP4: (NVFP4TensorStorage,
+                {"_fp4_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)}),
+    }[fmt]
+    names = cls._buffer_names
+    buffers = {name: t if t.numel() else None for name, t in zip(names, bufs, strict=True)}
+    return cls(shape=shape, dtype=torch.float32, quantizer=None, **buffers, **tags)
 
 
-def _operand_fp8(bufs, meta, m, k, columnwise, trans):
-    """The FP8 matrix ``op(X)`` (``[rows, contraction]`` view for A, ``[contraction, cols]``
-    column-major for B) without copies where the layout allows."""
-    data, transpose, scale_inv = bufs
-    fp8 = DType(meta[1]).torch_dtype
-    # logical X is [m, k]; rowwise buffer is X, columnwise buffer is X^T (both row-major)
-    mat = transpose.reshape(k, m).t() if columnwise and transpose.numel() else data.reshape(m, k)
-    mat = mat.view(fp8)
-    return (mat.t() if trans else mat), scale_inv
+def operand(bufs, meta, shape, transposed: bool, columnwise: bool):
+    """The row operand (``quant_core.GemmOperand``) of ``X`` (``Xᵀ`` when ``transposed``), or
+    None when its storage cannot hand it out for this use. Block formats serve a transposed use
+    from their columnwise buffers only: a transposed rowwise form (``backward_override=
+    "dequantized"``) has its blocks across the contraction and is emulated."""
+    if meta[0] == HP or (meta[0] != FP8 and columnwise != transposed):
+        return None
+    return _storage(bufs, meta, shape).gemm_operand(transposed)
 
 
 def qgemm_impl(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb,
@@ -133,26 +143,17 @@ def qgemm_impl(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, 
     """``op(A) @ op(B) (+ bias)`` with ``op`` = transpose when ``trans``; A is ``a_shape``
     logically (``[m, k]``), from its columnwise buffers when ``a_col``."""
     (am, ak), (bm, bk) = a_shape, b_shape
-    rows, inner = (ak, am) if transa else (am, ak)
-    cols = bm if transb else bk
-    dev = a_bufs[0].device if a_bufs[0].numel() else a_bufs[-1].device
     if a_meta[0] == HP and b_meta[0] == HP:
         path = "high_precision"
-    elif _scaled_mm_ok(a_meta, b_meta, dev, (rows, inner, cols)):
-        a, sa = _operand_fp8(a_bufs, a_meta, am, ak, a_col, transa)
-        b, sb = _operand_fp8(b_bufs, b_meta, bm, bk, b_col, transb)
-        if not a.is_contiguous():
-            a = a.contiguous()
-        if not b.t().is_contiguous():
-            b = b.t().contiguous().t()
-        out = torch._scaled_mm(a, b, scale_a=sa.reshape(()), scale_b=sb.reshape(()),
-                               out_dtype=torch.float32)
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        _record("scaled_mm")
-        return out.to(out_dtype)
     else:
         path = "emulated"
+        ra = operand(a_bufs, a_meta, a_shape, transa, a_col)
+        rb = operand(b_bufs, b_meta, b_shape, not transb, b_col)
+        fast = fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+        if fast is not None:
+            out, path = fast
+            _record(path)
+            return out
     a = dequantize(a_bufs, a_meta, am, ak, a_col)
     b = dequantize(b_bufs, b_meta, bm, bk, b_col)
     out = (a.t() if transa else a) @ (b.t() if transb else b)
@@ -199,5 +200,5 @@ def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col
 
 __all__ = [
     "gemm_paths", "last_gemm_path", "reset_gemm_paths", "qgemm", "qgemm_impl", "dequantize",
-    "quantizer_meta", "_FORMAT_NAMES",
+    "quantizer_meta", "operand", "_FORMAT_NAMES",
 ]

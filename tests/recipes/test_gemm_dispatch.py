@@ -1,0 +1,119 @@
+"""GEMM dispatch (DESIGN.md contract 6): operands from storages, the path per format and backend,
+the emulated fallbacks, and the custom op's contract."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import quant_recipes as qr
+import torch
+from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer
+from quant_recipes import gemm as G
+
+HAVE_TRITON_BACKEND = importlib.util.find_spec("quant_kernels") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _integer(m, k, seed):
+    """Every block of every format has amax 28 (equal scales): exact under any GEMM order."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randint(-3, 4, (m, k), generator=g).float()
+    diag = (torch.arange(m)[:, None] % 16) == (torch.arange(k)[None, :] % 16)
+    return torch.where(diag, torch.full_like(v, 28.0), v)
+
+
+def _bufs(x, q):
+    st = q.quantize(x)
+    return ([b if b is not None else x.new_empty((0,), dtype=torch.uint8)
+             for b in st.buffers().values()], G.quantizer_meta(q))
+
+
+def _wgrad_args(q, m=64, n=32, k=96):
+    """``gyᵀ @ x`` as Linear's backward calls it (columnwise operands of both)."""
+    gb, gm = _bufs(_integer(m, n, 1), q)
+    xb, xm = _bufs(_integer(m, k, 2), q)
+    return (gb, gm, [m, n], True, True, xb, xm, [m, k], True, False)
+
+
+@pytest.mark.parametrize("q", [MXFP8Quantizer(DType.E4M3), NVFP4Quantizer(DType.E2M1)])
+def test_reference_backend_runs_block_formats_through_its_gemm(q):
+    """On the CPU the reference backend's GEMM serves MXFP8/NVFP4 ("emulated"). MXFP8 equals the
+    dequantize-then-matmul fallback bit for bit on exact operands; NVFP4 applies the per-tensor
+    scales to the product (TE's GEMM alpha) instead of rounding each element's scale to fp32
+    first, which also makes the fallback's partial sums inexact: the two differ within the fp32
+    summation bound ``(K + 4) * 2^-24 * sum|a_i b_i|``."""
+    args = _wgrad_args(q)
+    G.reset_gemm_paths()
+    got = G.qgemm_impl(*args, None, torch.float32)
+    assert G.last_gemm_path() == "emulated"
+    gb, gm, (m, n), _, _, xb, xm, (_, k), _, _ = args
+    a, b = G.dequantize(gb, gm, m, n, True).t(), G.dequantize(xb, xm, m, k, True)
+    want = a @ b
+    if isinstance(q, MXFP8Quantizer):
+        assert torch.equal(got, want)
+    else:
+        bound = (a.shape[1] + 4) * 2.0**-24 * (a.abs() @ b.abs())
+        assert ((got - want).abs() <= bound).all()
+        assert not torch.equal(got, want)  # the semantics really differ (so this test can fail)
+
+
+def test_transposed_rowwise_blocks_and_mixed_formats_fall_back():
+    """A transposed use of rowwise MXFP8 blocks (backward_override="dequantized") has its blocks
+    across the contraction, and an MXFP8 x NVFP4 pair has no fused path: both are emulated."""
+    mx = MXFP8Quantizer(DType.E4M3)
+    x = _integer(64, 64, 3)
+    xb, xm = _bufs(x, mx)
+    assert G.operand(xb, xm, [64, 64], True, False) is None
+    assert G.operand(xb, xm, [64, 64], True, True) is not None
+    nb, nm = _bufs(x, NVFP4Quantizer(DType.E2M1))
+    G.reset_gemm_paths()
+    G.qgemm_impl(xb, xm, [64, 64], False, False, nb, nm, [64, 64], False, True, None,
+                 torch.float32)
+    assert G.last_gemm_path() == "emulated"
+
+
+def test_qgemm_opcheck():
+    """The custom op's schema, fake kernel and autograd registration agree with the eager op."""
+    gb, gm, gs, gc, ta, xb, xm, xs, xc, tb = _wgrad_args(MXFP8Quantizer(DType.E4M3))
+    bias = torch.randn(96)
+    torch.library.opcheck(torch.ops.quant_recipes.qgemm.default,
+                          (gb, gm, gs, gc, ta, xb, xm, xs, xc, tb, bias, torch.bfloat16))
+
+
+@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+                    reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
+@pytest.mark.parametrize("q, path", [(MXFP8Quantizer(DType.E4M3), "triton_mxfp8"),
+                                     (NVFP4Quantizer(DType.E2M1), "triton_nvfp4")])
+def test_triton_backend_takes_the_kernel_path_with_the_reference_bits(monkeypatch, q, path):
+    args = _wgrad_args(q)
+    want = G.qgemm_impl(*args, None, torch.float32)
+    monkeypatch.setenv("QUANT_BACKEND", "triton")
+    G.reset_gemm_paths()
+    got = G.qgemm_impl(*args, None, torch.float32)
+    assert G.gemm_paths() == {path: 1}
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+                    reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
+def test_linear_step_on_the_triton_gemms_matches_the_reference_backend(monkeypatch):
+    """A whole MXFP8 Linear step (fprop, dgrad, wgrad) on the kernel path equals the reference
+    backend's within the accumulation-order bound of its fp32 sums."""
+    def step():
+        torch.manual_seed(0)
+        m = qr.Linear(64, 32)
+        x = torch.randn(48, 64, requires_grad=True)
+        with qr.autocast(recipe=qr.MXFP8BlockScaling()):
+            y = m(x)
+        y.sum().backward()
+        return y, x.grad, m.weight.grad
+
+    want = step()
+    monkeypatch.setenv("QUANT_BACKEND", "triton")
+    qr.reset_gemm_paths()
+    got = step()
+    assert qr.gemm_paths() == {"triton_mxfp8": 3}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
