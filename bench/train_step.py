@@ -1,0 +1,265 @@
+"""One compiled training step (forward, dgrad, wgrad; no optimizer) of one bias-free Linear.
+
+``y = x @ W.T`` with bf16 ``x [M, K]`` (requires grad) and ``W [N, K]``, then ``y.backward(g)``
+with a fixed random bf16 ``g``; ``x.grad`` and ``W.grad`` are set to None before each step. Every
+config uses the same ``x``, ``W`` and ``g`` and is compiled with ``torch.compile`` (Inductor):
+
+- ``bf16``: ``torch.nn.Linear``, the baseline;
+- torchao 0.18 peers: ``ao_fp8_tensorwise`` and ``ao_fp8_rowwise`` (``Float8Linear`` through
+  ``convert_to_float8_training``), ``ao_fp8_blockwise`` (prototype ``Float8BlockwiseLinear``,
+  1x128 activations / 128x128 weights through ``F.scaled_mm``); ``ao_fp8_blockwise_triton``
+  (its Triton GEMMs) only when asked for with ``--configs``;
+- ours: ``quant_recipes.Linear`` inside ``quant_recipes.autocast`` (in the compiled function,
+  ``fullgraph=True``) with ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``.
+
+Per config: median ms/step over CUDA-event timed steps after warm-up, the speed-up over ``bf16``
+(its ms / this ms) in the same run, the peak memory of one step above what was allocated before
+it, and for ours the
+GEMM paths of one eager step (``quant_recipes.gemm_paths()``). A failing config prints its error
+and the run goes on.
+
+``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
+packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,...]
+[--configs bf16,mxfp8,...] [--json OUT] [--device cpu] [--no-compile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import quant_dynamo  # noqa: F401  (switches torch.compile support on; before quant_recipes use)
+import quant_recipes as qr
+import torch
+from quant_core import backends
+
+try:  # run from source trees (PYTHONPATH), the entry point that registers Triton is absent
+    from quant_kernels.backend import BACKEND
+
+    backends.register(BACKEND)
+except ImportError:
+    pass
+
+DEFAULT_SHAPES = "16384x8192x8192,8192x4096x14336"  # M (tokens) x K (in) x N (out)
+OURS = {
+    "fp8_current": qr.Float8CurrentScaling,
+    "fp8_block": qr.Float8BlockScaling,
+    "mxfp8": qr.MXFP8BlockScaling,
+    "nvfp4": qr.NVFP4BlockScaling,
+}
+PEERS = ["ao_fp8_tensorwise", "ao_fp8_rowwise", "ao_fp8_blockwise"]
+DEFAULT_CONFIGS = ["bf16", *PEERS, *OURS]
+ALL_CONFIGS = [*DEFAULT_CONFIGS, "ao_fp8_blockwise_triton"]
+WARMUP, ITERS = 3, 20
+
+
+class Unavailable(Exception):
+    """A peer whose API is missing here."""
+
+
+def plain_linear(w: torch.Tensor) -> torch.nn.Linear:
+    n, k = w.shape
+    lin = torch.nn.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
+
+
+def torchao_linear(name: str, w: torch.Tensor) -> torch.nn.Module:
+    """The torchao 0.18 module of peer ``name`` with weight ``w``."""
+    try:
+        if name in ("ao_fp8_tensorwise", "ao_fp8_rowwise"):
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig.from_recipe_name(name.removeprefix("ao_fp8_"))
+            return convert_to_float8_training(plain_linear(w), config=config)
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except (ImportError, AttributeError, AssertionError, ValueError) as e:
+        raise Unavailable(f"{type(e).__name__}: {e}") from e
+    mod = Float8BlockwiseLinear.from_float(plain_linear(w))  # use_triton=False: F.scaled_mm
+    mod.use_triton = name == "ao_fp8_blockwise_triton"
+    return mod
+
+
+def build(name: str, w: torch.Tensor, compile_: bool):
+    """``(module, compiled forward, eager forward)`` of config ``name``."""
+    if name in OURS:
+        n, k = w.shape
+        lin = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        recipe = OURS[name]()
+
+        def fwd(x):
+            with qr.autocast(recipe=recipe):
+                return lin(x)
+
+        fullgraph = True
+    elif name == "bf16":
+        lin = plain_linear(w)
+        fwd, fullgraph = lin, True
+    else:
+        lin = torchao_linear(name, w)
+        fwd, fullgraph = lin, False
+    return lin, (torch.compile(fwd, fullgraph=fullgraph) if compile_ else fwd), fwd
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, device: torch.device) -> float:
+    """Median ms of ``step`` over ``ITERS`` calls after ``WARMUP`` (CUDA events on a GPU)."""
+    for _ in range(WARMUP):
+        step()
+    sync(device)
+    times = []
+    for _ in range(ITERS):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_gib(step, device: torch.device) -> float | None:
+    """Run one step; its peak memory above the memory allocated before it, in GiB (CUDA)."""
+    if device.type != "cuda":
+        step()
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def run_config(name, x, w, g, compile_: bool) -> dict:
+    res: dict = {"config": name}
+    lin, fwd, eager = build(name, w, compile_)
+
+    def step():
+        x.grad = None
+        lin.weight.grad = None
+        fwd(x).backward(g)
+
+    if name in OURS:  # paths from one eager step (a compiled step need not count them)
+        qr.reset_gemm_paths()
+        x.grad = lin.weight.grad = None
+        eager(x).backward(g)
+        sync(x.device)
+        res["gemm_paths"] = qr.gemm_paths()
+    res["ms"] = time_steps(step, x.device)
+    x.grad = lin.weight.grad = None  # so that "before" holds no gradients of the last step
+    res["peak_gib"] = peak_gib(step, x.device)
+    finite = all(bool(t.isfinite().all()) for t in (x.grad, lin.weight.grad))
+    res["finite"] = finite
+    if not finite:
+        print(f"  WARNING: {name}: non-finite values in x.grad or weight.grad")
+    return res
+
+
+def free() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fmt_row(r: dict, base: float | None) -> str:
+    if "error" in r:
+        return f"| {r['config']} | {r['error'][:60]} | - | - | - |"
+    ratio = f"{base / r['ms']:.2f}x" if base else "-"
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+    paths = ", ".join(f"{k} {v}" for k, v in sorted(r.get("gemm_paths", {}).items())) or "-"
+    bad = "" if r["finite"] else " (non-finite!)"
+    return f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {peak} | {paths} |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxKxN,... (M tokens, K in, N out)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated subset of {','.join(ALL_CONFIGS)}")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
+    args = p.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",") if s]
+    device = torch.device(args.device)
+
+    import triton
+
+    try:
+        import torchao
+
+        ao_version = torchao.__version__
+    except Exception as e:  # noqa: BLE001 - a broken torchao only loses the peers
+        ao_version = f"unavailable ({type(e).__name__}: {e})"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
+    env = {"torch": torch.__version__, "triton": triton.__version__, "torchao": ao_version,
+           "gpu": gpu, "compile": not args.no_compile}
+    print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+
+    results = []
+    for m, k, n in shapes:
+        print(f"\n## M={m} K={k} N={n}", flush=True)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
+        g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+        rows = []
+        for name in configs:
+            t0 = time.perf_counter()
+            try:
+                r = run_config(name, x, w, g, not args.no_compile)
+                print(f"  {name}: {r['ms']:.3f} ms/step ({time.perf_counter() - t0:.0f} s in all)",
+                      flush=True)
+            except Unavailable as e:
+                r = {"config": name, "error": f"unavailable: {e}"}
+                print(f"  {name}: {r['error']}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next config
+                r = {"config": name, "error": f"{type(e).__name__}: {e}"}
+                print(f"  {name}: FAILED {r['error']}", flush=True)
+            rows.append(r)
+            x.grad = None
+            free()
+        base = next((r["ms"] for r in rows if r["config"] == "bf16" and "ms" in r), None)
+        for r in rows:
+            if "ms" in r and base:
+                r["vs_bf16"] = base / r["ms"]  # speed-up: > 1 is faster than bf16
+        results.append({"shape": [m, k, n], "rows": rows})
+        del x, w, g
+        free()
+
+    for s in results:
+        m, k, n = s["shape"]
+        base = next((r["ms"] for r in s["rows"] if r["config"] == "bf16" and "ms" in r), None)
+        print(f"\n### train step, M={m} K={k} N={n} ({gpu})\n")
+        print("| config | ms/step | vs bf16 | peak GiB | GEMM paths |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in s["rows"]:
+            print(fmt_row(r, base))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
