@@ -47,10 +47,8 @@ SWEEP = {  # tile configs tried per kernel (the first of each list is the packag
     "mxfp8_gemm_fp8": [dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=6)],
     "mxfp8_gemm_bf16": [dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2)],
     "nvfp4_gemm": [dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)],
-    "mxfp8_dequant": [dict(BM=32, BK=128, num_warps=4), dict(BM=64, BK=128, num_warps=8),
-                      dict(BM=32, BK=256, num_warps=8), dict(BM=16, BK=256, num_warps=4)],
-    "nvfp4_dequant": [dict(BM=32, BK=64, num_warps=4), dict(BM=64, BK=128, num_warps=8),
-                      dict(BM=32, BK=256, num_warps=8)],
+    "mxfp8_dequant": [dict(BM=16, BK=256, num_warps=4)],
+    "nvfp4_dequant": [dict(BM=32, BK=64, num_warps=4)],
 }
 RESULTS: dict = {"checks": [], "speed": [], "probes": []}
 

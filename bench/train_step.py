@@ -14,9 +14,8 @@ config uses the same ``x``, ``W`` and ``g`` and is compiled with ``torch.compile
 
 Per config: median ms/step over CUDA-event timed steps after warm-up, the speed-up over ``bf16``
 (its ms / this ms) in the same run, the peak memory of one step above what was allocated before
-it, and for ours the
-GEMM paths of one eager step (``quant_recipes.gemm_paths()``). A failing config prints its error
-and the run goes on.
+it, and for ours the GEMM paths of one eager step (``quant_recipes.gemm_paths()``). A failing
+config prints its error and the run goes on.
 
 ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
 packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,...]

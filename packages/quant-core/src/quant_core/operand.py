@@ -25,7 +25,8 @@ class GemmOperand:
 
     - ``"fp8"``: the fp32 ``(1,)`` scale-inverse;
     - ``"mxfp8"``: E8M0 bytes, the scale of (row ``i``, K block ``kb``) at ``scale[i, kb]`` (a
-      strided view), or the raw buffer in the GEMM swizzle when ``swizzled``;
+      strided view), or, when ``swizzled``, the raw bytes viewed as the padded
+      ``[roundup(rows, 128), roundup(ceil(K/32), 4)]`` matrix whose GEMM swizzle they hold;
     - ``"fp8_block"``: the fp32 GEMM-ready scale-inverses as stored for this direction
       (``block_scaling_dim`` 1: ``[ceil(K/128), roundup(rows, 4)]``; 2:
       ``[ceil(rows/128), roundup(ceil(K/128), 4)]``, `numerics.md` §6);
