@@ -52,11 +52,17 @@ def _nvfp4_bf16(data: torch.Tensor, scale: torch.Tensor, swizzled: bool):
                                   dtype=torch.bfloat16)
 
 
+#: ``aten::mm.dtype`` (bf16 operands, fp32 output in one cuBLAS call) exists in this torch.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` of bf16 operands with fp32 accumulation and fp32 output."""
-    if a.device.type == "cuda":
+    """``a @ b.T`` of bf16 operands with fp32 accumulation and fp32 output. Without
+    ``aten::mm.dtype`` (and on the CPU) the operands are widened: an fp32 matmul of bf16 values is
+    exact per product even in TF32 (10 mantissa bits hold bf16's 8)."""
+    if a.device.type == "cuda" and _MM_OUT_DTYPE:
         return torch.mm(a, b.t(), out_dtype=torch.float32)
-    return a.float() @ b.float().t()  # CPU (interpreter tests): exact bf16 values, fp32 sums
+    return a.float() @ b.float().t()
 
 
 @triton.jit
