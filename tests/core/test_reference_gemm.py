@@ -109,3 +109,21 @@ def test_gemm_operand_views_and_missing_directions():
     op = mx.gemm_operand(True)
     assert op.data.shape == (128, 256) and op.data.stride() == (1, 128)  # a view, no copy
     assert op.fp_dtype == DType.E5M2 and op.scale.shape[0] >= 128
+
+
+def test_nvfp4_dequantize_partial_last_block():
+    """Issue 12 item 4: the columnwise form of a tensor with M % 16 != 0, read as a row operand
+    ``[K, M]``, ends in a partial block; dequantizing it used to raise a reshape error (the
+    emulated wgrad of a ragged NVFP4 Linear). The partial block's elements use its scale."""
+    x = _x(20, 32, 8)
+    q = NVFP4Quantizer(DType.E2M1, rowwise_usage=False)
+    st = q.quantize(x)
+    data, scale, amax = st._columnwise_data, st._columnwise_scale_inv, st._amax_columnwise
+    got = reference.nvfp4_dequantize(data, scale, amax, swizzled=False, dtype=torch.float32)
+    assert got.shape == (32, 20)
+    e4m3 = scale[:32, :2].contiguous().view(torch.float8_e4m3fn).float()
+    s = (e4m3 * amax) * torch.tensor(RCP_2688, dtype=torch.float32)
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(32, 20).long()
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    want = table[codes] * s.repeat_interleave(16, dim=1)[:, :20]
+    assert torch.equal(got, want)

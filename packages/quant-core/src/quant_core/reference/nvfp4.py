@@ -218,15 +218,17 @@ def nvfp4_dequantize(
     data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype
 ) -> torch.Tensor:
     """Dequantize rowwise NVFP4 ``data`` ``[M, K/2]`` to ``dtype`` ``[M, K]`` (§8):
-    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast."""
+    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast. A last
+    partial block (the columnwise form of a tensor whose M is not a multiple of 16, read as a
+    row operand) uses its block's scale."""
     if swizzled:
         from .swizzle import unswizzle_scales
 
         scale = unswizzle_scales(scale)
     m, k = data.shape[0], data.shape[1] * 2
     dev = data.device
-    e4m3 = fp8_decode(scale[:m, : k // BLOCK].contiguous(), DType.E4M3)
+    e4m3 = fp8_decode(scale[:m, : -(-k // BLOCK)].contiguous(), DType.E4M3)
     s = e4m3 * amax.to(torch.float32)
     s = s * (_f32(1.0, dev) / _GLOBAL)  # fp32(1 / 2688), correctly rounded
-    vals = e2m1_decode(unpack_e2m1(data)).reshape(m, k // BLOCK, BLOCK) * s[..., None]
-    return vals.reshape(m, k).to(dtype)
+    vals = e2m1_decode(unpack_e2m1(data)) * s.repeat_interleave(BLOCK, dim=1)[:, :k]
+    return vals.to(dtype)
