@@ -59,3 +59,36 @@ def test_compiled_inference_equals_eager(name):
         fullgraph = quant_dynamo.status()["mode"] != "none"
         compiled = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x)
     assert torch.equal(compiled, eager)
+
+
+def test_autocast_entered_outside_the_compiled_function_is_followed():
+    """Issue 12 item 1 (thread-local autocast state): a compiled Linear called inside autocast
+    regions entered eagerly, with the recipe swapped between calls, in this thread and in
+    another one, gives eager's bits for the recipe active in the calling thread."""
+    import threading
+
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    fullgraph = quant_dynamo.status()["mode"] != "none"
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=fullgraph)
+    with torch.no_grad():
+        for name in ("current", "mxfp8", "current"):
+            with qr.autocast(recipe=RECIPES[name]):
+                assert torch.equal(compiled(x), layer(x)), name
+        assert torch.equal(compiled(x), layer(x))  # no autocast: plain linear
+        results = {}
+
+        def other_thread():
+            with torch.no_grad(), qr.autocast(recipe=RECIPES["block"]):
+                results["got"], results["want"] = compiled(x), layer(x)
+
+        with qr.autocast(recipe=RECIPES["mxfp8"]):  # the main thread's recipe stays its own
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join(timeout=120)
+            assert torch.equal(compiled(x), layer(x))
+    assert torch.equal(results["got"], results["want"])
+    with torch.no_grad(), qr.autocast(recipe=RECIPES["block"]):
+        assert torch.equal(results["want"], layer(x))

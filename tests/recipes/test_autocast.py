@@ -57,3 +57,40 @@ def test_bad_recipe_type():
         with qr.autocast(recipe="fp8"):
             pass
     assert current_frame() is None
+
+
+def test_state_is_thread_local():
+    """Issue 12 item 1: each thread sees only its own autocast frames, as with torch.autocast.
+
+    Two threads hold different recipes at the same time, a thread without autocast sees none,
+    and one thread leaving its region does not remove the other's frame."""
+    import threading
+
+    entered = threading.Barrier(3)
+    left = threading.Barrier(3)
+    seen: dict[str, object] = {}
+
+    def inside(name, recipe):
+        with qr.autocast(recipe=recipe):
+            entered.wait(timeout=10)
+            seen[name] = current_frame().recipe
+            left.wait(timeout=10)
+            seen[name + "_after_other_left"] = current_frame().recipe
+
+    def outside():
+        entered.wait(timeout=10)
+        seen["none"] = current_frame()
+        left.wait(timeout=10)
+
+    threads = [threading.Thread(target=inside, args=("mx", qr.MXFP8BlockScaling())),
+               threading.Thread(target=inside, args=("fp8", qr.Float8CurrentScaling())),
+               threading.Thread(target=outside)]
+    with qr.autocast(recipe=qr.NVFP4BlockScaling()):  # the main thread's frame is its own too
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert current_frame().recipe == qr.NVFP4BlockScaling()
+    assert seen["mx"] == seen["mx_after_other_left"] == qr.MXFP8BlockScaling()
+    assert seen["fp8"] == seen["fp8_after_other_left"] == qr.Float8CurrentScaling()
+    assert seen["none"] is None

@@ -1,9 +1,10 @@
 """``autocast``: a stack of immutable frames that ``torch.compile`` can trace (`behaviour.md` §7).
 
-The stack is a module-level list of :class:`Frame` named tuples; entering pushes, exiting
-truncates to the depth at entry, so the exact enclosing state returns (also on exceptions). The
-innermost frame decides for modules called inside it. Plain Python objects and list
-mutations only: no contextlib generator, no warnings, nothing Dynamo cannot trace.
+Each thread has its own stack (a list in a ``threading.local``, as ``torch.autocast`` keeps its
+state per thread) of :class:`Frame` named tuples; entering pushes, exiting truncates to the depth
+at entry, so the exact enclosing state returns (also on exceptions). The innermost frame decides
+for modules called inside it. Plain Python objects and list mutations only: no contextlib
+generator, no warnings, nothing Dynamo cannot trace (it traces ``threading.local`` attributes).
 
 The default recipe is :class:`Float8CurrentScaling` (stateless, runs everywhere); it is never
 the stateful ``DelayedScaling``. ``DelayedScaling`` is eager-only: entering an autocast with it
@@ -12,6 +13,7 @@ while ``torch.compile`` traces raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -29,11 +31,24 @@ class Frame(NamedTuple):
     amax_reduction_group: Any
 
 
-#: The frames of the active autocast regions, outermost first.
-_STACK: list[Frame] = []
-#: Delayed-scaling bookkeeping of the active outermost region (eager only).
-_REGION: list[Region] = []
+#: Per thread: ``stack``, the frames of the active autocast regions (outermost first), and
+#: ``region``, the delayed-scaling bookkeeping of the active outermost region (eager only).
+_LOCAL = threading.local()
 _DEFAULT: list[Recipe] = []
+
+
+def _stack() -> list[Frame]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def _region() -> list[Region]:
+    region = getattr(_LOCAL, "region", None)
+    if region is None:
+        region = _LOCAL.region = []
+    return region
 
 
 def default_recipe() -> Recipe:
@@ -44,12 +59,14 @@ def default_recipe() -> Recipe:
 
 
 def current_frame() -> Frame | None:
-    """The innermost active frame, or ``None`` outside every autocast."""
-    return _STACK[-1] if _STACK else None
+    """The innermost active frame of this thread, or ``None`` outside every autocast."""
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 def current_region() -> Region | None:
-    return _REGION[-1] if _REGION else None
+    region = _region()
+    return region[-1] if region else None
 
 
 def _check_recipe_support(recipe: Recipe) -> None:
@@ -69,7 +86,7 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
     ``enabled=False`` turns quantization off inside (also within an enabled region);
     ``calibrating=True`` runs high precision while delayed-scaling quantizers record amaxes;
     ``amax_reduction_group`` is passed to every quantize call (amax all-reduced with MAX).
-    An instance can be active once at a time; nest new instances.
+    An instance can be active once at a time; nest new instances. The state is per thread.
     """
 
     __slots__ = ("enabled", "recipe", "calibrating", "amax_reduction_group", "_depth")
@@ -92,21 +109,24 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
             recipe = default_recipe()
         if recipe is not None:
             _check_recipe_support(recipe)
-        depth = len(_STACK)
-        _STACK.append(Frame(bool(self.enabled), recipe, bool(self.calibrating),
-                            self.amax_reduction_group))
+        stack = _stack()
+        depth = len(stack)
+        stack.append(Frame(bool(self.enabled), recipe, bool(self.calibrating),
+                           self.amax_reduction_group))
         self._depth = depth
         if depth == 0 and not torch.compiler.is_compiling():
-            _REGION.clear()
-            _REGION.append(Region())
+            region = _region()
+            region.clear()
+            region.append(Region())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         depth = self._depth
         self._depth = -1
-        del _STACK[depth:]
+        del _stack()[depth:]
         if depth == 0 and not torch.compiler.is_compiling():
-            region = _REGION.pop() if _REGION else None
+            regions = _region()
+            region = regions.pop() if regions else None
             if (
                 region is not None
                 and exc_type is None
