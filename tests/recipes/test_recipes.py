@@ -227,3 +227,36 @@ def test_identity_quantizer_passthrough():
     q = qr.IdentityQuantizer()
     assert torch.equal(q.quantize(x).dequantize(), x)
     assert q == qr.IdentityQuantizer()
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: qr.DelayedScaling(margin=200), ValueError, "margin must be an int in"),
+    (lambda: qr.DelayedScaling(margin=-1), ValueError, "margin must be an int in"),
+    (lambda: qr.DelayedScaling(margin=1.5), TypeError, "DelayedScaling.margin must be an int"),
+    (lambda: qr.DelayedScaling(margin="1"), TypeError, "DelayedScaling.margin must be an int"),
+    (lambda: qr.MXFP8BlockScaling(enable_2d_quantization="no"), TypeError,
+     "enable_2d_quantization must be a bool"),
+    (lambda: qr.NVFP4BlockScaling(disable_rht=1), TypeError, "disable_rht must be a bool"),
+    (lambda: qr.Float8BlockScaling(x_block_scaling_dim=True), TypeError,
+     "x_block_scaling_dim must be an int"),
+    (lambda: qr.QParams(amax_epsilon=float("inf")), ValueError, "amax_epsilon must be a finite"),
+    (lambda: qr.QParams(amax_epsilon=1e39), ValueError, "amax_epsilon must be a finite"),
+    (lambda: qr.QParams(amax_epsilon="0"), TypeError, "amax_epsilon must be a float"),
+    (lambda: qr.QParams(power_2_scale="yes"), TypeError, "power_2_scale must be a bool"),
+    (lambda: qr.MMParams(use_split_accumulator=0), TypeError, "must be a bool"),
+])
+def test_recipe_fields_validated_at_construction(make, error, message):
+    """Issue 12 item 3: a wrong type or range is refused when the recipe is built, naming the
+    field (margin 200 used to make every scale 0 and every output NaN from step 2)."""
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("spelling, value", [
+    ("0", False), ("false", False), ("FALSE", False), ("False", False), ("off", False),
+    ("no", False), (" 0 ", False), ("", False), ("1", True), ("true", True), ("yes", True),
+])
+def test_nvte_flags_parse_the_usual_false_spellings(monkeypatch, spelling, value):
+    """Issue 12 item 3: ``NVTE_*=FALSE`` (or off, no) used to mean True."""
+    monkeypatch.setenv("NVTE_NVFP4_DISABLE_RHT", spelling)
+    assert qr.NVFP4BlockScaling().disable_rht is value

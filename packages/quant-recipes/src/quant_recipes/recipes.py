@@ -9,7 +9,9 @@ are fields here, derived from the recipe's switches in ``__post_init__`` unless 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,11 +55,36 @@ _FORMAT_DTYPES = {
 }
 
 
+#: The largest DelayedScaling margin: scales are fp32, and ``fp8_max / amax / 2^margin`` of a
+#: typical amax must stay a normal number (margin 200 made every scale 0 and every output NaN).
+MAX_MARGIN = 32
+
+
+def _check_field_types(obj) -> None:
+    """``bool`` fields take only bools (``"no"`` would turn a switch on), ``int`` fields only
+    ints, ``float`` fields finite non-negative numbers: checked at construction, by annotation."""
+    cls = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "bool" and not isinstance(value, bool):
+            raise TypeError(f"{cls}.{f.name} must be a bool, got {value!r}")
+        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{cls}.{f.name} must be an int, got {value!r}")
+        if f.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{cls}.{f.name} must be a float, got {value!r}")
+            if not math.isfinite(value) or value < 0 or value > 3.4028234663852886e38:
+                raise ValueError(f"{cls}.{f.name} must be a finite fp32 value >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class MMParams:
     """GEMM parameters (kept for TransformerEngine parity; emulated GEMMs accumulate in fp32)."""
 
     use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
 
 
 @dataclass(frozen=True)
@@ -70,12 +97,20 @@ class QParams:
     stochastic_rounding: bool = False
     fp4_2d_quantization: bool = False
 
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+
+#: Spellings of an unset switch in ``NVTE_*`` variables (compared after strip + lower).
+_FALSE_SPELLINGS = ("", "0", "false", "off", "no", "n", "f")
+
 
 def _env_flag(name: str, default: str = "0") -> Callable[[], bool]:
-    """A ``default_factory`` reading the boolean env var ``name`` at construction time."""
+    """A ``default_factory`` reading the boolean env var ``name`` at construction time:
+    ``0``/``false``/``off``/``no`` in any case (or empty) is False, anything else True."""
 
     def read() -> bool:
-        return os.environ.get(name, default) not in ("0", "", "false", "False")
+        return os.environ.get(name, default).strip().lower() not in _FALSE_SPELLINGS
 
     read.__qualname__ = f"env[{name}]"
     return read
@@ -96,6 +131,13 @@ def _fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
 
 
 def _check_common(recipe: Recipe) -> None:
+    _check_field_types(recipe)
+    margin = getattr(recipe, "margin", 0)
+    if not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(
+            f"{type(recipe).__name__}.margin must be an int in [0, {MAX_MARGIN}] (the power-of-two "
+            f"headroom below the FP8 maximum), got {margin!r}"
+        )
     if recipe.backward_override not in _BACKWARD_OVERRIDES:
         raise ValueError(
             f"{type(recipe).__name__}.backward_override must be one of {_BACKWARD_OVERRIDES}, "
