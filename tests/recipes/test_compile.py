@@ -121,3 +121,15 @@ def test_autocast_nested_custom():
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert counter.frame_count == 1
+
+
+def test_qdq_with_identity_quantizer_does_not_alias_its_input():
+    """Issue 12 item 14: ``quant::qdq`` with ``IdentityQuantizer`` returned its input object (a
+    custom op's output may not alias an input: in-place ops on the result changed ``x``)."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    x = torch.randn(8, 16)
+    before = x.clone()
+    y = quant_dynamo.qdq(x, qr.IdentityQuantizer())
+    assert torch.equal(y, x) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    y.add_(1.0)
+    assert torch.equal(x, before)

@@ -63,7 +63,10 @@ def _quantize_impl(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
 
 
 def _qdq_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return check_quantizer_arg(q).quantize(x).dequantize(dtype=x.dtype)
+    out = check_quantizer_arg(q).quantize(x).dequantize(dtype=x.dtype)
+    if out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        out = out.clone()  # a custom op's output may not alias its input (IdentityQuantizer)
+    return out
 
 
 def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
