@@ -250,3 +250,29 @@ def test_per_tensor_update_usage_builds_the_byte_transpose():
     assert torch.equal(s._transpose, full._transpose)
     s.update_usage(rowwise=False)
     assert s._data is None and torch.equal(s.dequantize(), full.dequantize())
+
+
+@pytest.mark.parametrize("usage", [dict(columnwise_usage=False), dict(rowwise_usage=False)])
+def test_nvfp4_amax_reduction_with_one_usage(tmp_path, usage):
+    """Issue 12 item 7: with one usage there is one amax; the reduction concatenated a None
+    (``TypeError: expected Tensor as element 1``). Over a one-rank group nothing changes."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+        )
+    try:
+        x = _randn(32, 64)
+        q = NVFP4Quantizer(with_amax_reduction=True, **usage)
+        a = q.quantize(x, amax_reduction_group=dist.group.WORLD)
+        b = NVFP4Quantizer(**usage).quantize(x)
+        for name, t in b.buffers().items():
+            got = getattr(a, name)
+            assert (got is None) == (t is None) and (t is None or torch.equal(got, t)), name
+    finally:
+        if created:
+            dist.destroy_process_group()

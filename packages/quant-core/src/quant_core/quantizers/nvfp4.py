@@ -115,7 +115,9 @@ class NVFP4Quantizer(Quantizer):
         )
         if self.with_amax_reduction:
             group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
-            amax_r, amax_c = reduce_amax(torch.cat([amax_r, amax_c]), group).split(1)
+            present = [a for a in (amax_r, amax_c) if a is not None]  # one usage: one amax
+            reduced = iter(reduce_amax(torch.cat(present), group).split(1))
+            amax_r, amax_c = (None if a is None else next(reduced) for a in (amax_r, amax_c))
         seed = None
         if self.stochastic_rounding:
             seed = torch.randint(
