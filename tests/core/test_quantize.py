@@ -276,3 +276,17 @@ def test_nvfp4_amax_reduction_with_one_usage(tmp_path, usage):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, Float8BlockQuantizer])
+@pytest.mark.parametrize("eps, error", [
+    (1e39, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+    (-1.0, ValueError), ("0.1", TypeError), (True, TypeError),
+])
+def test_amax_epsilon_checked_at_construction(cls, eps, error):
+    """Issue 12 item 10: an epsilon beyond fp32 (or NaN, or not a number) is refused when the
+    quantizer is built; before, the reference raised a raw error at quantize time while the
+    Triton backend silently returned scale 1.0."""
+    with pytest.raises(error, match="amax_epsilon must"):
+        cls(amax_epsilon=eps)
+    assert cls(amax_epsilon=3.4028234663852886e38).amax_epsilon > 0  # FLT_MAX itself is fine

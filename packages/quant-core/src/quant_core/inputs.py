@@ -41,6 +41,22 @@ def check_k_multiple(k: int, block: int, fmt: str) -> None:
         raise ValueError(f"{fmt} needs K to be a multiple of {block}, got K = {k}")
 
 
+#: The largest finite fp32 value: an ``amax_epsilon`` is compared with fp32 amaxes.
+_FLT_MAX = 3.4028234663852886e38
+
+
+def check_amax_epsilon(amax_epsilon) -> None:
+    """``amax_epsilon`` is a finite number in ``[0, FLT_MAX]`` (beyond fp32 the reference raised
+    a raw error while the Triton backend returned scale 1.0)."""
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float)):
+        raise TypeError(f"amax_epsilon must be a float, got {amax_epsilon!r}")
+    if not 0 <= amax_epsilon <= _FLT_MAX:  # also False for NaN
+        raise ValueError(
+            f"amax_epsilon must be a finite fp32 value >= 0 (at most {_FLT_MAX:.7g}), "
+            f"got {amax_epsilon!r}"
+        )
+
+
 def check_block_scaling_dim(block_scaling_dim: int) -> None:
     """``ValueError`` unless the FP8 block ``block_scaling_dim`` is 1 (1x128) or 2 (128x128)."""
     if block_scaling_dim not in (1, 2):

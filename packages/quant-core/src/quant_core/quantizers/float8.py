@@ -7,7 +7,7 @@ import torch
 from .. import backends
 from ..distributed import reduce_amax
 from ..dtypes import DType, check_fp8
-from ..inputs import as_2d, transposed_shape
+from ..inputs import as_2d, check_amax_epsilon, transposed_shape
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
 from ..storage import Float8TensorStorage
 
@@ -95,8 +95,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     def __init__(self, dtype: DType = DType.E4M3, *, amax_reduction_group=None, **fields) -> None:
         check_fp8(dtype)
         super().__init__(dtype=dtype, **fields)
-        if self.amax_epsilon < 0:
-            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+        check_amax_epsilon(self.amax_epsilon)
         if amax_reduction_group is not None:
             warn_deprecated_group(type(self).__name__)
             object.__setattr__(self, "amax_reduction_group", amax_reduction_group)

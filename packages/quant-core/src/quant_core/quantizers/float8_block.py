@@ -6,7 +6,7 @@ import torch
 
 from .. import backends
 from ..dtypes import DType, check_fp8
-from ..inputs import as_2d, check_block_scaling_dim, transposed_shape
+from ..inputs import as_2d, check_amax_epsilon, check_block_scaling_dim, transposed_shape
 from ..quantizer import Quantizer, value_quantizer
 from ..shapes import (
     FP8_BLOCK,
@@ -36,8 +36,7 @@ class Float8BlockQuantizer(Quantizer):
         check_block_scaling_dim(self.block_scaling_dim)
         if self.block_len != FP8_BLOCK:
             raise ValueError(f"block_len must be {FP8_BLOCK}, got {self.block_len}")
-        if self.amax_epsilon < 0:
-            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+        check_amax_epsilon(self.amax_epsilon)
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         x2d = as_2d(x, "FP8 block")
