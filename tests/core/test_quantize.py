@@ -290,3 +290,10 @@ def test_amax_epsilon_checked_at_construction(cls, eps, error):
     with pytest.raises(error, match="amax_epsilon must"):
         cls(amax_epsilon=eps)
     assert cls(amax_epsilon=3.4028234663852886e38).amax_epsilon > 0  # FLT_MAX itself is fine
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_empty_last_dimension_round_trips(name):
+    """Issue 12 item 9: MXFP8 quantized a (4, 0) tensor but could not dequantize it."""
+    x = torch.randn(16, 0, dtype=torch.bfloat16)  # bf16, M % 16 == 0: what the RHT needs
+    assert QUANTIZERS[name].quantize(x).dequantize().shape == (16, 0)

@@ -210,3 +210,18 @@ def test_block_formats_run_with_3d_inputs(recipe, cls):
     y.float().sum().backward()
     assert y.shape == (2, 16, 32) and x.grad.shape == x.shape
     assert isinstance(m._qset.fwd[0], cls)
+
+
+@pytest.mark.parametrize("recipe", [qr.Float8CurrentScaling(), qr.MXFP8BlockScaling(),
+                                    qr.Float8BlockScaling(), qr.NVFP4BlockScaling()])
+def test_zero_in_features_gives_the_bias(recipe):
+    """Issue 12 item 9: ``Linear(0, n)`` under autocast is the bias, as ``nn.Linear`` (the
+    reshape of a [M, 0] input to [-1, 0] was ambiguous), and backward gives empty gradients."""
+    m = qr.Linear(0, 32, dtype=torch.bfloat16)
+    x = torch.randn(16, 0, dtype=torch.bfloat16, requires_grad=True)
+    with qr.autocast(recipe=recipe):
+        y = m(x)
+    y.float().sum().backward()
+    assert torch.equal(y, m.bias.expand(16, 32))
+    assert x.grad.shape == (16, 0) and m.weight.grad.shape == (32, 0)
+    assert torch.equal(m.bias.grad, torch.full((32,), 16.0, dtype=torch.bfloat16))

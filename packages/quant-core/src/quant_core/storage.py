@@ -158,7 +158,7 @@ class MXFP8TensorStorage(QuantizedStorage):
         data, columnwise = _pick(self, "_rowwise_data", "_columnwise_data")
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
         out = self._backend().mxfp8_dequantize(
-            data.reshape(-1, self.shape[-1]), scale, fp8_dtype=self._fp8_dtype,
+            data.reshape(m_k(self.shape)), scale, fp8_dtype=self._fp8_dtype,
             columnwise=columnwise, swizzled=bool(self._with_gemm_swizzled_scales), dtype=dtype,
         )
         return out.reshape(self.shape)
@@ -261,7 +261,8 @@ class NVFP4TensorStorage(QuantizedStorage):
                                            self._amax_rowwise, m, k)
         if data is None or amax is None or amax.numel() != 1:
             return None
-        return GemmOperand("nvfp4", data.reshape(rows, -1), scale, self._fp4_dtype, rows, kk,
+        return GemmOperand("nvfp4", data.reshape(rows, data.shape[-1]), scale, self._fp4_dtype,
+                           rows, kk,
                            swz, amax=amax)
 
 

@@ -103,7 +103,7 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
     if fmt == NVFP4:
         rd, rs, cd, cs, ar, ac = bufs
         if columnwise:
-            out = be.nvfp4_dequantize(cd.reshape(k, -1), cs, ac, swizzled=bool(swz),
+            out = be.nvfp4_dequantize(cd.reshape(k, cd.shape[-1]), cs, ac, swizzled=bool(swz),
                                       dtype=torch.float32)
             return out[:, :m].t()
         return be.nvfp4_dequantize(rd.reshape(m, k // 2), rs, ar, swizzled=bool(swz),

@@ -176,8 +176,8 @@ class Linear(QuantizedModule):
                     region = r
         lead = x.shape[:-1]
         y = _QLinearFn.apply(
-            x.reshape(-1, self.in_features), self.weight, self.bias, input_q, weight_q, grad_q,
-            group, frame.recipe.backward_override, region,
+            x.reshape(lead.numel(), self.in_features), self.weight, self.bias, input_q, weight_q,
+            grad_q, group, frame.recipe.backward_override, region,
         )
         return y.reshape(*lead, self.out_features)
 
