@@ -89,3 +89,16 @@ def test_doctor_format_table_follows_the_capability():
     blackwell = {name: why for name, _, why in format_support((10, 0), kernels=True)}
     assert "untested" in blackwell["MXFP8"]
     assert {gemm for _, gemm, _ in format_support(None)} == {"emulated"}
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "proc"])
+def test_demo_unusable_out_is_one_clear_line(tmp_path, where):
+    """Issue 12 item 15: an --out that cannot be a folder (an existing file, a path under a
+    file, a read-only system path) stops before training with one line and a non-zero exit."""
+    (tmp_path / "f").write_text("x")
+    out = {"a_file": tmp_path / "f", "under_a_file": tmp_path / "f" / "sub",
+           "proc": "/proc/quant-nope"}[where]
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--steps", "1", "--recipes", "baseline", "--out", str(out)])
+    assert str(exc.value).startswith("quant demo: --out ")
+    assert "is not a writable folder" in str(exc.value)

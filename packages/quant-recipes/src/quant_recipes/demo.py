@@ -250,6 +250,22 @@ def _resolve_device(text: str) -> torch.device:
     return device
 
 
+def _output_folder(text: str) -> pathlib.Path:
+    """``--out`` as a folder this process can write, made if missing; else one clear line
+    (checked before any training, so a bad path costs nothing)."""
+    out = pathlib.Path(text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".quant-demo-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(
+            f"quant demo: --out {text!r} is not a writable folder ({e.strerror or e})"
+        ) from None
+    return out
+
+
 def run_demo(args) -> int:
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
@@ -265,8 +281,7 @@ def run_demo(args) -> int:
             print("quant-dynamo is not installed: running eagerly (--no-compile)")
             args.no_compile = True
     factories = _recipes()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_folder(args.out)
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
     print(
