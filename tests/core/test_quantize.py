@@ -297,3 +297,24 @@ def test_empty_last_dimension_round_trips(name):
     """Issue 12 item 9: MXFP8 quantized a (4, 0) tensor but could not dequantize it."""
     x = torch.randn(16, 0, dtype=torch.bfloat16)  # bf16, M % 16 == 0: what the RHT needs
     assert QUANTIZERS[name].quantize(x).dequantize().shape == (16, 0)
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_buffers_carry_no_autograd_history(name):
+    """Issue 12 item 12: ``_scale_inv`` of current scaling and NVFP4's ``_amax_*`` carried the
+    input's ``grad_fn`` (and kept its graph alive); no buffer may require grad."""
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    st = QUANTIZERS[name].quantize(x * 2)
+    for buf, t in st.buffers().items():
+        assert t is None or (t.grad_fn is None and not t.requires_grad), buf
+
+
+def test_delayed_amax_buffer_stays_out_of_autograd():
+    """Issue 12 item 11: quantizing an input that requires grad made the shared amax buffer
+    require grad (CopySlices), keeping every past step's activations alive."""
+    amax = torch.zeros(1)
+    q = Float8Quantizer(torch.ones(1), amax, DType.E4M3)
+    x = torch.randn(8, 32, requires_grad=True)
+    q.quantize(x * 3)
+    q.calibrate(x * 3)
+    assert not amax.requires_grad and amax.grad_fn is None and amax.item() > 0

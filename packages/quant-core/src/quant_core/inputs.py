@@ -8,7 +8,9 @@ from .dtypes import INPUT_DTYPES
 
 
 def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
-    """The contiguous ``[M, K]`` view of ``x`` (``M`` = product of the leading dims).
+    """The contiguous ``[M, K]`` view of ``x`` (``M`` = product of the leading dims), detached:
+    quantization is not differentiable, so no buffer it produces (scales, amaxes, the shared
+    amax of delayed scaling) may carry the input's autograd history.
 
     Raises ``TypeError`` for a non-tensor or a dtype other than fp32/bf16/fp16, and ``ValueError``
     for a 0-d tensor or a last dim that is not a multiple of ``k_multiple`` (naming ``fmt``).
@@ -27,7 +29,7 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
             f"{fmt}: the last dimension must be a multiple of {k_multiple}, got shape "
             f"{tuple(x.shape)} (K = {k})"
         )
-    return x.contiguous().reshape(x.shape[:-1].numel(), k)
+    return x.detach().contiguous().reshape(x.shape[:-1].numel(), k)
 
 
 def transposed_shape(shape: torch.Size) -> tuple[int, ...]:

@@ -53,7 +53,9 @@ def _quantize_impl(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
         t = getattr(storage, name)
         if t is None:
             t = x.new_empty((0,), dtype=torch.uint8)
-        elif t.numel():
+        elif not t.numel():  # empty buffers may share a storage; outputs must not alias
+            t = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        else:
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:  # outputs of a custom op may not alias inputs or each other
                 t = t.clone()
@@ -80,6 +82,14 @@ def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
 
 def _qdq_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     return (grad,) + (None,) * ctx.n_args
+
+
+def _quantize_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.mark_non_differentiable(*output)  # quantization is not differentiable: no grad_fn
+
+
+def _quantize_backward(ctx: Any, *grads: Any) -> tuple:
+    raise RuntimeError("quant::quantize is not differentiable (its outputs take no gradient)")
 
 
 def _qdq_setup(n_args: int):
@@ -114,6 +124,10 @@ def _define(overload: str, q_type: str, unpack) -> None:
         torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
     torch.library.register_autograd(
         f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
+    )
+    torch.library.register_autograd(
+        f"quant::quantize.{overload}", _quantize_backward, setup_context=_quantize_setup,
+        lib=_lib,
     )
 
 

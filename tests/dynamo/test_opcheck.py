@@ -1,0 +1,54 @@
+"""``torch.library.opcheck`` of every ``quant`` custom op and every format (issue 12 item 12).
+
+``quant::quantize`` is not differentiable: its autograd registration marks every output
+non-differentiable, and the storages' buffers carry no autograd history either
+(``quant_core.inputs.as_2d`` detaches). ``qdq`` has a straight-through gradient. Both are checked
+on inputs with and without ``requires_grad``, at M = 32 and M = 0 (where empty outputs used to
+share a storage, which custom-op outputs may not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dynamo_helpers import requires_api
+from quant_core import (
+    DType,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+
+QUANTIZERS = {
+    "current": Float8CurrentScalingQuantizer(DType.E4M3),
+    "mxfp8": MXFP8Quantizer(DType.E4M3),
+    "block1d": Float8BlockQuantizer(DType.E4M3, block_scaling_dim=1),
+    "block2d": Float8BlockQuantizer(DType.E4M3, block_scaling_dim=2),
+    "nvfp4": NVFP4Quantizer(DType.E2M1),
+    "nvfp4_rht": NVFP4Quantizer(DType.E2M1, with_rht=True, with_post_rht_amax=True),
+}
+
+
+def _op(name, q):
+    return getattr(getattr(torch.ops.quant, name), q._quant_op_overload)
+
+
+@requires_api
+@pytest.mark.parametrize("m", [32, 0])
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
+def test_opcheck_quantize_and_qdq(fmt, m):
+    q = QUANTIZERS[fmt]
+    for requires_grad in (False, True):
+        x = torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=requires_grad)
+        torch.library.opcheck(_op("quantize", q), (x, q))
+        torch.library.opcheck(_op("qdq", q), (x, q))
+
+
+@requires_api
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
+def test_quantize_outputs_do_not_require_grad(fmt):
+    q = QUANTIZERS[fmt]
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    for t in _op("quantize", q)(x, q):
+        assert not t.requires_grad and t.grad_fn is None
