@@ -87,3 +87,20 @@ def test_delayed_under_compile_raises():
 
     with pytest.raises(Exception, match="DelayedScaling is not supported under torch.compile"):
         torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def test_calibration_and_training_keep_delayed_state_out_of_autograd():
+    """Issue 12 item 11: calibrating (or training) on inputs that require grad made
+    ``amax_history`` and then ``scale`` require grad (CopySlices), keeping every past step's
+    graph alive."""
+    recipe = qr.DelayedScaling(amax_history_len=4)
+    m = _module()
+    x = torch.randn(4, 8, requires_grad=True)
+    with qr.autocast(enabled=False, calibrating=True, recipe=recipe):
+        m(x * 2)
+    fwd, bwd = _step(m, recipe, 3.0)
+    _step(m, recipe, 5.0)
+    for state in (fwd, bwd):
+        for t in (state.amax_history, state.scale):
+            assert not t.requires_grad and t.grad_fn is None
+    assert fwd.amax_history.abs().sum() > 0
