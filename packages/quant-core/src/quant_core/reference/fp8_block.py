@@ -6,11 +6,11 @@ Also home of the block-tiling helpers ``block_amax`` and ``expand_blocks``, shar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
 from ..inputs import check_block_scaling_dim
+from ._pad import zero_pad
 from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
 from .fp8_tensor import compute_scale_from_amax, div_rn
 
@@ -22,7 +22,7 @@ def block_amax(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tenso
     ``[ceil(M/block_rows), ceil(K/block_cols)]``; partial edge blocks see only valid elements."""
     m, k = x.shape
     a = nan_to_zero_abs(x)  # >= 0, so zero padding never wins the max
-    a = F.pad(a, (0, shapes.roundup(k, block_cols) - k, 0, shapes.roundup(m, block_rows) - m))
+    a = zero_pad(a, shapes.roundup(m, block_rows), shapes.roundup(k, block_cols))
     n_rows, n_cols = a.shape[0] // block_rows, a.shape[1] // block_cols
     return a.reshape(n_rows, block_rows, n_cols, block_cols).amax(dim=(1, 3))
 
@@ -36,7 +36,7 @@ def expand_blocks(
 
 
 def _pad_cols(s: torch.Tensor, cols: int) -> torch.Tensor:
-    return F.pad(s, (0, cols - s.shape[1])).contiguous()
+    return zero_pad(s, s.shape[0], cols)
 
 
 def _block_dims(block_scaling_dim: int, columnwise: bool) -> tuple[int, int]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
 from ..inputs import check_k_multiple
+from ._pad import zero_pad
 from ._rounding import f32_bits, f32_from_bits, fp8_decode, fp8_encode
 from .fp8_block import block_amax, expand_blocks
 from .swizzle import swizzle_scales, unswizzle_scales
@@ -65,7 +65,7 @@ def e8m0_to_scale(e: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_to(s: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return F.pad(s, (0, shape[1] - s.shape[1], 0, shape[0] - s.shape[0]))
+    return zero_pad(s, shape[0], shape[1])
 
 
 def _quantize_blocks(x, block_rows, block_cols, fp8_dtype):

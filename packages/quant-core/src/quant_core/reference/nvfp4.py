@@ -13,11 +13,11 @@ the (possibly transformed) ``xᵀ`` draws ``sr_random_byte(seed, M * K + k * M +
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import shapes
 from ..dtypes import DType
 from ..inputs import check_k_multiple, check_nvfp4_modes
+from ._pad import zero_pad
 from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
 from .rht import rht_columnwise
 from .stochastic import sr_random_byte, sr_round_e2m1
@@ -126,11 +126,10 @@ def _quantize_direction(
         rbyte = sr_random_byte(rng_seed, sr_offset + rows * valid_cols + cols)
         scaled = sr_round_e2m1(scaled, rbyte)
     codes = e2m1_encode(scaled)[:valid_rows, :valid_cols]
-    codes = F.pad(codes, (0, valid_cols % 2))  # missing last nibble: 0
+    codes = zero_pad(codes, codes.shape[0], codes.shape[1] + valid_cols % 2)  # last nibble 0
     data = pack_e2m1(codes)
     e4m3 = e4m3[:valid_rows, : c // BLOCK]
-    pads = (0, scale_shape[1] - e4m3.shape[1], 0, scale_shape[0] - e4m3.shape[0])
-    return data, F.pad(e4m3, pads)
+    return data, zero_pad(e4m3, scale_shape[0], scale_shape[1])
 
 
 def nvfp4_amax(
@@ -181,7 +180,7 @@ def nvfp4_quantize(
     check_k_multiple(k, BLOCK, "NVFP4")
     check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
     mp = shapes.roundup(m, BLOCK)
-    xf = F.pad(x.to(torch.float32), (0, 0, 0, mp - m))  # [Mp, K], zero rows past M
+    xf = zero_pad(x.to(torch.float32), mp, k)  # [Mp, K], zero rows past M
     tile_amax = _blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
     row_data = row_scale = col_data = col_scale = None
     if rowwise:
