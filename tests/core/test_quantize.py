@@ -318,3 +318,20 @@ def test_delayed_amax_buffer_stays_out_of_autograd():
     q.quantize(x * 3)
     q.calibrate(x * 3)
     assert not amax.requires_grad and amax.grad_fn is None and amax.item() > 0
+
+
+@pytest.mark.parametrize("q, shape, message", [
+    (MXFP8Quantizer(), (32, 48), "MXFP8: the last dimension must be a multiple of 32"),
+    (NVFP4Quantizer(), (32, 7), "NVFP4: the last dimension must be a multiple of 16"),
+    (MXFP8Quantizer(), (), "at least one dimension"),
+    (Float8CurrentScalingQuantizer(), (), "at least one dimension"),
+    (Float8BlockQuantizer(), (), "at least one dimension"),
+])
+def test_make_empty_applies_the_quantize_shape_rules(q, shape, message):
+    """Issue 12 item 17: make_empty accepted shapes quantize rejects (MXFP8 K = 48; NVFP4 K = 7
+    gave data of shape (32, 3)) and raised a raw IndexError for ``()``; both refuse alike now."""
+    with pytest.raises(ValueError, match=message):
+        q.make_empty(shape)
+    if shape:
+        with pytest.raises(ValueError, match=message):
+            q.quantize(torch.zeros(shape))

@@ -21,15 +21,22 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
     if x.dtype not in INPUT_DTYPES:
         allowed = ", ".join(str(d) for d in INPUT_DTYPES)
         raise TypeError(f"{fmt}: input dtype must be one of {allowed}; got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError(f"{fmt}: input must have at least one dimension, got a 0-d tensor")
+    check_shape(x.shape, fmt, k_multiple)
     k = x.shape[-1]
-    if k % k_multiple:
+    return x.detach().contiguous().reshape(x.shape[:-1].numel(), k)
+
+
+def check_shape(shape, fmt: str, k_multiple: int = 1) -> None:
+    """The shape rules every allocation path shares with ``quantize`` (`behaviour.md` §10.1): at
+    least one dimension, the last one a multiple of ``k_multiple``."""
+    shape = tuple(shape)
+    if len(shape) == 0:
+        raise ValueError(f"{fmt}: input must have at least one dimension, got a 0-d tensor")
+    if shape[-1] % k_multiple:
         raise ValueError(
             f"{fmt}: the last dimension must be a multiple of {k_multiple}, got shape "
-            f"{tuple(x.shape)} (K = {k})"
+            f"{shape} (K = {shape[-1]})"
         )
-    return x.detach().contiguous().reshape(x.shape[:-1].numel(), k)
 
 
 def transposed_shape(shape: torch.Size) -> tuple[int, ...]:

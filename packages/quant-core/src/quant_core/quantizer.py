@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._torch_compat import QuantizerMeta
+from .inputs import check_shape
 
 _PRIMITIVES = (bool, int, float, str)
 
@@ -207,9 +208,15 @@ class Quantizer(metaclass=QuantizerMeta):
             for name, (s, d) in self.inner_tensor_specs(shape).items()
         }
 
+    def shape_rule(self) -> tuple[str, int]:
+        """``(format name, K multiple)``: the shape rule of ``quantize`` and ``make_empty``."""
+        return type(self).__name__, 1
+
     def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None):
         """A storage with exactly the buffers, shapes and dtypes ``quantize`` would produce for an
-        input of ``shape`` and ``dtype``; every byte (padding included) is zero."""
+        input of ``shape`` and ``dtype``; every byte (padding included) is zero. Shapes that
+        ``quantize`` refuses are refused here too, with the same message."""
+        check_shape(shape, *self.shape_rule())
         return self._make_storage(shape, dtype, self.alloc_tensors(shape, device))
 
     # ------------------------------------------------------------------ the work

@@ -62,7 +62,7 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
         super().__init__(scale=scale, amax=amax, dtype=dtype, **fields)
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
-        x2d = as_2d(x, type(self).__name__)
+        x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
         return _quantize_per_tensor(
             self, x, x2d, be, self.scale.reshape(1), amax_out=self.amax.view(1)
@@ -101,7 +101,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
             object.__setattr__(self, "amax_reduction_group", amax_reduction_group)
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
-        x2d = as_2d(x, type(self).__name__)
+        x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
         amax = be.amax(x2d)
         if self.with_amax_reduction:

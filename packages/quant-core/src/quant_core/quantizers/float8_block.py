@@ -38,8 +38,11 @@ class Float8BlockQuantizer(Quantizer):
             raise ValueError(f"block_len must be {FP8_BLOCK}, got {self.block_len}")
         check_amax_epsilon(self.amax_epsilon)
 
+    def shape_rule(self) -> tuple[str, int]:
+        return "FP8 block", 1
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
-        x2d = as_2d(x, "FP8 block")
+        x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
         rd, rs, cd, cs = be.fp8_block_quantize(
             x2d, fp8_dtype=self.dtype, block_scaling_dim=self.block_scaling_dim,

@@ -31,8 +31,11 @@ class MXFP8Quantizer(Quantizer):
         check_fp8(dtype)
         super().__init__(dtype=dtype, **fields)
 
+    def shape_rule(self) -> tuple[str, int]:
+        return "MXFP8", MXFP8_BLOCK
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
-        x2d = as_2d(x, "MXFP8", MXFP8_BLOCK)
+        x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
         rd, rs, cd, cs = be.mxfp8_quantize(
             x2d, fp8_dtype=self.dtype, rowwise=self.rowwise_usage,

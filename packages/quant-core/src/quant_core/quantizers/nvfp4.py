@@ -99,11 +99,14 @@ class NVFP4Quantizer(Quantizer):
 
         return rht_matrix(self.rht_matrix_random_sign_mask_t, torch.device(device))
 
+    def shape_rule(self) -> tuple[str, int]:
+        return "NVFP4", NVFP4_BLOCK
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None,
                  generator: torch.Generator | None = None):
         """Quantize ``x``; stochastic rounding draws its seed from ``generator`` (default: torch's
         default generator for ``x.device``), so results are reproducible from the seed state."""
-        x2d = as_2d(x, "NVFP4", NVFP4_BLOCK)
+        x2d = as_2d(x, *self.shape_rule())
         m, k = x2d.shape
         rht = self.with_rht and self.columnwise_usage
         if rht:
