@@ -52,10 +52,15 @@ def _region() -> list[Region]:
 
 
 def default_recipe() -> Recipe:
-    """``Float8CurrentScaling()``, built on first use (its env defaults read then) and reused."""
-    if not _DEFAULT:
-        _DEFAULT.append(Float8CurrentScaling())
-    return _DEFAULT[0]
+    """``Float8CurrentScaling()``, built on first use (its env defaults read then) and reused.
+    While compiling it is built but not stored: a new global object made during tracing would
+    have to be rebuilt after the graph, which Dynamo cannot do for dataclass fields."""
+    if _DEFAULT:
+        return _DEFAULT[0]
+    recipe = Float8CurrentScaling()
+    if not torch.compiler.is_compiling():
+        _DEFAULT.append(recipe)
+    return recipe
 
 
 def current_frame() -> Frame | None:

@@ -87,6 +87,12 @@ class MMParams:
         _check_field_types(self)
 
 
+#: The default GEMM parameters, module-level so that a recipe built inside a compiled region
+#: reads them through a global (Dynamo cannot wrap a dataclass default that has no source).
+_SPLIT = MMParams(use_split_accumulator=True)
+_NO_SPLIT = MMParams(use_split_accumulator=False)
+
+
 @dataclass(frozen=True)
 class QParams:
     """Quantization parameters for one class of tensors (inputs, weights or gradients)."""
@@ -233,9 +239,9 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_fwd_inp: QParams | None = None
     fp8_quant_fwd_weight: QParams | None = None
     fp8_quant_bwd_grad: QParams | None = None
-    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
-    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
-    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: _NO_SPLIT)
+    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: _SPLIT)
+    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: _SPLIT)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = field(default_factory=_env_backward_override)
@@ -282,9 +288,9 @@ class Float8BlockScaling(Recipe):
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
-    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
-    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
-    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: _SPLIT)
+    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: _SPLIT)
+    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: _SPLIT)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = field(default_factory=_env_backward_override)
