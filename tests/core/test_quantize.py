@@ -335,3 +335,18 @@ def test_make_empty_applies_the_quantize_shape_rules(q, shape, message):
     if shape:
         with pytest.raises(ValueError, match=message):
             q.quantize(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, "float32", torch.float64])
+def test_dequantize_refuses_a_dtype_it_cannot_produce(dtype):
+    """Issue 12 item 19: ``dequantize(dtype=torch.int32)`` silently gave zeros and
+    ``dequantize("float32")`` an unrelated "Invalid device string"."""
+    st = MXFP8Quantizer().quantize(torch.randn(4, 32))
+    with pytest.raises(TypeError, match=r"dequantize\(dtype=...\) must be one of"):
+        st.dequantize(dtype)
+
+
+def test_backend_registration_checks_the_contract():
+    """Issue 12 item 19: ``backends.register()`` accepted any object."""
+    with pytest.raises(TypeError, match="lacks priority .* name .* supports"):
+        backends.register(object())

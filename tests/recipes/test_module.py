@@ -225,3 +225,16 @@ def test_zero_in_features_gives_the_bias(recipe):
     assert torch.equal(y, m.bias.expand(16, 32))
     assert x.grad.shape == (16, 0) and m.weight.grad.shape == (32, 0)
     assert torch.equal(m.bias.grad, torch.full((32,), 16.0, dtype=torch.bfloat16))
+
+
+def test_wrong_in_features_is_a_clear_error():
+    """Issue 12 item 19: a raw reshape error before; now the expected size is named."""
+    m = qr.Linear(32, 16)
+    with qr.autocast(recipe=qr.MXFP8BlockScaling()):
+        with pytest.raises(RuntimeError, match=r"in_features=32, got input shape \(4, 64\)"):
+            m(torch.randn(4, 64))
+
+
+def test_quantizer_role_fields_are_strings():
+    with pytest.raises(TypeError, match="QuantizerRole.name must be a str"):
+        qr.QuantizerRole("linear", "weight", 3)

@@ -57,7 +57,16 @@ def _load() -> dict[str, object]:
 
 
 def register(backend) -> None:
-    """Register a backend object by hand (tests, out-of-tree experiments)."""
+    """Register a backend object by hand (tests, out-of-tree experiments). It must have a str
+    ``name``, an int ``priority``, a callable ``supports`` and every function of FUNCTIONS."""
+    missing = [f for f in ("supports", *FUNCTIONS) if not callable(getattr(backend, f, None))]
+    name, priority = getattr(backend, "name", None), getattr(backend, "priority", None)
+    if not isinstance(name, str) or not name:
+        missing.insert(0, "name (a non-empty str)")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        missing.insert(0, "priority (an int)")
+    if missing:
+        raise TypeError(f"backends.register: {backend!r} lacks {', '.join(missing)}")
     _load()[backend.name] = backend
     _choice_cache.clear()
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import backends
+from .dtypes import INPUT_DTYPES
 from .operand import GemmOperand
 from .shapes import m_k
 
@@ -71,6 +72,15 @@ class QuantizedStorage:
     def _backend(self):
         return backends.get(None, self.device)
 
+    def _out_dtype(self, dtype) -> torch.dtype:
+        """``dtype`` (default: the nominal one) if it is a float dtype dequantization can produce;
+        an integer dtype silently gave zeros, a string an unrelated device error."""
+        dtype = self._dtype if dtype is None else dtype
+        if dtype not in INPUT_DTYPES:
+            allowed = ", ".join(str(d) for d in INPUT_DTYPES)
+            raise TypeError(f"dequantize(dtype=...) must be one of {allowed}, got {dtype!r}")
+        return dtype
+
     def gemm_operand(self, transposed: bool) -> GemmOperand | None:
         """This tensor as a GEMM row operand (``quant_core.operand``): the 2D view ``X [m, k]``
         itself, or ``Xᵀ`` when ``transposed`` (the contraction runs over ``m``), as views of the
@@ -108,7 +118,7 @@ class Float8TensorStorage(QuantizedStorage):
     _tag_names = ("_fp8_dtype",)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self._dtype
+        dtype = self._out_dtype(dtype)
         data, columnwise = _pick(self, "_data", "_transpose")
         out = self._backend().fp8_dequantize(
             data, self._scale_inv, fp8_dtype=self._fp8_dtype, dtype=dtype
@@ -154,7 +164,7 @@ class MXFP8TensorStorage(QuantizedStorage):
     _tag_names = ("_fp8_dtype", "_with_gemm_swizzled_scales")
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self._dtype
+        dtype = self._out_dtype(dtype)
         data, columnwise = _pick(self, "_rowwise_data", "_columnwise_data")
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
         out = self._backend().mxfp8_dequantize(
@@ -192,7 +202,7 @@ class Float8BlockwiseQTensorStorage(QuantizedStorage):
     _tag_names = ("_fp8_dtype", "_is_2D_scaled")
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self._dtype
+        dtype = self._out_dtype(dtype)
         data, columnwise = _pick(self, "_rowwise_data", "_columnwise_data")
         m, k = m_k(self.shape)
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
@@ -233,7 +243,7 @@ class NVFP4TensorStorage(QuantizedStorage):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantize the rowwise data (`numerics.md` §8); columnwise NVFP4 may live in the RHT
         basis, so, as in TransformerEngine, it is not dequantized."""
-        dtype = dtype or self._dtype
+        dtype = self._out_dtype(dtype)
         if self._rowwise_data is None:
             raise NotImplementedError(
                 "NVFP4 dequantization needs rowwise data; this storage holds only the "

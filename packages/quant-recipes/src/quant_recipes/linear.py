@@ -153,6 +153,11 @@ class Linear(QuantizedModule):
         frame = active_frame()
         if frame is None:
             return F.linear(x, self.weight, self.bias)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise RuntimeError(
+                f"Linear: the input's last dimension must be in_features={self.in_features}, "
+                f"got input shape {tuple(x.shape)}"
+            )
         qset = self.quantizers(frame, device=self.weight.device)
         if not frame.enabled:  # calibration: high precision, delayed quantizers record amaxes
             qset.fwd[0].calibrate(x)

@@ -22,5 +22,11 @@ class QuantizerRole:
     tensor_type: str = ""
     name: str = ""
 
+    def __post_init__(self) -> None:
+        for field_name in ("module_type", "tensor_type", "name"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str):
+                raise TypeError(f"QuantizerRole.{field_name} must be a str, got {value!r}")
+
     def __str__(self) -> str:
         return "|".join(p for p in (self.module_type, self.tensor_type, self.name) if p)
