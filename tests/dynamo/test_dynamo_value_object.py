@@ -179,3 +179,34 @@ def test_flatten_round_trip():
 def test_literal_rejects_non_primitives():
     with pytest.raises(TypeError):
         fx_repr.literal(object())
+
+
+def test_torch_refusing_a_class_warns_and_the_rest_registers(monkeypatch):
+    """Issue 12 item 8: torch refusing a value class with ValueError (already a pytree node,
+    a ``builtins`` module) killed ``import quant_dynamo``; now that class is skipped with a
+    warning, keeps eager value semantics, runs through the flat ops, and others still register."""
+    import dataclasses
+
+    from quant_dynamo import registration
+
+    api = registration.probe()
+
+    def refuse(cls, members):
+        raise ValueError(f"{cls.__qualname__} is already registered as a pytree node")
+
+    monkeypatch.setattr(registration, "probe",
+                        lambda: dataclasses.replace(api, register=refuse))
+
+    class Refused(MXFP8Quantizer):
+        pass
+
+    if api.available:
+        with pytest.warns(RuntimeWarning, match="torch refused .*Refused"):
+            value_quantizer(Refused)
+    else:
+        value_quantizer(Refused)
+    assert Refused() == Refused() and not quant_dynamo.compile_supported(Refused())
+    x = make_input()
+    assert_bitwise(quant_dynamo.qdq(x, Refused()), MXFP8Quantizer().quantize(x).dequantize(x.dtype))
+    monkeypatch.undo()
+    assert quant_dynamo.register_value_opaque_quantizer(Late) is Late

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,16 @@ def register_value_opaque_quantizer(cls: type) -> type:
         # e.g. a class local to a function: its type name ("f.<locals>.C") cannot appear in a
         # schema. The class keeps eager value semantics and the ops' flat overloads.
         _registered_classes.discard(cls)
+        return cls
+    except ValueError as exc:
+        # torch refused the class outright (already a pytree node, a builtins module, ...): an
+        # import must never die of it (behaviour.md §2.9); say so and go on with the rest
+        _registered_classes.discard(cls)
+        warnings.warn(
+            f"quant_dynamo: torch refused {cls.__qualname__} as an opaque value type ({exc}); "
+            "it keeps eager value semantics and compiles through the flat ops",
+            RuntimeWarning, stacklevel=2,
+        )
         return cls
     REGISTERED_QUALNAMES.add(cls.__qualname__)
     return cls
