@@ -260,3 +260,28 @@ def test_value_quantizer_decorator_refuses_non_quantizers():
     with pytest.raises(TypeError, match="Quantizer subclasses"):
         value_quantizer(int)
     assert not is_value_quantizer(Quantizer)
+
+
+@pytest.mark.parametrize("cls, items, error, message", [
+    (Float8CurrentScalingQuantizer, (("amax_epsilon", float("inf")),), ValueError,
+     "amax_epsilon must"),
+    (Float8CurrentScalingQuantizer, (("amax_epsilon", 1e400),), ValueError, "amax_epsilon must"),
+    (MXFP8Quantizer, (("with_2d_quantization", "yes"),), TypeError, "with_2d_quantization"),
+    (Float8BlockQuantizer, (("block_len", 64),), ValueError, "block_len must be 128"),
+    (MXFP8Quantizer, (("no_such_field", 1),), TypeError, "has no field 'no_such_field'"),
+])
+def test_rebuilt_quantizers_are_validated_like_constructed_ones(cls, items, error, message):
+    """Issue 12 item 18: pickle / FX reconstruction / the flat ops rebuilt quantizers past the
+    constructor's checks (inf or 1e400 epsilons, a string bool, block_len=64), and an unknown
+    field raised a raw KeyError."""
+    with pytest.raises(error, match=message):
+        _rebuild_quantizer(cls, items)
+
+
+def test_pickle_round_trip_still_works():
+    import pickle
+
+    for q in (Float8CurrentScalingQuantizer(amax_epsilon=1e-6), MXFP8Quantizer(DType.E5M2),
+              Float8BlockQuantizer(block_scaling_dim=1)):
+        r = pickle.loads(pickle.dumps(q))
+        assert r == q and type(r) is type(q)

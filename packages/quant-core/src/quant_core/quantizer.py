@@ -365,22 +365,23 @@ def value_classes() -> tuple[type, ...]:
 
 
 def _rebuild_quantizer(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
-    """Rebuild a value quantizer from its key items, bypassing ``__init__``.
-
-    Enum fields are converted back by the field's annotated Enum type (never by field name); then
-    ``_rebuild_derived_state()`` restores non-value attributes.
-    """
+    """Rebuild a value quantizer from its key items (pickle, FX reconstruction, the flat ops)
+    through its constructor, so a rebuilt object passes exactly the validation of a constructed
+    one. Enum fields are converted back by the field's annotated Enum type (never by name)."""
     types = cls._value_field_types if cls._value_owner is cls else None
     if types is None:
         raise TypeError(f"{cls.__qualname__} is not a value quantizer")
-    obj = cls.__new__(cls)
+    fields = {}
     for name, value in items:
+        if name not in types:
+            raise TypeError(
+                f"{cls.__qualname__} has no field {name!r} to rebuild; fields: {sorted(types)}"
+            )
         typ = types[name]
         if isinstance(typ, type) and issubclass(typ, enum.Enum):
             value = typ(value)
-        object.__setattr__(obj, name, value)
-    obj._rebuild_derived_state()
-    return obj
+        fields[name] = value
+    return cls(**fields)
 
 
 def warn_deprecated_group(cls_name: str) -> None:
