@@ -21,7 +21,7 @@ from quant_core import Quantizer
 from .autocast import current_region
 from .delayed import update_registered
 from .gemm import HP, qgemm, quantizer_meta
-from .module import QuantizedModule, active_frame
+from .module import QuantizedModule, module_frame
 from .role import QuantizerRole
 
 
@@ -150,7 +150,7 @@ class Linear(QuantizedModule):
         return roles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        frame = active_frame()
+        frame = module_frame(self)
         if frame is None:
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 0 or x.shape[-1] != self.in_features:

@@ -14,6 +14,7 @@ so they are built at trace time and baked into the graph as constants; the cache
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,32 @@ from .states import RecipeState, delayed_states
 
 #: One object per quantizer value (eager interning).
 _INTERN: dict[Quantizer, Quantizer] = {}
+#: Per module: the autocast frame of its last forward outside backward (eager), for the
+#: activation-checkpoint recompute. Kept beside the module (not on it) so deepcopy, pickle and
+#: state_dict never see a frame's process group.
+_FORWARD_FRAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def module_frame(module: torch.nn.Module) -> Frame | None:
+    """The frame ``module`` runs under: the active one; else, for an activation-checkpoint
+    recompute (a forward run by the autograd engine during backward, after the autocast region
+    exited), the frame of the module's own last forward (`behaviour.md` §7). Eager forwards
+    outside backward record their frame for that purpose."""
+    frame = active_frame()
+    if torch.compiler.is_compiling():
+        return frame
+    if _in_backward():
+        return frame if frame is not None else _FORWARD_FRAMES.get(module)
+    if frame is None:
+        _FORWARD_FRAMES.pop(module, None)
+    else:
+        _FORWARD_FRAMES[module] = frame
+    return frame
 
 
 def intern(q: Quantizer) -> Quantizer:

@@ -1,0 +1,71 @@
+"""Issue 12 item 2: activation checkpointing inside autocast. The recompute runs in backward,
+after the autocast region has exited; it must run under the recipe of the forward
+(behaviour.md §7), so gradients equal the uncheckpointed run bit for bit, in both modes."""
+
+from __future__ import annotations
+
+import pytest
+import quant_recipes as qr
+import torch
+from torch.utils.checkpoint import checkpoint
+
+RECIPES = {
+    "current": qr.Float8CurrentScaling(),
+    "block": qr.Float8BlockScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(),
+}
+
+
+def _grads(recipe, mode):
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(1)
+    with qr.autocast(recipe=recipe):
+        if mode is None:
+            y = layer(x)
+        else:
+            y = checkpoint(layer, x, use_reentrant=mode == "reentrant")
+    y.float().pow(2).sum().backward()
+    return y, x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_checkpointed_gradients_equal_the_plain_run(name, mode):
+    want = _grads(RECIPES[name], None)
+    got = _grads(RECIPES[name], mode)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_call_outside_autocast_after_a_quantized_forward_stays_high_precision():
+    """The forward's recipe serves only the recompute inside backward, never a later call."""
+    layer = qr.Linear(64, 32)
+    x = torch.randn(8, 64)
+    with qr.autocast(recipe=qr.MXFP8BlockScaling()):
+        layer(x)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_checkpoint_inside_a_compiled_region(mode):
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if quant_dynamo.status()["mode"] == "none":
+        pytest.skip("no opaque-object API on this torch: fullgraph is not promised")
+    recipe = RECIPES["mxfp8"]
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(inp):
+        with qr.autocast(recipe=recipe):
+            return checkpoint(layer, inp, use_reentrant=mode == "reentrant")
+
+    want = _grads(recipe, None)  # the same seeds: the same layer and input
+    torch._dynamo.reset()
+    y = torch.compile(step, backend="aot_eager", fullgraph=mode == "non_reentrant")(x)
+    y.float().pow(2).sum().backward()
+    assert torch.equal(y, want[0]) and torch.equal(x.grad, want[1])
+    assert torch.equal(layer.weight.grad, want[2])
