@@ -102,3 +102,18 @@ def test_demo_unusable_out_is_one_clear_line(tmp_path, where):
         main(["demo", "--steps", "1", "--recipes", "baseline", "--out", str(out)])
     assert str(exc.value).startswith("quant demo: --out ")
     assert "is not a writable folder" in str(exc.value)
+
+
+def test_demo_one_step_writes_strict_json(tmp_path, capsys):
+    """Issue 12 item 19: ``--steps 1`` has no timed step (the first one compiles); results.json
+    held a bare NaN (not JSON). Now it is null, and the table prints "-"."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "1", "--recipes", "baseline", "--out", str(out),
+                 "--no-plot"]) == 0
+    text = (out / "results.json").read_text()
+    assert "NaN" not in text
+    run = json.loads(text)["runs"][0]
+    assert run["ms_per_step"] is None
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("baseline"))
+    assert row.split()[5] == "-"

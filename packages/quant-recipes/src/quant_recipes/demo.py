@@ -78,7 +78,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     compiles: int = 0
     graph_breaks: int = 0
-    ms_per_step: float = float("nan")
+    ms_per_step: float | None = None  # None: no timed step (the first one compiles)
     gemm_path: str = "-"
     note: str = ""
 
@@ -161,7 +161,7 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
             times.append(time.perf_counter() - start)
         result.losses.append(loss.item())
         progress.update(name, i + 1, result.losses[-1])
-    result.ms_per_step = 1000 * sorted(times)[len(times) // 2] if times else float("nan")
+    result.ms_per_step = 1000 * sorted(times)[len(times) // 2] if times else None
     if counter is not None:
         result.compiles = counter.frames
         result.graph_breaks = _graph_breaks()
@@ -189,6 +189,21 @@ def _gemm_path() -> str:
     return ",".join(name for name, _ in paths) if paths else "-"
 
 
+def _jsonable(value):
+    """``value`` with every non-finite float as None (``json`` would write bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def format_table(results: list[RunResult], backend: str) -> str:
     base = next((r for r in results if r.recipe == "baseline"), None)
     header = (
@@ -204,7 +219,7 @@ def format_table(results: list[RunResult], backend: str) -> str:
             gap = f"{100 * (final - ref) / ref:+.1f}%"
         lines.append(
             f"{r.recipe:13s} {final:10.4f} {gap:>8s} {r.compiles:8d} {r.graph_breaks:6d} "
-            f"{r.ms_per_step:8.1f}  {backend:13s} {r.gemm_path}"
+            f"{_ms(r.ms_per_step):>8s}  {backend:13s} {r.gemm_path}"
             + (f"  ({r.note})" if r.note else "")
         )
     return "\n".join(lines)
@@ -297,9 +312,9 @@ def run_demo(args) -> int:
     progress.close()
     table = format_table(results, backend)
     print(table)
-    (out / "results.json").write_text(json.dumps(
+    (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
         {"device": str(device), "torch": torch.__version__, "compile": mode,
-         "runs": [r.__dict__ for r in results]}, indent=1))
+         "runs": [_jsonable(r.__dict__) for r in results]}, indent=1, allow_nan=False))
     if not args.no_plot:
         png = out / "loss_curves.png"
         if _plot(results, png, f"quant demo on {device} ({mode})"):
