@@ -285,3 +285,18 @@ def test_pickle_round_trip_still_works():
               Float8BlockQuantizer(block_scaling_dim=1)):
         r = pickle.loads(pickle.dumps(q))
         assert r == q and type(r) is type(q)
+
+
+def test_abstract_quantizer_cannot_be_instantiated():
+    """Issue 12 item 19: ``Quantizer()`` built an object that quantizes nothing."""
+    with pytest.raises(TypeError, match="Quantizer is the abstract base"):
+        Quantizer()
+
+
+def test_nvfp4_generator_must_be_a_generator():
+    """Issue 12 item 19: ``generator=5`` failed deep inside torch.randint."""
+    import torch
+
+    q = NVFP4Quantizer(stochastic_rounding=True)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got 5"):
+        q.quantize(torch.randn(16, 32), generator=5)

@@ -68,6 +68,12 @@ class Quantizer(metaclass=QuantizerMeta):
 
     def __init__(self, **fields: Any) -> None:
         cls = type(self)
+        if cls is Quantizer:
+            raise TypeError(
+                "Quantizer is the abstract base: build a format's quantizer (Float8Quantizer, "
+                "Float8CurrentScalingQuantizer, MXFP8Quantizer, Float8BlockQuantizer, "
+                "NVFP4Quantizer) or subclass it"
+            )
         names = cls._field_names
         unknown = sorted(set(fields) - set(names))
         if unknown:

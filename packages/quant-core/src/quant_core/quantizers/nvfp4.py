@@ -106,6 +106,8 @@ class NVFP4Quantizer(Quantizer):
                  generator: torch.Generator | None = None):
         """Quantize ``x``; stochastic rounding draws its seed from ``generator`` (default: torch's
         default generator for ``x.device``), so results are reproducible from the seed state."""
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
         x2d = as_2d(x, *self.shape_rule())
         m, k = x2d.shape
         rht = self.with_rht and self.columnwise_usage
