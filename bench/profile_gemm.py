@@ -10,11 +10,10 @@ next to a plain bf16 ``torch.mm``. Each case runs twice (the first launch compil
 
 from __future__ import annotations
 
-import csv
 import sys
 
 from profile_kernels import METRICS as BASE_METRICS
-from profile_kernels import STALLS
+from profile_kernels import num, read_rows, top_stalls
 
 PIPES = ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",  # NaN on the
          # H200's ncu (2026-11-30): the GMMA pipe's counter name there is still to be found
@@ -48,27 +47,16 @@ def launch() -> None:
 
 
 def summarize(path: str) -> None:
-    rows = [r for r in csv.DictReader(open(path)) if r.get("ID", "").isdigit()]
-
-    def num(r, key):
-        try:
-            return float(r.get(key, "").replace(",", ""))
-        except ValueError:
-            return float("nan")
-
     print("| id | kernel | us | SM % | tensor pipe % | FMA pipe % | LSU % | issue % | regs "
           "| top stalls (cycles/issue) |")
     print("|" + " --- |" * 10)
-    for r in rows:
-        stalls = sorted(((num(r, f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"),
-                          s) for s in STALLS), reverse=True)[:4]
+    for r in read_rows(path):
         us = num(r, "gpu__time_duration.sum") / 1e3
         print(f"| {r['ID']} | {r['Kernel Name'][:44]} | {us:.0f} "
               f"| {num(r, 'sm__throughput.avg.pct_of_peak_sustained_elapsed'):.0f} "
               + "".join(f"| {num(r, p):.0f} " for p in PIPES)
               + f"| {num(r, 'smsp__issue_active.avg.pct_of_peak_sustained_active'):.0f} "
-              f"| {num(r, 'launch__registers_per_thread'):.0f} | "
-              + ", ".join(f"{s} {v:.1f}" for v, s in stalls) + " |")
+              f"| {num(r, 'launch__registers_per_thread'):.0f} | {top_stalls(r)} |")
 
 
 if __name__ == "__main__":

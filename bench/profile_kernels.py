@@ -58,23 +58,35 @@ def launch() -> None:
         torch.cuda.synchronize()
 
 
+def read_rows(path: str) -> list[dict]:
+    """ncu's raw CSV rows, one per kernel launch."""
+    return [r for r in csv.DictReader(open(path)) if r.get("ID", "").isdigit()]
+
+
+def num(r: dict, k: str) -> float:
+    """Counter ``k`` of row ``r`` as a float (NaN when ncu did not report it)."""
+    v = r.get(k, "").replace(",", "")
+    try:
+        return float(v)
+    except ValueError:
+        return float("nan")
+
+
+def top_stalls(r: dict, n: int = 4) -> str:
+    """The ``n`` largest warp-stall reasons of row ``r`` (cycles per issued instruction)."""
+    stalls = sorted(((num(r, f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"),
+                      s) for s in STALLS), reverse=True)[:n]
+    return ", ".join(f"{s} {v:.1f}" for v, s in stalls)
+
+
 def summarize(path: str) -> None:
-    rows = list(csv.DictReader(open(path)))
-    rows = [r for r in rows if r.get("ID", "").isdigit()]
-    def num(r, k):
-        v = r.get(k, "").replace(",", "")
-        try:
-            return float(v)
-        except ValueError:
-            return float("nan")
+    rows = read_rows(path)
     print("| id | kernel | us | DRAM GB/s | DRAM % | L2 MB | SM % | issue % | warps % | regs "
           "| smem | st sect/req | ld sect/req | top stalls (cycles/issue) |")
     print("|" + " --- |" * 14)
     for r in rows:
         t = num(r, "gpu__time_duration.sum")  # ns
         dram = num(r, "dram__bytes_read.sum") + num(r, "dram__bytes_write.sum")
-        stalls = sorted(((num(r, f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"),
-                          s) for s in STALLS), reverse=True)[:4]
         st = num(r, "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum") / max(
             num(r, "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"), 1)
         ld = num(r, "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum") / max(
@@ -88,7 +100,7 @@ def summarize(path: str) -> None:
               f"| {num(r, 'smsp__issue_active.avg.pct_of_peak_sustained_active'):.0f} "
               f"| {num(r, 'sm__warps_active.avg.pct_of_peak_sustained_active'):.0f} "
               f"| {num(r, 'launch__registers_per_thread'):.0f} | {smem:.0f} | {st:.1f} | {ld:.1f} "
-              "| " + ", ".join(f"{s} {v:.1f}" for v, s in stalls) + " |")
+              "| " + top_stalls(r) + " |")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,9 @@ def test_delayed_scaling_records_amax_and_snapshots_scale_inv():
     assert amax.item() == 7.0
 
 
-def test_current_scaling_reduction_over_one_rank_group_changes_nothing(tmp_path):
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """The WORLD group of a one-rank gloo process group (made here unless one exists)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -202,15 +204,17 @@ def test_current_scaling_reduction_over_one_rank_group_changes_nothing(tmp_path)
         dist.init_process_group(
             "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
         )
-    try:
-        x = _randn(8, 32)
-        q = Float8CurrentScalingQuantizer(with_amax_reduction=True)
-        a = q.quantize(x, amax_reduction_group=dist.group.WORLD)
-        b = q.quantize(x)
-        assert torch.equal(a._data, b._data) and torch.equal(a._scale_inv, b._scale_inv)
-    finally:
-        if created:
-            dist.destroy_process_group()
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def test_current_scaling_reduction_over_one_rank_group_changes_nothing(one_rank_group):
+    x = _randn(8, 32)
+    q = Float8CurrentScalingQuantizer(with_amax_reduction=True)
+    a = q.quantize(x, amax_reduction_group=one_rank_group)
+    b = q.quantize(x)
+    assert torch.equal(a._data, b._data) and torch.equal(a._scale_inv, b._scale_inv)
 
 
 def test_stochastic_rounding_is_reproducible_from_the_generator():
@@ -253,29 +257,16 @@ def test_per_tensor_update_usage_builds_the_byte_transpose():
 
 
 @pytest.mark.parametrize("usage", [dict(columnwise_usage=False), dict(rowwise_usage=False)])
-def test_nvfp4_amax_reduction_with_one_usage(tmp_path, usage):
+def test_nvfp4_amax_reduction_with_one_usage(one_rank_group, usage):
     """Issue 12 item 7: with one usage there is one amax; the reduction concatenated a None
     (``TypeError: expected Tensor as element 1``). Over a one-rank group nothing changes."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available in this build")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
-        )
-    try:
-        x = _randn(32, 64)
-        q = NVFP4Quantizer(with_amax_reduction=True, **usage)
-        a = q.quantize(x, amax_reduction_group=dist.group.WORLD)
-        b = NVFP4Quantizer(**usage).quantize(x)
-        for name, t in b.buffers().items():
-            got = getattr(a, name)
-            assert (got is None) == (t is None) and (t is None or torch.equal(got, t)), name
-    finally:
-        if created:
-            dist.destroy_process_group()
+    x = _randn(32, 64)
+    a = NVFP4Quantizer(with_amax_reduction=True, **usage).quantize(
+        x, amax_reduction_group=one_rank_group)
+    b = NVFP4Quantizer(**usage).quantize(x)
+    for name, t in b.buffers().items():
+        got = getattr(a, name)
+        assert (got is None) == (t is None) and (t is None or torch.equal(got, t)), name
 
 
 @pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, Float8BlockQuantizer])
