@@ -112,3 +112,88 @@ def test_rht_orthogonal_transform_preserves_norm():
     y = rht_columnwise(x, 55272).float()
     xt = x.float().t()
     assert torch.allclose(y @ y.t(), xt @ xt.t(), rtol=2e-2, atol=0.5)
+
+
+def _exact_rht_bf16(x: torch.Tensor, sign_mask: int) -> torch.Tensor:
+    """An oracle independent of the reference: §7.6 with Python's exact rationals.
+
+    The exact sum of each group's 16 products goes to a Python float (correctly rounded, and exact
+    for these inputs, whose magnitudes span far less than 2^45), then to fp32 and bf16 by torch's
+    RNE casts; an exact zero is +0.
+    """
+    from fractions import Fraction
+
+    signs = mask_to_signs(sign_mask)
+    m, k = x.shape
+    out = torch.empty(k, m, dtype=torch.float64)
+    for col in range(k):
+        for g in range(m // 16):
+            v = [Fraction(x[16 * g + i, col].item()) for i in range(16)]
+            for j in range(16):
+                terms = (
+                    v[i] * signs[i] * (-1 if bin(i & j).count("1") % 2 else 1) / 4
+                    for i in range(16)
+                )
+                out[col, 16 * g + j] = float(sum(terms, Fraction(0)))
+    return out.to(torch.float32).to(torch.bfloat16)
+
+
+#: Largest finite bf16, (2 - 2^-7) * 2^127.
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def _near_max_columns() -> torch.Tensor:
+    """Columns of 16 rows whose partial sums in a sequential fp32 order overflow while the exact
+    sums are finite (issue 12 item 20): with mask 0 output 0 is Σ x_i / 4, and 5 terms of
+    BF16_MAX / 4 already pass FLT_MAX."""
+    cols = [
+        [BF16_MAX] * 8 + [-BF16_MAX] * 8,  # out_0 = 0 exactly, out_8 = 4 * BF16_MAX -> +Inf
+        [BF16_MAX] * 5 + [-BF16_MAX] * 5 + [1.0] * 6,  # out_0 = 6 / 4
+        [BF16_MAX, -BF16_MAX] * 8,  # out_0 = 0, out_1 = 4 * BF16_MAX -> +Inf
+        [BF16_MAX] * 4 + [-BF16_MAX / 2] * 8 + [3.0, -2.0, 0.5, 2.0**-20],
+        [2.0**100] * 16,
+    ]
+    return torch.tensor(cols, dtype=torch.float64).t().to(torch.bfloat16).contiguous()
+
+
+@pytest.mark.parametrize("mask", [0, 55272])
+def test_rht_is_the_exact_sum_near_the_bf16_maximum(mask):
+    x = _near_max_columns()
+    out = rht_columnwise(x, mask)
+    expected = _exact_rht_bf16(x, mask)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    if mask == 0:
+        # the hand-derived values of the docstring (sequential fp32 gives +Inf for both)
+        assert out[0, 0].item() == 0.0 and out[1, 0].item() == 1.5
+        assert out[0, 8].item() == float("inf") and out[2, 1].item() == float("inf")
+
+
+@pytest.mark.parametrize("mask", [0, 55272])
+def test_rht_of_a_group_of_zeros_is_positive_zero(mask):
+    # -0.0 in every row: every product is ±0, so every output is +0 (sequential fp32 from the
+    # first product gives -0.0 wherever that product is -0.0). Column 1 cancels exactly to 0.
+    x = torch.full((16, 3), -0.0, dtype=torch.bfloat16)
+    x[:, 1] = torch.tensor([1.0, 1.0] * 8)  # out_j = 0 for j != 0 by cancellation (mask 0)
+    x[:, 2] = torch.tensor([0.0, -0.0] * 8)
+    out = rht_columnwise(x, mask)
+    zeros = out == 0
+    assert not torch.signbit(out[zeros]).any()
+    assert torch.equal(out.view(torch.int16), _exact_rht_bf16(x, mask).view(torch.int16))
+    # the NVFP4 columnwise codes of the -0 group are 0x0 (+0), never 0x8 (-0)
+    x2 = torch.cat([x, torch.ones(16, 13, dtype=torch.bfloat16)], dim=1)  # nonzero amax, K = 16
+    a_row, a_col = nvfp4_amax(x2, rowwise=True, columnwise=True, with_rht=True, rht_sign_mask=mask)
+    _, _, col_data, _ = nvfp4_quantize(
+        x2, a_row, a_col, rowwise=False, columnwise=True, with_rht=True, rht_sign_mask=mask,
+        with_2d_quantization=False, stochastic_rounding=False, rng_seed=None, swizzle=False,
+    )
+    first_col = col_data[0]  # xᵀ row 0 = the -0 column, 16 codes packed in 8 bytes
+    assert first_col.tolist() == [0] * 8
+
+
+def test_rht_matches_the_exact_oracle_on_random_groups():
+    g = torch.Generator().manual_seed(20)
+    x = (torch.randn(32, 6, generator=g) * torch.logspace(-3, 3, 6)).to(torch.bfloat16)
+    x[0:16, 0] = x[0:16, 0] * 2.0**-30  # a group far below the others
+    for mask in (0, 55272, 0x8001):
+        expected = _exact_rht_bf16(x, mask)
+        assert torch.equal(rht_columnwise(x, mask).view(torch.int16), expected.view(torch.int16))

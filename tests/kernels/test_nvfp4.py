@@ -73,3 +73,35 @@ def test_nvfp4_rht_requires_m16_and_bf16():
     with pytest.raises(ValueError, match="bfloat16"):
         B.nvfp4_amax(torch.zeros(16, 32, device=DEVICE), rowwise=False, columnwise=True,
                      with_rht=True, rht_sign_mask=MASK)
+
+
+#: Columns (in units of the largest bf16) whose 16 RHT outputs under MASK are all finite while a
+#: sequential fp32 sum overflows partway (issue 12 item 20; found by a search over such columns).
+_NEAR_MAX_COLUMNS = (
+    (-1, 0, 0, 0.5, 1, 0, -0.5, -0.5, 0.5, -1, 0.5, -1, 1, 0.5, 0.5, 0),
+    (-1, 0, -0.5, 0, 0, -0.5, -0.5, -0.5, -1, 0, -0.5, 0.5, -0.5, 0.5, -0.5, 0),
+)
+
+
+def test_nvfp4_rht_is_the_exact_sum():
+    """§7.6 (revised): the kernel's RHT is the exact sum rounded to fp32 then bf16, like the
+    reference; a group of -0 gives +0 codes, and near the bf16 maximum no partial sum overflows
+    (the columnwise amax stays finite)."""
+    big = torch.finfo(torch.bfloat16).max
+    x = make_input(32, 32, torch.float32, seed=8, specials=False).to(torch.bfloat16)
+    for col, pattern in enumerate(_NEAR_MAX_COLUMNS):
+        x[:16, col] = torch.tensor(pattern, dtype=torch.float32) * big
+    x[:, 2] = -0.0
+    x[16:, 3] = torch.tensor([0.0, -0.0] * 8)
+    amax_kw = dict(rowwise=True, columnwise=True, with_rht=True, rht_sign_mask=MASK)
+    got_a = B.nvfp4_amax(x.to(DEVICE), **amax_kw)
+    want_a = ref.nvfp4_amax(x, **amax_kw)
+    assert_all_same(got_a, want_a, None, ("amax_row", "amax_col"))
+    # the largest output, 0.875 * big (search above), rounded to bf16; sequential fp32 gave +Inf
+    assert want_a[1].item() == torch.tensor(0.875 * big).bfloat16().item()
+    kw = dict(rowwise=False, columnwise=True, with_rht=True, rht_sign_mask=MASK,
+              with_2d_quantization=False, stochastic_rounding=False, rng_seed=None, swizzle=False)
+    got = B.nvfp4_quantize(x.to(DEVICE), got_a[0], got_a[1], **kw)
+    want = ref.nvfp4_quantize(x, want_a[0], want_a[1], **kw)
+    assert_all_same(got, want, None, NAMES)
+    assert want[2][2].tolist() == [0] * 16  # xᵀ row 2 (the -0 column): +0 codes, never 0x8

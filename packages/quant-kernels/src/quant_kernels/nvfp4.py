@@ -1,7 +1,8 @@
 """NVFP4 kernels (`numerics.md` §7, §8): E2M1 data with E4M3 block scales and an fp32 global
-amax. Rowwise 1x16 blocks; columnwise 16x1 blocks of ``xᵀ`` (optionally through the 16x16 RHT,
-rounded to bf16, summed in the reference's sequential order) stored ``[K, ceil(M/2)]``; 2D 16x16
-blocks; stochastic rounding with the shared counter hash; packing low nibble first."""
+amax. Rowwise 1x16 blocks; columnwise 16x1 blocks of ``xᵀ`` (optionally through the 16x16
+RHT: the exact sum by an fp64 butterfly, rounded to fp32 and then bf16) stored
+``[K, ceil(M/2)]``; 2D 16x16 blocks; stochastic rounding with the shared counter hash; packing
+low nibble first."""
 
 from __future__ import annotations
 
@@ -147,43 +148,88 @@ def _load16(x_ptr, pid_m, pid_k, M, K, G: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _pm(acc, q, ROW: tl.constexpr, J: tl.constexpr, MASK: tl.constexpr):
-    """``acc + q * 4 R[ROW, J]`` with ``R = diag(s) H16 / 4``: an add or a subtract of
-    ``q = x * 0.25`` (``a - q == a + (-q)`` exactly, so the reference's products are kept)."""
-    B: tl.constexpr = ROW & J
-    PAR: tl.constexpr = (B ^ (B >> 1) ^ (B >> 2) ^ (B >> 3) ^ (MASK >> ROW)) & 1
-    if PAR:
-        return acc - q
+def _signed_quarter(x, ROW: tl.constexpr, MASK: tl.constexpr):
+    """``x_ROW * s_ROW / 4`` in fp64 (exact): the RHT's input to the Hadamard butterfly."""
+    q = x.to(tl.float64) * 0.25
+    if (MASK >> ROW) & 1:
+        return -q
     else:
-        return acc + q
+        return q
 
 
 @triton.jit
-def _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15,
-             J: tl.constexpr, MASK: tl.constexpr):
-    """``bf16(Σ_i x_i R[i, J])`` from ``q_i = x_i / 4``, summed sequentially over i = 0..15 in
-    fp32 as the reference (the first term is the product itself, as ``x_0 * R[0, J]``)."""
-    PAR0: tl.constexpr = (MASK & 1)
-    if PAR0:
-        acc = -q0
-    else:
-        acc = q0
-    acc = _pm(acc, q1, 1, J, MASK)
-    acc = _pm(acc, q2, 2, J, MASK)
-    acc = _pm(acc, q3, 3, J, MASK)
-    acc = _pm(acc, q4, 4, J, MASK)
-    acc = _pm(acc, q5, 5, J, MASK)
-    acc = _pm(acc, q6, 6, J, MASK)
-    acc = _pm(acc, q7, 7, J, MASK)
-    acc = _pm(acc, q8, 8, J, MASK)
-    acc = _pm(acc, q9, 9, J, MASK)
-    acc = _pm(acc, q10, 10, J, MASK)
-    acc = _pm(acc, q11, 11, J, MASK)
-    acc = _pm(acc, q12, 12, J, MASK)
-    acc = _pm(acc, q13, 13, J, MASK)
-    acc = _pm(acc, q14, 14, J, MASK)
-    acc = _pm(acc, q15, 15, J, MASK)
-    return bf16_round(acc)
+def _butterfly(a, b):
+    """One Walsh-Hadamard pair: ``(a + b, a - b)``, exact in fp64 for these terms."""
+    return a + b, a - b
+
+
+@triton.jit
+def _exact_to_bf16(y):
+    """The exact sum ``y`` (fp64) rounded once to fp32 (RNE, overflow to ±Inf), then to bf16 as
+    an fp32 value; an exact zero is +0 (§7.6), whatever the butterfly's sign of zero."""
+    y = tl.where(y == 0, tl.zeros_like(y), y)
+    return bf16_round(y.to(tl.float32))
+
+
+@triton.jit
+def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+           MASK: tl.constexpr):
+    """``y_j = bf16(fp32(Σ_i x_i s_i H16[i, j] / 4))`` for j = 0..15, the sums exact (§7.6).
+
+    A 4-stage fast Walsh-Hadamard transform in fp64 (4 adds per element): the products are
+    exact in fp64 and so is every partial sum of 16 bf16-derived terms unless their magnitudes
+    span more than 2^45, so the result is the exact sum and nothing overflows partway.
+    """
+    a0, a1 = _signed_quarter(x0, 0, MASK), _signed_quarter(x1, 1, MASK)
+    a2, a3 = _signed_quarter(x2, 2, MASK), _signed_quarter(x3, 3, MASK)
+    a4, a5 = _signed_quarter(x4, 4, MASK), _signed_quarter(x5, 5, MASK)
+    a6, a7 = _signed_quarter(x6, 6, MASK), _signed_quarter(x7, 7, MASK)
+    a8, a9 = _signed_quarter(x8, 8, MASK), _signed_quarter(x9, 9, MASK)
+    a10, a11 = _signed_quarter(x10, 10, MASK), _signed_quarter(x11, 11, MASK)
+    a12, a13 = _signed_quarter(x12, 12, MASK), _signed_quarter(x13, 13, MASK)
+    a14, a15 = _signed_quarter(x14, 14, MASK), _signed_quarter(x15, 15, MASK)
+    # stage 1: pairs i, i + 1
+    a0, a1 = _butterfly(a0, a1)
+    a2, a3 = _butterfly(a2, a3)
+    a4, a5 = _butterfly(a4, a5)
+    a6, a7 = _butterfly(a6, a7)
+    a8, a9 = _butterfly(a8, a9)
+    a10, a11 = _butterfly(a10, a11)
+    a12, a13 = _butterfly(a12, a13)
+    a14, a15 = _butterfly(a14, a15)
+    # stage 2: pairs i, i + 2
+    a0, a2 = _butterfly(a0, a2)
+    a1, a3 = _butterfly(a1, a3)
+    a4, a6 = _butterfly(a4, a6)
+    a5, a7 = _butterfly(a5, a7)
+    a8, a10 = _butterfly(a8, a10)
+    a9, a11 = _butterfly(a9, a11)
+    a12, a14 = _butterfly(a12, a14)
+    a13, a15 = _butterfly(a13, a15)
+    # stage 3: pairs i, i + 4
+    a0, a4 = _butterfly(a0, a4)
+    a1, a5 = _butterfly(a1, a5)
+    a2, a6 = _butterfly(a2, a6)
+    a3, a7 = _butterfly(a3, a7)
+    a8, a12 = _butterfly(a8, a12)
+    a9, a13 = _butterfly(a9, a13)
+    a10, a14 = _butterfly(a10, a14)
+    a11, a15 = _butterfly(a11, a15)
+    # stage 4: pairs i, i + 8
+    a0, a8 = _butterfly(a0, a8)
+    a1, a9 = _butterfly(a1, a9)
+    a2, a10 = _butterfly(a2, a10)
+    a3, a11 = _butterfly(a3, a11)
+    a4, a12 = _butterfly(a4, a12)
+    a5, a13 = _butterfly(a5, a13)
+    a6, a14 = _butterfly(a6, a14)
+    a7, a15 = _butterfly(a7, a15)
+    return (
+        _exact_to_bf16(a0), _exact_to_bf16(a1), _exact_to_bf16(a2), _exact_to_bf16(a3),
+        _exact_to_bf16(a4), _exact_to_bf16(a5), _exact_to_bf16(a6), _exact_to_bf16(a7),
+        _exact_to_bf16(a8), _exact_to_bf16(a9), _exact_to_bf16(a10), _exact_to_bf16(a11),
+        _exact_to_bf16(a12), _exact_to_bf16(a13), _exact_to_bf16(a14), _exact_to_bf16(a15),
+    )
 
 
 @triton.jit
@@ -194,34 +240,7 @@ def _col_values(x_ptr, pid_m, pid_k, M, K, RHT: tl.constexpr, MASK: tl.constexpr
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
         x_ptr, pid_m, pid_k, M, K, G, BK)
     if RHT:
-        q0, q1, q2, q3 = x0 * 0.25, x1 * 0.25, x2 * 0.25, x3 * 0.25
-        q4, q5, q6, q7 = x4 * 0.25, x5 * 0.25, x6 * 0.25, x7 * 0.25
-        q8, q9, q10, q11 = x8 * 0.25, x9 * 0.25, x10 * 0.25, x11 * 0.25
-        q12, q13, q14, q15 = x12 * 0.25, x13 * 0.25, x14 * 0.25, x15 * 0.25
-        return (
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 0, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 1, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 2, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 3, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 4, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 5, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 6, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 7, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 8, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 9, MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 10,
-                     MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 11,
-                     MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 12,
-                     MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 13,
-                     MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 14,
-                     MASK),
-            _rht_out(q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, 15,
-                     MASK),
-        )
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, MASK)
     else:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 

@@ -3,7 +3,8 @@
 ``R = diag(s) · H16 / 4`` with ``H_ij = (-1)^popcount(i & j)`` and the sign vector ``s`` encoded
 by the 16-bit mask ``Σ_i [s_i == -1] · 2^i``. The transform maps each group ``v`` of 16
 consecutive rows of one column of ``x`` (16 consecutive elements of a row of ``xᵀ``) to
-``v · R``, rounded to bf16.
+``v · R``: the exact sum, rounded once to fp32 (RNE, overflow to ±Inf), then to bf16 (RNE); a
+sum of ±0 terms is +0.
 """
 
 from __future__ import annotations
@@ -52,22 +53,20 @@ def rht_matrix(sign_mask: int, device) -> torch.Tensor:
 def rht_columnwise(x: torch.Tensor, sign_mask: int) -> torch.Tensor:
     """The RHT of ``xᵀ``: bf16 ``[K, M]`` from bf16 ``x`` ``[M, K]`` with ``M % 16 == 0``.
 
-    ``out[k, 16g + j] = bf16(Σ_i x[16g + i, k] · R[i, j])``.
+    ``out[k, 16g + j] = bf16(fp32(Σ_i x[16g + i, k] · R[i, j]))`` with the sum exact.
     """
     check_rht_input(x)
     m, k = x.shape
     # Under torch.compile build R in the graph (dynamo does not honour the cache wrapper).
     build = rht_matrix.__wrapped__ if torch.compiler.is_compiling() else rht_matrix
-    r = build(int(sign_mask), x.device).to(torch.float32)
-    v = x.t().to(torch.float32).reshape(k, m // RHT_SIZE, RHT_SIZE)
-    # TE runs a bf16 GEMM with fp32 accumulation, then rounds to bf16 (RNE). Each product
-    # x_i * (±0.25) is exact in fp32 (8-bit significand times a power of two). The 16-term sum is
-    # exact in fp32 as long as the group's magnitudes span less than about 2^12 (8 + 4 carry bits
-    # + span <= 24); then fp32 accumulation in any order equals this computation, and the single
-    # bf16 rounding below is the GEMM's. Groups of widely spread magnitudes can round in fp32; the
-    # reference fixes the order (sequential over i = 0..15, one fp32 add per term), and an
-    # order-dependent fp32 rounding changes the bf16 result only next to a bf16 rounding tie.
-    acc = v[..., 0:1] * r[0]
-    for i in range(1, RHT_SIZE):
-        acc = acc + v[..., i : i + 1] * r[i]
-    return acc.to(torch.bfloat16).reshape(k, m)
+    r = build(int(sign_mask), x.device).to(torch.float64)
+    v = x.t().to(torch.float64).reshape(k, m // RHT_SIZE, RHT_SIZE)
+    # §7.6: the exact sum of the 16 products, rounded once to fp32, then to bf16. Each product
+    # x_i * (±0.25) is exact in fp64, and so is any partial sum of them unless the group's
+    # magnitudes span more than 2^45 (then fp64 can differ from the exact sum only on an fp32
+    # rounding tie), so the order of the fp64 matmul's reduction is free and nothing overflows.
+    acc = v @ r
+    # An exact sum of ±0 terms (or one that cancels to zero) is +0, as from an accumulator that
+    # starts at +0; a reduction over -0 terms alone would give -0.
+    acc = torch.where(acc == 0, torch.zeros_like(acc), acc)
+    return acc.to(torch.float32).to(torch.bfloat16).reshape(k, m)
