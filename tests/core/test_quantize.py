@@ -341,3 +341,23 @@ def test_backend_registration_checks_the_contract():
     """Issue 12 item 19: ``backends.register()`` accepted any object."""
     with pytest.raises(TypeError, match="lacks priority .* name .* supports"):
         backends.register(object())
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_input_is_refused_with_its_layout(name, layout):
+    """Issue 12 item 19: "unsupported memory format option" before."""
+    x = torch.zeros(32, 64, dtype=torch.bfloat16)
+    x = x.to_sparse() if layout == "coo" else x.to_sparse_csr()
+    with pytest.raises(TypeError, match=f"dense tensor.*layout torch.sparse_{layout}.*to_dense"):
+        QUANTIZERS[name].quantize(x)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_delayed_quantizer_refuses_a_scale_that_cannot_dequantize(bad):
+    """Issue 12 item 19: ``scale=0`` quantized to zeros with ``scale_inv = inf``, so every value
+    dequantized to NaN, silently."""
+    with pytest.raises(ValueError, match="Float8Quantizer.scale must be finite and > 0"):
+        Float8Quantizer(torch.tensor([bad]), torch.zeros(1), DType.E4M3)
+    tiny = torch.tensor([torch.finfo(torch.float32).tiny])  # positive and finite: accepted
+    Float8Quantizer(tiny, torch.zeros(1), DType.E4M3)

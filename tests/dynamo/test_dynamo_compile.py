@@ -117,6 +117,27 @@ def test_attribute_reads_on_argument():
     assert_bitwise(torch.compile(fn, backend="aot_eager", fullgraph=True)(x, q), fn(x, q))
 
 
+@requires_api
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_scalar_fields_from_changing_arguments_stay_constants(dynamic):
+    """Issue 12 item 5: a quantizer built in the region from Python scalar arguments. Once an
+    argument changes (automatic dynamic) or under ``dynamic=True`` Dynamo makes them symbolic;
+    the constructor must see constants: one specialised graph per value, each equal to eager."""
+    from quant_core import Float8CurrentScalingQuantizer
+
+    def fn(x, eps, mask):
+        q = Float8CurrentScalingQuantizer(amax_epsilon=eps)
+        n = NVFP4Quantizer(rht_matrix_random_sign_mask_t=mask, columnwise_usage=False)
+        return quant_dynamo.qdq(x, q) + quant_dynamo.qdq(x, n)
+
+    x = make_input() * 1e-3
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    cases = [(0.0, 0), (0.5, 0), (0.25, 3), (0.5, 0)]
+    for eps, mask in cases:
+        assert_bitwise(compiled(x, eps, mask), fn(x, eps, mask))
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)) == 3
+
+
 # ------------------------------------------------------------------ ops defined by the test
 _lib = torch.library.Library("quant_dynamo_test", "FRAGMENT")
 _DEFINED: set[str] = set()

@@ -210,3 +210,30 @@ def test_torch_refusing_a_class_warns_and_the_rest_registers(monkeypatch):
     assert_bitwise(quant_dynamo.qdq(x, Refused()), MXFP8Quantizer().quantize(x).dequantize(x.dtype))
     monkeypatch.undo()
     assert quant_dynamo.register_value_opaque_quantizer(Late) is Late
+
+
+def test_membership_is_by_class_not_by_name():
+    """Issue 12 item 19: an unregistered class sharing a registered class's qualname (here
+    ``TaggedMXFP8``, a local subclass that did not opt in) is not a registered value quantizer."""
+
+    class TaggedMXFP8(MXFP8Quantizer):
+        pass
+
+    TaggedMXFP8.__qualname__ = "TaggedMXFP8"  # the module and qualname of the registered class
+    impostor = TaggedMXFP8()
+    assert type(impostor).__qualname__ == globals()["TaggedMXFP8"].__qualname__
+    assert type(impostor).__module__ == globals()["TaggedMXFP8"].__module__
+    assert not quant_dynamo.is_value_opaque_quantizer(impostor)
+    registered = globals()["TaggedMXFP8"]()
+    assert quant_dynamo.is_value_opaque_quantizer(registered) == quant_dynamo.compile_supported()
+
+
+def test_delayed_quantizer_is_refused_as_stateful_not_as_a_subclass():
+    """Issue 12 item 16: a Float8Quantizer holds live tensors; it is not a subclass that forgot to
+    opt in, and the error says which."""
+    from quant_core import DType, Float8Quantizer
+
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), DType.E4M3)
+    with pytest.raises(TypeError, match="identity semantics") as info:
+        quant_dynamo.qdq(make_input(), q)
+    assert "subclass" not in str(info.value)

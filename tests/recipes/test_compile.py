@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import quant_recipes as qr
 import torch
@@ -22,6 +24,19 @@ RECIPES = {
 }
 
 
+def _linear_under(recipe, in_features=64, out_features=32, dtype=torch.bfloat16):
+    """A fresh Linear (seeded) and ``fn(x)`` running it under ``autocast(recipe=recipe)``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = qr.Linear(in_features, out_features, dtype=dtype)
+
+    def fn(x):
+        with qr.autocast(recipe=recipe):
+            return m(x)
+
+    return m, fn
+
+
 def _step(fn, m, x, seed):
     torch.manual_seed(seed)
     x = x.clone().requires_grad_()
@@ -36,15 +51,7 @@ def _step(fn, m, x, seed):
 def test_linear_fullgraph_matches_eager(name, backend):
     if backend == "inductor" and name not in ("current", "mxfp8"):
         pytest.skip("Inductor is exercised on two recipes to keep compile costs low")
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    m = qr.Linear(64, 32, dtype=torch.bfloat16)
-    recipe = RECIPES[name]
-
-    def fn(x):
-        with qr.autocast(recipe=recipe):
-            return m(x)
-
+    m, fn = _linear_under(RECIPES[name])
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
@@ -133,3 +140,70 @@ def test_qdq_with_identity_quantizer_does_not_alias_its_input():
     assert torch.equal(y, x) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     y.add_(1.0)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_dynamic_shapes_with_a_recipe_from_outside(name):
+    """Issue 12 item 5: ``dynamic=True`` with a recipe captured from outside the compiled function
+    (its float fields, e.g. ``amax_epsilon``, must stay constants of the quantizers): one graph
+    for every batch size, equal to eager."""
+    m, fn = _linear_under(RECIPES[name])
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, rows in enumerate((32, 48, 80)):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        got = _step(compiled, m, x, seed=i)
+        ref = _step(fn, m, x, seed=i)
+        for a, b in zip(got, ref, strict=True):
+            assert torch.equal(a, b)
+    # one graph for all three batch sizes (Dynamo may restart the analysis of the first one to
+    # specialise a float, which a frame counter would count twice)
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)) == 1
+
+
+def test_no_recompile_after_the_first_eager_autocast_of_a_thread():
+    """A graph compiled before the thread ever entered autocast eagerly must not guard on the
+    thread state's absence (it recompiled once the eager region created it)."""
+    import threading
+
+    _, fn = _linear_under(qr.Float8CurrentScaling(), 32, 16, torch.float32)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    errors = []
+
+    def run():  # a fresh thread: no autocast state yet
+        try:
+            compiled(x)
+            fn(x)
+            compiled(x)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    torch._dynamo.reset()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)) == 1
+
+
+def _delayed_quantizer(role):
+    from quant_core import Float8Quantizer
+
+    return Float8Quantizer(torch.ones(1), torch.zeros(1), DType.E4M3)
+
+
+@pytest.mark.parametrize(
+    "factory,message",
+    [
+        (lambda role: None, "returned None for slot 0 (role 'linear|input')"),
+        (lambda role: "x", "got str for slot 0 (role 'linear|input')"),
+        (_delayed_quantizer, "Float8Quantizer has identity semantics"),
+    ],
+    ids=["none", "not-a-quantizer", "delayed"],
+)
+def test_custom_recipe_factory_errors_under_compile(factory, message):
+    """Issue 12 item 16: the intended message reaches a fullgraph caller (before, a dataclass
+    repr tripped Dynamo first, and a delayed quantizer was called a subclass without identity)."""
+    _, fn = _linear_under(qr.CustomRecipe(qfactory=factory), 32, 16, torch.float32)
+    with pytest.raises(Exception, match=re.escape(message)):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.randn(16, 32))

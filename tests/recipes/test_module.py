@@ -235,6 +235,14 @@ def test_wrong_in_features_is_a_clear_error():
             m(torch.randn(4, 64))
 
 
+def test_sparse_input_is_a_clear_error():
+    """Issue 12 item 19: "reshape is not implemented for sparse tensors" before."""
+    m = qr.Linear(32, 16)
+    with qr.autocast(recipe=qr.Float8CurrentScaling()):
+        with pytest.raises(TypeError, match="Linear: input must be a dense tensor"):
+            m(torch.randn(4, 32).to_sparse())
+
+
 def test_quantizer_role_fields_are_strings():
     with pytest.raises(TypeError, match="QuantizerRole.name must be a str"):
         qr.QuantizerRole("linear", "weight", 3)

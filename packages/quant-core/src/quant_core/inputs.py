@@ -12,18 +12,30 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
     quantization is not differentiable, so no buffer it produces (scales, amaxes, the shared
     amax of delayed scaling) may carry the input's autograd history.
 
-    Raises ``TypeError`` for a non-tensor or a dtype other than fp32/bf16/fp16, and ``ValueError``
-    for a 0-d tensor or a last dim that is not a multiple of ``k_multiple`` (naming ``fmt``).
+    Raises ``TypeError`` for a non-tensor, a sparse (non-strided) layout or a dtype other than
+    fp32/bf16/fp16, and ``ValueError`` for a 0-d tensor or a last dim that is not a multiple of
+    ``k_multiple`` (naming ``fmt``).
     Non-contiguous inputs are copied to a contiguous layout (same values, same result).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fmt}: expected a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, fmt)
     if x.dtype not in INPUT_DTYPES:
         allowed = ", ".join(str(d) for d in INPUT_DTYPES)
         raise TypeError(f"{fmt}: input dtype must be one of {allowed}; got {x.dtype}")
     check_shape(x.shape, fmt, k_multiple)
     k = x.shape[-1]
     return x.detach().contiguous().reshape(x.shape[:-1].numel(), k)
+
+
+def check_dense(x: torch.Tensor, what: str) -> None:
+    """``TypeError`` unless ``x`` has the dense ``torch.strided`` layout (sparse COO/CSR/... and
+    other layouts have no contiguous buffer to quantize)."""
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{what}: input must be a dense tensor (layout torch.strided), got layout "
+            f"{x.layout}; convert it with x.to_dense() first"
+        )
 
 
 def check_shape(shape, fmt: str, k_multiple: int = 1) -> None:

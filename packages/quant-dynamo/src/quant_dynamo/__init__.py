@@ -47,6 +47,7 @@ Public API
 from __future__ import annotations
 
 from ._api import probe as _probe
+from ._specialize import install as _install_specialisation
 from .fx_repr import rebuild_quantizer
 from .ops import buffer_names, qdq, quantize
 from .registration import (
@@ -59,10 +60,16 @@ from .registration import (
     status,
     unflatten_quantizer,
 )
+from .registration import (
+    is_registered_class as _is_registered_class,
+)
 
 __version__ = "0.1.0"
 
 DERIVES_IN_GRAPH: bool = _probe().mode not in ("repr", "none")
+
+# Symbolic (dynamic=True) scalars passed to a registered class become guarded constants.
+_install_specialisation(_is_registered_class)
 
 __all__ = [
     "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",

@@ -2,8 +2,9 @@
 
 Order per class: validate (quant-core's ``@value_quantizer``), attach ``__fx_repr__`` (and the
 2.10 repr), register with the probed API inside ``except (RuntimeError, TypeError)``, and only
-after success add the class's qualname to :data:`REGISTERED_QUALNAMES`, a set of strings, so that
-:func:`is_value_opaque_quantizer` constant-folds under Dynamo without a graph break.
+after success add the class to :data:`REGISTERED_CLASSES` (keyed by ``module:qualname``, and
+its qualname to :data:`REGISTERED_QUALNAMES`), so that :func:`is_value_opaque_quantizer`
+constant-folds under Dynamo without a graph break.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import functools
 import json
 import re
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +28,13 @@ from quant_core.quantizer import (
 from . import fx_repr
 from ._api import probe
 
-#: Qualnames of the classes registered with torch (strings only: traceable membership).
+#: Qualnames of the classes registered with torch (for :func:`status`, and the membership test
+#: of torch 2.11's traced wrapper, which only registered objects become).
 REGISTERED_QUALNAMES: set[str] = set()
-#: The registered classes themselves (exact classes, not subclasses).
-_registered_classes: weakref.WeakSet[type] = weakref.WeakSet()
+#: The registered classes themselves (exact classes, not subclasses), keyed by
+#: ``module:qualname``: Dynamo traces a string lookup and an ``is`` test, not a set of classes.
+#: torch's registry keeps every registered class alive anyway.
+REGISTERED_CLASSES: dict[str, type] = {}
 #: Called with each class after its successful registration (ops define their overloads here).
 _on_registered: list[Callable[[type], None]] = []
 
@@ -41,6 +44,8 @@ _READ_ONLY_MEMBERS = (
     "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
     "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
 )
+#: torch 2.10 (the ``repr`` API): Dynamo does not fold ``registered is cls`` for an opaque class.
+_NAME_ONLY_WHILE_TRACING = probe().mode == "repr"
 #: Overload names of the ``quant`` ops already taken.
 _overload_names: set[str] = {"flat", "default"}
 
@@ -81,25 +86,25 @@ def register_value_opaque_quantizer(cls: type) -> type:
         return value_quantizer(cls)  # its hook calls back here
     api = probe()
     fx_repr.attach(cls, eval_repr=api.mode == "repr")
-    if cls in _registered_classes or not api.available:
+    if is_registered_class(cls) or not api.available:
         return cls
     _attach_op_helpers(cls)
     try:
         api.register(cls, _members(cls))
         if not api.is_registered(cls):
             raise RuntimeError(f"torch did not register {cls.__qualname__}")
-        _registered_classes.add(cls)
+        REGISTERED_CLASSES[_class_name(cls)] = cls
         for callback in list(_on_registered):
             callback(cls)
     except (RuntimeError, TypeError):
         # e.g. a class local to a function: its type name ("f.<locals>.C") cannot appear in a
         # schema. The class keeps eager value semantics and the ops' flat overloads.
-        _registered_classes.discard(cls)
+        _forget(cls)
         return cls
     except ValueError as exc:
         # torch refused the class outright (already a pytree node, a builtins module, ...): an
         # import must never die of it (behaviour.md §2.9); say so and go on with the rest
-        _registered_classes.discard(cls)
+        _forget(cls)
         warnings.warn(
             f"quant_dynamo: torch refused {cls.__qualname__} as an opaque value type ({exc}); "
             "it keeps eager value semantics and compiles through the flat ops",
@@ -113,20 +118,26 @@ def register_value_opaque_quantizer(cls: type) -> type:
 def on_registered(callback: Callable[[type], None]) -> None:
     """Call ``callback(cls)`` for every class registered so far and from now on."""
     _on_registered.append(callback)
-    for cls in sorted(_registered_classes, key=lambda c: c.__qualname__):
+    for _, cls in sorted(REGISTERED_CLASSES.items()):
         callback(cls)
 
 
 def is_value_opaque_quantizer(obj: Any) -> bool:
-    """Whether ``type(obj)`` is a registered value quantizer (by qualname string).
+    """Whether ``type(obj)`` is exactly a registered value quantizer class (by class, never by
+    name: an unregistered class that shares a registered qualname is not one).
 
-    Traceable without a graph break; under torch 2.11's Dynamo an opaque value is seen through a
-    ``FakeScriptObject``, so the qualname is then read from the real object (a USE_REAL member).
+    Traceable without a graph break. torch 2.10's Dynamo cannot fold the class identity test, so
+    while tracing there the qualname decides (eager calls still test the class). Under torch
+    2.11's Dynamo a registered opaque value is seen
+    through a ``FakeScriptObject`` (only registered objects become one), so the qualname is then
+    read from the real object (a USE_REAL member).
     """
-    name = type(obj).__qualname__
-    if name == "FakeScriptObject":
-        name = obj._opaque_qualname
-    return name in REGISTERED_QUALNAMES
+    cls = type(obj)
+    if cls.__qualname__ == "FakeScriptObject":
+        return obj._opaque_qualname in REGISTERED_QUALNAMES
+    if _NAME_ONLY_WHILE_TRACING and torch.compiler.is_compiling():
+        return cls.__qualname__ in REGISTERED_QUALNAMES
+    return is_registered_class(cls)
 
 
 def _class_of(cls_or_obj: Any) -> type:
@@ -134,8 +145,13 @@ def _class_of(cls_or_obj: Any) -> type:
 
 
 def is_registered_class(cls: type) -> bool:
-    """Whether exactly ``cls`` (not a parent) was registered with torch."""
-    return cls in _registered_classes
+    """Whether exactly ``cls`` (not a parent, nor a class of the same name) was registered."""
+    return REGISTERED_CLASSES.get(_class_name(cls)) is cls
+
+
+def _forget(cls: type) -> None:
+    if is_registered_class(cls):
+        del REGISTERED_CLASSES[_class_name(cls)]
 
 
 def compile_supported(cls_or_obj: Any = None) -> bool:
@@ -158,6 +174,22 @@ def opaque_schema_type(cls_or_obj: Any) -> str:
     return probe().type_name(cls)
 
 
+def identity_quantizer_message(cls: type) -> str:
+    """Why a quantizer of ``cls`` (no value semantics) cannot reach a custom op or a graph."""
+    if any(is_value_quantizer(base) for base in cls.__mro__[1:]):
+        return (
+            f"{cls.__qualname__} is not a value quantizer: a subclass inherits no value identity "
+            "(its extra state would be ignored). Decorate it with @quant_core.value_quantizer "
+            "to pass it to a quant custom op or compile with it."
+        )
+    return (
+        f"{cls.__qualname__} has identity semantics (it holds live state, e.g. delayed scaling's "
+        "scale and amax tensors), so it runs in eager mode only and cannot be passed to a quant "
+        "custom op or compiled; use a value quantizer (Float8CurrentScalingQuantizer, "
+        "MXFP8Quantizer, Float8BlockQuantizer, NVFP4Quantizer) or run this region eagerly."
+    )
+
+
 def check_quantizer_arg(q: Any) -> Any:
     """Return ``q`` if it is an instance of a value quantizer class that opted in itself and
     holds no process group (``TypeError`` otherwise)."""
@@ -166,11 +198,7 @@ def check_quantizer_arg(q: Any) -> Any:
         return q
     cls = type(q)
     if isinstance(q, Quantizer):
-        raise TypeError(
-            f"{cls.__qualname__} is not a value quantizer: a subclass inherits no value identity "
-            "(its extra state would be ignored). Decorate it with @quant_core.value_quantizer "
-            "to pass it to a quant custom op or compile with it."
-        )
+        raise TypeError(identity_quantizer_message(cls))
     raise TypeError(f"expected a value quantizer (quant_core.Quantizer), got {cls.__qualname__}")
 
 

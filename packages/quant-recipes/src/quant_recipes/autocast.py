@@ -31,24 +31,29 @@ class Frame(NamedTuple):
     amax_reduction_group: Any
 
 
-#: Per thread: ``stack``, the frames of the active autocast regions (outermost first), and
-#: ``region``, the delayed-scaling bookkeeping of the active outermost region (eager only).
-_LOCAL = threading.local()
+class _ThreadState(threading.local):
+    """Per thread: ``stack``, the frames of the active autocast regions (outermost first), and
+    ``region``, the delayed-scaling bookkeeping of the active outermost region (eager only).
+
+    Both exist from a thread's first access on, so a graph compiled before any eager autocast
+    ran does not guard on their absence (and recompile once they appear).
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[Frame] = []
+        self.region: list[Region] = []
+
+
+_LOCAL = _ThreadState()
 _DEFAULT: list[Recipe] = []
 
 
 def _stack() -> list[Frame]:
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    return stack
+    return _LOCAL.stack
 
 
 def _region() -> list[Region]:
-    region = getattr(_LOCAL, "region", None)
-    if region is None:
-        region = _LOCAL.region = []
-    return region
+    return _LOCAL.region
 
 
 def default_recipe() -> Recipe:

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from quant_core import Quantizer
+from quant_core.inputs import check_dense
 
 from .autocast import current_region
 from .delayed import update_registered
@@ -153,6 +154,7 @@ class Linear(QuantizedModule):
         frame = module_frame(self)
         if frame is None:
             return F.linear(x, self.weight, self.bias)
+        check_dense(x, "Linear")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(
                 f"Linear: the input's last dimension must be in_features={self.in_features}, "

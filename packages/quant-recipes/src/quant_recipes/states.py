@@ -236,6 +236,20 @@ def _is_quantizer(q) -> bool:
     return False
 
 
+def _check_compilable(q: Quantizer, slot: str) -> None:
+    """Under torch.compile: a factory's quantizer must be a registered value quantizer; say why
+    not (stateful delayed scaling, or a subclass that did not opt in) before tracing trips."""
+    import quant_dynamo
+
+    if not quant_dynamo.is_value_opaque_quantizer(q):
+        from quant_dynamo.registration import identity_quantizer_message
+
+        raise TypeError(
+            f"CustomRecipe.qfactory returned {type(q).__name__} for {slot} under "
+            f"torch.compile: {identity_quantizer_message(type(q))}"
+        )
+
+
 class CustomRecipeState(RecipeState):
     """Quantizers from ``recipe.qfactory(role)``, called once per slot with that slot's role
     (``None`` for a slot without one). Delayed-scaling requests share one inner
@@ -250,16 +264,21 @@ class CustomRecipeState(RecipeState):
         roles = self.roles if self.roles is not None else (QuantizerRole(),) * self.num_quantizers
         raw = [self.recipe.qfactory(roles[i]) for i in range(self.num_quantizers)]
         for i, q in enumerate(raw):
+            # the role as its str(): a dataclass repr cannot be traced by Dynamo, and the
+            # message must survive tracing intact (it is what a compiled caller sees)
+            slot = f"slot {i} (role {str(roles[i])!r})"
             if q is None:
                 raise ValueError(
-                    f"CustomRecipe.qfactory returned None for slot {i} (role {roles[i]!r}); "
+                    f"CustomRecipe.qfactory returned None for {slot}; "
                     "return quant_recipes.IdentityQuantizer() to keep a tensor in high precision"
                 )
             if not (isinstance(q, DelayedScalingRequest) or _is_quantizer(q)):
                 raise TypeError(
                     f"CustomRecipe.qfactory must return a Quantizer or a DelayedScalingRequest, "
-                    f"got {type(q).__name__} for slot {i}"
+                    f"got {type(q).__name__} for {slot}"
                 )
+            if torch.compiler.is_compiling() and isinstance(q, Quantizer):
+                _check_compilable(q, slot)
         requests = [i for i, q in enumerate(raw) if isinstance(q, DelayedScalingRequest)]
         if not requests:
             return raw

@@ -60,6 +60,17 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
                 raise TypeError(f"Float8Quantizer.{name} must be an fp32 tensor of one element")
         super().__init__(scale=scale, amax=amax, dtype=dtype, **fields)
+        if torch.compiler.is_compiling():
+            return  # eager only: quant-recipes and quant-dynamo refuse it in a compiled region
+        # One read of the scale at construction (a device sync on GPU, once per quantizer build):
+        # a zero, negative or non-finite scale makes every dequantized value NaN or wrong, and
+        # the delayed-scaling update never produces one (numerics.md §4 step 5).
+        value = float(scale.detach().reshape(()).item())
+        if not 0.0 < value < float("inf"):
+            raise ValueError(
+                f"Float8Quantizer.scale must be finite and > 0, got {value} (the data is divided "
+                "by it on dequantize: scale_inv = 1 / scale)"
+            )
 
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         x2d = as_2d(x, *self.shape_rule())
