@@ -104,3 +104,91 @@ def test_calibration_and_training_keep_delayed_state_out_of_autograd():
         for t in (state.amax_history, state.scale):
             assert not t.requires_grad and t.grad_fn is None
     assert fwd.amax_history.abs().sum() > 0
+
+
+def _train(m, recipe, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for i in range(steps):
+        x = (torch.randn(4, 8, generator=g) * (1 + i)).requires_grad_()
+        with qr.autocast(recipe=recipe):
+            y = m(x)
+        y.sum().backward()
+        outs.append(y.detach())
+    return outs
+
+
+def test_resume_from_state_dict_continues_bitwise():
+    """Issue 12 item 13: the amax history and scales were not in state_dict, so a resumed model's
+    next steps differed (by up to 0.8) from the uninterrupted run."""
+    import io
+
+    recipe = qr.DelayedScaling(amax_history_len=4)
+    m = _module()
+    _train(m, recipe, 3, seed=0)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    keys = set(m.state_dict())
+    assert {k for k in keys if k.startswith("_delayed_scaling.")} == {
+        f"_delayed_scaling.{d}.{n}" for d in ("forward", "backward")
+        for n in ("scale", "amax_history")
+    }
+    resumed = qr.Linear(8, 4, bias=False)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf))  # strict; before its first forward
+    want = _train(m, recipe, 2, seed=1)
+    got = _train(resumed, recipe, 2, seed=1)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(resumed._qset.fwd_state.amax_history, m._qset.fwd_state.amax_history)
+    assert torch.equal(resumed._qset.bwd_state.scale, m._qset.bwd_state.scale)
+
+
+def test_load_into_a_module_with_live_state_copies_in_place():
+    recipe = qr.DelayedScaling(amax_history_len=4)
+    a, b = _module(), _module()
+    _train(a, recipe, 2, seed=0)
+    _train(b, recipe, 1, seed=5)
+    scale = b._qset.fwd_state.scale
+    b.load_state_dict(a.state_dict())
+    assert b._qset.fwd_state.scale is scale  # the quantizers' views stay valid
+    assert torch.equal(scale, a._qset.fwd_state.scale)
+
+
+def test_keys_are_nn_linear_keys_without_delayed_state():
+    """Only delayed scaling adds keys: a plain nn.Linear checkpoint loads strictly either way."""
+    m = qr.Linear(8, 4)
+    with qr.autocast(recipe=qr.Float8CurrentScaling()):
+        m(torch.randn(2, 8))
+    assert set(m.state_dict()) == set(torch.nn.Linear(8, 4).state_dict())
+    d = _module()
+    _train(d, qr.DelayedScaling(), 1, seed=0)
+    d.load_state_dict(torch.nn.Linear(8, 4, bias=False).state_dict())  # strict, no error
+    plain = torch.nn.Linear(8, 4, bias=False)
+    result = plain.load_state_dict(d.state_dict(), strict=False)
+    assert sorted(result.unexpected_keys) == sorted(k for k in d.state_dict() if "_delayed" in k)
+
+
+def test_history_length_mismatch_is_an_error_naming_the_key():
+    a = _module()
+    _train(a, qr.DelayedScaling(amax_history_len=4), 1, seed=0)
+    b = _module()
+    _train(b, qr.DelayedScaling(amax_history_len=8), 1, seed=0)
+    with pytest.raises(RuntimeError, match=r"_delayed_scaling.forward.amax_history.*\(4, 3\)"):
+        b.load_state_dict(a.state_dict())
+    fresh = _module()
+    fresh.load_state_dict(a.state_dict())
+    with pytest.raises(RuntimeError, match="amax_history_len"):
+        _train(fresh, qr.DelayedScaling(amax_history_len=8), 1, seed=0)
+
+
+def test_pending_state_survives_a_save_before_the_first_forward_and_deepcopy():
+    import copy
+
+    a = _module()
+    _train(a, qr.DelayedScaling(), 2, seed=0)
+    fresh = _module()
+    fresh.load_state_dict(a.state_dict())
+    again = copy.deepcopy(fresh).state_dict()
+    for k, v in a.state_dict().items():
+        assert torch.equal(again[k], v)

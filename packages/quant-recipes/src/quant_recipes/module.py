@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from quant_core import Quantizer, is_value_quantizer
 
+from . import delayed_checkpoint
 from .autocast import Frame, current_frame
 from .recipes import Recipe
 from .role import QuantizerRole
@@ -213,7 +214,20 @@ class QuantizedModule(torch.nn.Module):
                 state.inherit_state_from(old.fwd_state if mode == "forward" else old.bwd_state)
             states.append(state)
             quantizers.append([intern(q) for q in state.make_quantizers()])
+            if key is not None:  # eager: a delayed state loaded before it was built
+                delayed_checkpoint.apply_pending(self, mode, state)
         return QuantizerSet(key, recipe, states[0], states[1], quantizers[0], quantizers[1])
+
+    # -------------------------------------------------------------- state_dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        delayed_checkpoint.save(self, destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        delayed_checkpoint.load(self, state_dict, prefix, unexpected_keys, error_msgs)
 
     def delayed_states(self, qset: QuantizerSet):
         """``(forward, backward)`` delayed-scaling states behind ``qset`` (eager)."""
