@@ -4,12 +4,15 @@ For each kernel: median time (``triton.testing.do_bench``) of the best tile conf
 sweep, effective bandwidth over the minimal bytes (input read once, outputs written once), and
 its share of the device-to-device copy bandwidth measured in the same run. Peers: torchao 0.18's
 Triton MXFP8 casts (floor), ``torch.compile(to_mx)`` and compiled ``nvfp4_quantize``.
-``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src python bench/kernels.py [out.json]``
+``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src python bench/kernels.py
+[out.json]``; ``BENCH_ONLY=NVFP4,MXFP8`` keeps the kernels whose names contain one of those
+words (and skips the compiled peers).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -194,7 +197,10 @@ def run(n: int) -> dict:
                                          return_mode="median"))
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
     rows = []
+    only = [w for w in os.environ.get("BENCH_ONLY", "").split(",") if w]
     for name, target, cfgs, fn, nbytes in cases(x):
+        if only and not any(w in name for w in only):
+            continue
         t, cfg = best(cfgs, fn)
         bw = nbytes / t / 1e6
         rows.append(dict(name=name, ms=t, gbs=bw, share=bw / copy_bw, target=target, cfg=cfg))
@@ -243,6 +249,8 @@ def main() -> None:
         if out:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
+    if os.environ.get("BENCH_ONLY"):
+        return
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     extra = peer_rows(x, compiled_peers(x), results[0]["copy_gbs"])
     for p in extra:

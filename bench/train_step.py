@@ -12,14 +12,18 @@ config uses the same ``x``, ``W`` and ``g`` and is compiled with ``torch.compile
 - ours: ``quant_recipes.Linear`` inside ``quant_recipes.autocast`` (in the compiled function,
   ``fullgraph=True``) with ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``.
 
-Per config: median ms/step over CUDA-event timed steps after warm-up, the speed-up over ``bf16``
-(its ms / this ms) in the same run, the peak memory of one step above what was allocated before
-it, and for ours the GEMM paths of one eager step (``quant_recipes.gemm_paths()``). A failing
-config prints its error and the run goes on.
+Per config and compile mode (``--modes default,reduce-overhead``; the second runs CUDA graphs):
+median ms/step over CUDA-event timed steps after warm-up, the speed-up over ``bf16`` of the same
+mode (its ms / this ms) in the same run, the host time of a step (the wall time of ``ITERS``
+back-to-back steps without synchronising, per step: when it is close to ms/step the step is
+bound by Python and launches, not by the GPU), the peak memory of one step above what was
+allocated before it, and for ours the GEMM paths of one eager step
+(``quant_recipes.gemm_paths()``). A failing config prints its error and the run goes on.
 
 ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
 packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,...]
-[--configs bf16,mxfp8,...] [--json OUT] [--device cpu] [--no-compile]``
+[--configs bf16,mxfp8,...] [--modes default,reduce-overhead] [--json OUT] [--device cpu]
+[--no-compile]``
 """
 
 from __future__ import annotations
@@ -83,8 +87,9 @@ def torchao_linear(name: str, w: torch.Tensor) -> torch.nn.Module:
     return mod
 
 
-def build(name: str, w: torch.Tensor, compile_: bool):
-    """``(module, compiled forward, eager forward)`` of config ``name``."""
+def build(name: str, w: torch.Tensor, compile_: bool, mode: str = "default"):
+    """``(module, compiled forward, eager forward)`` of config ``name`` (``mode``: torch.compile's
+    mode, ``"default"`` or ``"reduce-overhead"``)."""
     if name in OURS:
         n, k = w.shape
         lin = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
@@ -103,7 +108,8 @@ def build(name: str, w: torch.Tensor, compile_: bool):
     else:
         lin = torchao_linear(name, w)
         fwd, fullgraph = lin, False
-    return lin, (torch.compile(fwd, fullgraph=fullgraph) if compile_ else fwd), fwd
+    kw = {} if mode == "default" else {"mode": mode}
+    return lin, (torch.compile(fwd, fullgraph=fullgraph, **kw) if compile_ else fwd), fwd
 
 
 def sync(device: torch.device) -> None:
@@ -132,6 +138,17 @@ def time_steps(step, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def host_ms(step, device: torch.device) -> float:
+    """Wall ms per step of ``ITERS`` steps issued back to back, without synchronising."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(ITERS):
+        step()
+    elapsed = (time.perf_counter() - t0) * 1e3 / ITERS
+    sync(device)
+    return elapsed
+
+
 def peak_gib(step, device: torch.device) -> float | None:
     """Run one step; its peak memory above the memory allocated before it, in GiB (CUDA)."""
     if device.type != "cuda":
@@ -145,11 +162,14 @@ def peak_gib(step, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
-def run_config(name, x, w, g, compile_: bool) -> dict:
-    res: dict = {"config": name}
-    lin, fwd, eager = build(name, w, compile_)
+def run_config(name, x, w, g, compile_: bool, mode: str = "default") -> dict:
+    res: dict = {"config": name, "mode": mode}
+    lin, fwd, eager = build(name, w, compile_, mode)
+    graphs = mode == "reduce-overhead"
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         x.grad = None
         lin.weight.grad = None
         fwd(x).backward(g)
@@ -161,6 +181,7 @@ def run_config(name, x, w, g, compile_: bool) -> dict:
         sync(x.device)
         res["gemm_paths"] = qr.gemm_paths()
     res["ms"] = time_steps(step, x.device)
+    res["host_ms"] = host_ms(step, x.device)
     x.grad = lin.weight.grad = None  # so that "before" holds no gradients of the last step
     res["peak_gib"] = peak_gib(step, x.device)
     finite = all(bool(t.isfinite().all()) for t in (x.grad, lin.weight.grad))
@@ -177,14 +198,20 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
+def _bf16_ms(rows: list[dict], mode: str) -> float | None:
+    return next((r["ms"] for r in rows
+                 if r["config"] == "bf16" and r["mode"] == mode and "ms" in r), None)
+
+
 def fmt_row(r: dict, base: float | None) -> str:
     if "error" in r:
-        return f"| {r['config']} | {r['error'][:60]} | - | - | - |"
+        return f"| {r['config']} | {r['error'][:60]} | - | - | - | - |"
     ratio = f"{base / r['ms']:.2f}x" if base else "-"
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
     paths = ", ".join(f"{k} {v}" for k, v in sorted(r.get("gemm_paths", {}).items())) or "-"
     bad = "" if r["finite"] else " (non-finite!)"
-    return f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {peak} | {paths} |"
+    host = f"{r['host_ms']:.3f}" if "host_ms" in r else "-"
+    return f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {host} | {peak} | {paths} |"
 
 
 def main() -> None:
@@ -192,6 +219,8 @@ def main() -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxKxN,... (M tokens, K in, N out)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated subset of {','.join(ALL_CONFIGS)}")
+    p.add_argument("--modes", default="default",
+                   help="comma-separated torch.compile modes: default, reduce-overhead")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
@@ -224,23 +253,23 @@ def main() -> None:
         w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
         g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
         rows = []
-        for name in configs:
+        for mode, name in [(md, c) for md in args.modes.split(",") if md for c in configs]:
             t0 = time.perf_counter()
             try:
-                r = run_config(name, x, w, g, not args.no_compile)
-                print(f"  {name}: {r['ms']:.3f} ms/step ({time.perf_counter() - t0:.0f} s in all)",
-                      flush=True)
+                r = run_config(name, x, w, g, not args.no_compile, mode)
+                print(f"  {name} [{mode}]: {r['ms']:.3f} ms/step, host {r['host_ms']:.3f} ms "
+                      f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
             except Unavailable as e:
-                r = {"config": name, "error": f"unavailable: {e}"}
+                r = {"config": name, "mode": mode, "error": f"unavailable: {e}"}
                 print(f"  {name}: {r['error']}", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on with the next config
-                r = {"config": name, "error": f"{type(e).__name__}: {e}"}
+                r = {"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"}
                 print(f"  {name}: FAILED {r['error']}", flush=True)
             rows.append(r)
             x.grad = None
             free()
-        base = next((r["ms"] for r in rows if r["config"] == "bf16" and "ms" in r), None)
         for r in rows:
+            base = _bf16_ms(rows, r["mode"])
             if "ms" in r and base:
                 r["vs_bf16"] = base / r["ms"]  # speed-up: > 1 is faster than bf16
         results.append({"shape": [m, k, n], "rows": rows})
@@ -249,12 +278,14 @@ def main() -> None:
 
     for s in results:
         m, k, n = s["shape"]
-        base = next((r["ms"] for r in s["rows"] if r["config"] == "bf16" and "ms" in r), None)
-        print(f"\n### train step, M={m} K={k} N={n} ({gpu})\n")
-        print("| config | ms/step | vs bf16 | peak GiB | GEMM paths |")
-        print("| --- | --- | --- | --- | --- |")
-        for r in s["rows"]:
-            print(fmt_row(r, base))
+        for mode in dict.fromkeys(r["mode"] for r in s["rows"]):
+            base = _bf16_ms(s["rows"], mode)
+            print(f"\n### train step, M={m} K={k} N={n}, mode {mode} ({gpu})\n")
+            print("| config | ms/step | vs bf16 | host ms/step | peak GiB | GEMM paths |")
+            print("| --- | --- | --- | --- | --- | --- |")
+            for r in s["rows"]:
+                if r["mode"] == mode:
+                    print(fmt_row(r, base))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": results}, f, indent=1)

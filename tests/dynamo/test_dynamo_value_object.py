@@ -237,3 +237,15 @@ def test_delayed_quantizer_is_refused_as_stateful_not_as_a_subclass():
     with pytest.raises(TypeError, match="identity semantics") as info:
         quant_dynamo.qdq(make_input(), q)
     assert "subclass" not in str(info.value)
+
+
+def test_graph_rebuild_is_validated_once_per_value_and_reused():
+    """Issue 13: compiled code may rebuild its constant quantizers on every call; the rebuild is
+    cached per (class, items), and invalid items still raise the constructor's error."""
+    q = MXFP8Quantizer(with_2d_quantization=True)
+    expr, glb = q.__fx_repr__()
+    first, second = eval(expr, dict(glb)), eval(expr, dict(glb))
+    assert first == q and first is second and first is not q
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        fx_repr.rebuild_for_graph(type(Float8CurrentScalingQuantizer()),
+                                  (("amax_epsilon", float("nan")),))

@@ -207,3 +207,30 @@ def test_custom_recipe_factory_errors_under_compile(factory, message):
     _, fn = _linear_under(qr.CustomRecipe(qfactory=factory), 32, 16, torch.float32)
     with pytest.raises(Exception, match=re.escape(message)):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.randn(16, 32))
+
+
+_FRESH_PROCESS = """
+import torch
+import quant_recipes as qr  # quant_dynamo is never imported by hand here
+lin = qr.Linear(64, 32)
+recipe = qr.Float8CurrentScaling()
+def fwd(x):
+    with qr.autocast(recipe=recipe):
+        return lin(x)
+x = torch.randn(16, 64)
+y = torch.compile(fwd, backend="aot_eager", fullgraph=True)(x)
+assert torch.equal(y, fwd(x))
+print("ok")
+"""
+
+
+def test_first_compile_in_a_fresh_process_without_importing_quant_dynamo():
+    """The value classes must be registered before Dynamo first sees one: a user who imports
+    only quant_recipes got 'Failed to convert args/kwargs to proxy' (quant_dynamo was imported
+    lazily, mid-trace, after Dynamo had wrapped the quantizer as a plain object)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

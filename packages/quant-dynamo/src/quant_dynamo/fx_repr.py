@@ -9,13 +9,29 @@ both write enum fields by value, converted back by the field's annotated enum ty
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 from quant_core.quantizer import Quantizer, _rebuild_quantizer
 
-#: The rebuild function FX code calls (bypasses ``__init__``; see quant_core.quantizer).
+#: Rebuild a value quantizer from its key items through its constructor (full validation).
 rebuild_quantizer = _rebuild_quantizer
+
+
+@functools.lru_cache(maxsize=4096)
+def _rebuild_interned(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
+    return _rebuild_quantizer(cls, items)
+
+
+def rebuild_for_graph(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
+    """What compiled code calls as ``_rebuild_quantizer``: the same rebuild, validated once per
+    distinct ``(cls, items)`` and then reused. A graph may rebuild its constant quantizers on
+    every call (torch 2.11 does, per custom-op call), and a value needs no fresh object."""
+    try:
+        return _rebuild_interned(cls, items)
+    except TypeError:
+        return _rebuild_quantizer(cls, items)  # unhashable items, or the validation error again
 
 
 def literal(value: Any) -> str:
@@ -31,16 +47,17 @@ def literal(value: Any) -> str:
 
 
 def quantizer_fx_repr(self: Quantizer) -> tuple[str, dict[str, Any]]:
-    """``(expr, globals)`` such that ``eval(expr, globals) == self`` (a distinct object)."""
+    """``(expr, globals)`` such that ``eval(expr, globals) == self`` (a distinct object, shared by
+    every evaluation of an equal expression: see :func:`rebuild_for_graph`)."""
     cls = type(self)
     items = self._value_key()[1]
     expr = f"_rebuild_quantizer({cls.__name__}, {literal(items)})"
-    return expr, {"_rebuild_quantizer": _rebuild_quantizer, cls.__name__: cls}
+    return expr, {"_rebuild_quantizer": rebuild_for_graph, cls.__name__: cls}
 
 
 def _rebuild_from_items(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
     """Classmethod body for torch 2.10's repr: ``ClassName._rebuild_from_items(items)``."""
-    return _rebuild_quantizer(cls, items)
+    return rebuild_for_graph(cls, items)
 
 
 def quantizer_eval_repr(self: Quantizer) -> str:

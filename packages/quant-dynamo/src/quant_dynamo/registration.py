@@ -44,8 +44,6 @@ _READ_ONLY_MEMBERS = (
     "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
     "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
 )
-#: torch 2.10 (the ``repr`` API): Dynamo does not fold ``registered is cls`` for an opaque class.
-_NAME_ONLY_WHILE_TRACING = probe().mode == "repr"
 #: Overload names of the ``quant`` ops already taken.
 _overload_names: set[str] = {"flat", "default"}
 
@@ -126,16 +124,18 @@ def is_value_opaque_quantizer(obj: Any) -> bool:
     """Whether ``type(obj)`` is exactly a registered value quantizer class (by class, never by
     name: an unregistered class that shares a registered qualname is not one).
 
-    Traceable without a graph break. torch 2.10's Dynamo cannot fold the class identity test, so
-    while tracing there the qualname decides (eager calls still test the class). Under torch
-    2.11's Dynamo a registered opaque value is seen
-    through a ``FakeScriptObject`` (only registered objects become one), so the qualname is then
-    read from the real object (a USE_REAL member).
+    Traceable without a graph break: while tracing the qualname decides, since Dynamo does not
+    fold the class identity test on every release (2.10 does not). A class traced under a
+    registered name but not registered then fails at the op's schema; it never runs as another
+    class. Eager calls test
+    the class. Under torch 2.11's Dynamo a registered opaque value is seen through a
+    ``FakeScriptObject`` (only registered objects become one), so the qualname is then read from
+    the real object (a USE_REAL member).
     """
     cls = type(obj)
     if cls.__qualname__ == "FakeScriptObject":
         return obj._opaque_qualname in REGISTERED_QUALNAMES
-    if _NAME_ONLY_WHILE_TRACING and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return cls.__qualname__ in REGISTERED_QUALNAMES
     return is_registered_class(cls)
 

@@ -1,7 +1,9 @@
 """quant-recipes: recipes, nested ``autocast``, ``CustomRecipe`` and quantized modules.
 
 Depends on quant-core only; quant-dynamo (compile support) and quant-kernels (Triton backend)
-are used when installed.
+are used when installed. quant-dynamo is imported here when present: it must register the value
+quantizer classes with torch before Dynamo first sees one, or a first ``torch.compile`` of a
+module would trace them as plain objects and fail.
 """
 
 from .autocast import Frame, autocast, current_frame, default_recipe
@@ -33,6 +35,11 @@ from .states import (
     NVFP4BlockScalingRecipeState,
     RecipeState,
 )
+
+try:  # compile support, registered before any trace (see the module docstring)
+    import quant_dynamo as _quant_dynamo  # noqa: F401
+except ImportError:
+    _quant_dynamo = None
 
 __version__ = "0.1.0"
 

@@ -35,7 +35,13 @@ _LAST: list[str] = []
 
 
 def gemm_paths() -> dict[str, int]:
-    """How many GEMMs ran on each path since the last :func:`reset_gemm_paths`."""
+    """How many GEMMs chose each path since the last :func:`reset_gemm_paths`.
+
+    Counted where the path is decided, in Python, each time the GEMM op runs: eagerly and in
+    compiled code per call, and once per GEMM at CUDA-graph capture (``torch.cuda.graph`` or
+    ``torch.compile(mode="reduce-overhead")``). A graph replay runs the captured kernels without
+    Python and counts nothing: the capture's count says which paths every replay takes.
+    """
     return dict(_PATHS)
 
 

@@ -1,0 +1,255 @@
+"""Host time of one eager quantize call and of one GEMM call (issue 13), and where it goes.
+
+Per format, with a value quantizer seen before and a bf16 ``x`` of each ``--shapes`` (4096x4096,
+and 256x256 where the GPU work is negligible, so host time is all that is left):
+``host_us``, the wall time of ``--iters`` back-to-back ``q.quantize(x)`` calls divided by the
+count, with no synchronisation inside the loop (on a GPU the kernels are queued, so this is the
+Python/launch cost as long as the GPU keeps up: ``gpu_us``, the CUDA-event time per call, says
+whether it did). Floors measured in the same run: one ``torch.empty``, one launch of a trivial
+Triton kernel through its normal launcher (GPU only), one call of a no-op Python custom op.
+``--profile`` adds a cProfile table (top functions by own time) per format and for the GEMM, on
+the last shape. On a GPU the clocks are raised first (3 s of copies: an idle H200 reads 345 MHz).
+
+On a CPU-only machine the reference backend computes on the host, which would swamp the number,
+so ``--device cpu`` registers a *replay* backend: each backend function computes once per input
+shape with the reference, then returns freshly allocated buffers of the same shapes (``empty_like``)
+without computing, as a kernel launch would. What is left is our layers' host cost plus allocation.
+
+``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
+packages/quant-recipes/src python bench/host_overhead.py [--device cuda|cpu] [--profile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import json
+import pstats
+import time
+
+import quant_dynamo  # noqa: F401  (defines the quant ops)
+import quant_recipes as qr
+import torch
+from quant_core import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    backends,
+)
+
+try:  # from source trees the entry point that registers Triton is absent
+    from quant_kernels.backend import BACKEND
+
+    backends.register(BACKEND)
+except ImportError:
+    pass
+
+QUANTIZERS = {
+    "fp8_current": Float8CurrentScalingQuantizer(),
+    "fp8_block_1d": Float8BlockQuantizer(block_scaling_dim=1),
+    "mxfp8": MXFP8Quantizer(),
+    "nvfp4": NVFP4Quantizer(),
+    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
+}
+
+
+class ReplayBackend:
+    """The reference's outputs per input signature, computed once; later calls allocate buffers
+    of the same shapes and return them uncomputed (the CPU stand-in for a kernel launch)."""
+
+    name, priority = "replay", 100
+
+    def __init__(self) -> None:
+        self._seen: dict = {}
+        ref = backends.get("reference")
+        for fn in backends.FUNCTIONS:
+            setattr(self, fn, self._wrap(fn, getattr(ref, fn)))
+
+    def supports(self, device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def _wrap(self, name, fn):
+        def run(*args, **kwargs):
+            key = (name, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                               for a in args), tuple(sorted(
+                (k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
+                for k, v in kwargs.items())))
+            if key not in self._seen:
+                self._seen[key] = fn(*args, **kwargs)
+            out = self._seen[key]
+            if isinstance(out, torch.Tensor):
+                return torch.empty_like(out)
+            return tuple(None if t is None else torch.empty_like(t) for t in out)
+
+        return run
+
+
+def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
+    x = torch.empty(1 << 28, device=dev, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    t = time.time()
+    while time.time() - t < seconds:
+        for _ in range(50):
+            y.copy_(x)
+        torch.cuda.synchronize(dev)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_call_us(fn, iters: int, device: torch.device) -> tuple[float, float | None]:
+    """``(host us, gpu us)`` per call of ``fn`` over ``iters`` calls after 5 warm-up calls."""
+    for _ in range(5):
+        fn()
+    sync(device)
+    start = end = None
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    if end is None:
+        return host, None
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / iters
+
+
+def profile_table(fn, iters: int, top: int = 18) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
+    return "\n".join(lines[start:])
+
+
+_noop_lib = torch.library.Library("quant_bench", "FRAGMENT")
+_noop_lib.define("noop(Tensor x) -> Tensor")
+_noop_lib.impl("noop", lambda x: x.new_empty(()), "CompositeExplicitAutograd")
+
+
+def floors(x: torch.Tensor, iters: int) -> dict[str, float]:
+    dev = x.device
+    res = {
+        "torch.empty": per_call_us(lambda: torch.empty(16, device=dev), iters, dev)[0],
+        "python custom op (no-op)": per_call_us(
+            lambda: torch.ops.quant_bench.noop(x), iters, dev)[0],
+    }
+    if dev.type == "cuda":
+        from quant_kernels import fp8_tensor
+
+        out = torch.zeros(1, dtype=torch.float32, device=dev)
+        res["triton launch (amax kernel, 1 program)"] = per_call_us(
+            lambda: fp8_tensor._amax_kernel[(1,)](x, out.view(torch.int32), 1, 1, BLOCK=1024),
+            iters, dev)[0]
+    return res
+
+
+def gemm_call(x: torch.Tensor, device: torch.device):
+    """One forward GEMM of a Linear (the op and its dispatch) with current-scaling operands."""
+    q = Float8CurrentScalingQuantizer()
+    w = torch.randn(x.shape[1], x.shape[1], device=device, dtype=x.dtype)
+    xb = [t if t is not None else x.new_empty(0, dtype=torch.uint8)
+          for t in q.quantize(x).buffers().values()]
+    wb = [t if t is not None else x.new_empty(0, dtype=torch.uint8)
+          for t in q.quantize(w).buffers().values()]
+    meta = qr.gemm.quantizer_meta(q)
+    m, k = x.shape
+    return lambda: qr.gemm.qgemm(xb, meta, (m, k), False, False, wb, meta, (k, k), False, True,
+                                 None, x.dtype)
+
+
+def compiled_step(n: int, recipe, device: torch.device):
+    """One compiled training step of a bias-free ``qr.Linear(n, n)`` on ``[n, n]`` bf16 input."""
+    lin = qr.Linear(n, n, bias=False, dtype=torch.bfloat16, device=device)
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def fwd(x):
+        with qr.autocast(recipe=recipe):
+            return lin(x)
+
+    fwd_c = torch.compile(fwd, fullgraph=True)
+
+    def step():
+        x.grad = lin.weight.grad = None
+        fwd_c(x).backward(g)
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default="4096x4096,256x256")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--step", action="store_true",
+                   help="also profile a compiled Float8CurrentScaling training step (GPU)")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        backends.register(ReplayBackend())
+    else:
+        warm_up(dev)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    print(f"torch {torch.__version__}, device {dev}"
+          + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
+          + f", backend {backends.get(None, dev).name}, {args.iters} calls")
+    results: dict = {"floors": {}, "quantize": {}, "qgemm_fp8_current": {}, "profiles": {}}
+    for m, k in shapes:
+        last = (m, k) == shapes[-1]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        tag = f"{m}x{k}"
+        results["floors"][tag] = floors(x, args.iters)
+        for name, us in results["floors"][tag].items():
+            print(f"floor  {tag} {name:40s} {us:8.1f} us")
+        print(f"\n| format ({tag} bf16) | host us / quantize | gpu us / quantize |")
+        print("| --- | --- | --- |")
+        for name, q in QUANTIZERS.items():
+            call = functools.partial(q.quantize, x)
+            host, gpu = per_call_us(call, args.iters, dev)
+            results["quantize"].setdefault(name, {})[tag] = {"host_us": host, "gpu_us": gpu}
+            print(f"| {name} | {host:.1f} | {'-' if gpu is None else f'{gpu:.1f}'} |")
+            if args.profile and last:
+                results["profiles"][name] = profile_table(call, args.iters)
+        if dev.type == "cuda":
+            fn = gemm_call(x, dev)
+            host, gpu = per_call_us(fn, args.iters, dev)
+            results["qgemm_fp8_current"][tag] = {"host_us": host, "gpu_us": gpu}
+            print(f"qgemm fp8_current {tag}: host {host:.1f} us, gpu {gpu:.1f} us")
+            if args.profile and last:
+                results["profiles"]["qgemm"] = profile_table(fn, args.iters)
+    m = shapes[-1][0]
+    if args.step and dev.type == "cuda":
+        step = compiled_step(m, qr.Float8CurrentScaling(), dev)
+        host, gpu = per_call_us(step, 20, dev)
+        results["step_fp8_current"] = {"host_us": host, "gpu_us": gpu}
+        print(f"compiled step fp8_current {m}^3: host {host:.1f} us, gpu {gpu:.1f} us")
+        step = compiled_step(4096, qr.Float8CurrentScaling(), dev)
+        host, gpu = per_call_us(step, 20, dev)
+        results["step_fp8_current_4096"] = {"host_us": host, "gpu_us": gpu}
+        print(f"compiled step fp8_current 4096^3: host {host:.1f} us, gpu {gpu:.1f} us")
+        results["profiles"]["compiled step"] = profile_table(step, 20, top=30)
+    for name, table in results["profiles"].items():
+        print(f"\n## cProfile: {name} ({args.iters} calls)\n{table}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
