@@ -117,6 +117,24 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
     raise ValueError(f"unknown operand format {fmt}")
 
 
+#: Per format: the positions of the buffers only a rowwise use reads, and of the columnwise data.
+_ROWWISE_ONLY = {FP8: (0,), MXFP8: (0, 1), FP8_BLOCK: (0, 1), NVFP4: (0, 1, 4)}
+_COLUMNWISE_DATA = {FP8: 1, MXFP8: 2, FP8_BLOCK: 2, NVFP4: 2}
+
+
+def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:
+    """``bufs`` as a GEMM that uses the operand transposed (from its columnwise direction) reads
+    them: the rowwise data, scales and amax become empty tensors when the columnwise copy exists
+    (the backward GEMMs of a Linear read only that copy, so saving the rest wastes memory).
+    High-precision operands and operands without a columnwise copy are returned as they are."""
+    fmt = meta[0]
+    if fmt == HP or not bufs[_COLUMNWISE_DATA[fmt]].numel():
+        return bufs
+    drop = _ROWWISE_ONLY[fmt]
+    return [bufs[i].new_empty((0,), dtype=torch.uint8) if i in drop else t
+            for i, t in enumerate(bufs)]
+
+
 def _storage(bufs: list[torch.Tensor], meta: list[int], shape):
     """The storage object of a quantized operand's buffer list (absent buffers are empty)."""
     fmt, dt, dim, swz = meta
@@ -206,5 +224,5 @@ def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col
 
 __all__ = [
     "gemm_paths", "last_gemm_path", "reset_gemm_paths", "qgemm", "qgemm_impl", "dequantize",
-    "quantizer_meta", "operand", "_FORMAT_NAMES",
+    "quantizer_meta", "operand", "for_transposed_use", "_FORMAT_NAMES",
 ]

@@ -21,7 +21,7 @@ from quant_core.inputs import check_dense
 
 from .autocast import current_region
 from .delayed import update_registered
-from .gemm import HP, qgemm, quantizer_meta
+from .gemm import HP, for_transposed_use, qgemm, quantizer_meta
 from .module import QuantizedModule, module_frame
 from .role import QuantizerRole
 
@@ -57,6 +57,16 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     ]
 
 
+def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
+    """What backward keeps of a forward operand: nothing when no backward GEMM reads it (x
+    without a weight gradient, the weight without an input gradient); the columnwise copy alone
+    when the backward GEMMs use it transposed (no override); all of it for the
+    "dequantized" override, whose backward GEMMs read the rowwise forms."""
+    if not needed:
+        return [t.new_empty((0,), dtype=torch.uint8) for t in bufs]
+    return for_transposed_use(bufs, meta) if override is None else bufs
+
+
 class _QLinearFn(torch.autograd.Function):
     """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
 
@@ -73,7 +83,8 @@ class _QLinearFn(torch.autograd.Function):
             xm = wm = [HP, 0, 0, 0]
             ctx.nx = 1
         else:
-            ctx.save_for_backward(*xb, *wb)
+            ctx.save_for_backward(*_saved(xb, xm, override, ctx.needs_input_grad[1]),
+                                  *_saved(wb, wm, override, ctx.needs_input_grad[0]))
             ctx.nx = len(xb)
         ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
         ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region
