@@ -1,0 +1,83 @@
+"""torch.profiler of a compiled training step (issue 13): where the host time goes.
+
+One bias-free ``quant_recipes.Linear`` (``--n`` square) under ``--recipe`` (or bf16
+``nn.Linear``), compiled with ``fullgraph=True``; after warm-up, ``--steps`` steps are profiled
+with CPU and CUDA activities. Prints the operator table sorted by self CPU time and the per-step
+host and GPU busy time; ``--trace OUT`` writes a Chrome trace.
+
+``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\\
+packages/quant-recipes/src python bench/profile_step.py --recipe fp8_current --n 4096``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import quant_dynamo  # noqa: F401
+import quant_recipes as qr
+import torch
+from quant_core import backends
+from torch.profiler import ProfilerActivity, profile
+
+try:
+    from quant_kernels.backend import BACKEND
+
+    backends.register(BACKEND)
+except ImportError:
+    pass
+
+RECIPES = {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
+           "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default="fp8_current", choices=[*RECIPES, "bf16"])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--trace", metavar="OUT")
+    p.add_argument("--rows", type=int, default=30)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    n = args.n
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    if args.recipe == "bf16":
+        lin = torch.nn.Linear(n, n, bias=False, device=dev, dtype=torch.bfloat16)
+        fwd = lin
+    else:
+        lin = qr.Linear(n, n, bias=False, device=dev, dtype=torch.bfloat16)
+        recipe = RECIPES[args.recipe]()
+
+        def fwd(x):
+            with qr.autocast(recipe=recipe):
+                return lin(x)
+
+    compiled = torch.compile(fwd, fullgraph=True)
+
+    def step():
+        x.grad = lin.weight.grad = None
+        compiled(x).backward(g)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        host = (time.perf_counter() - t0) / args.steps * 1e3
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / args.steps
+    print(f"{args.recipe} n={n}: host {host:.3f} ms/step (profiled), GPU busy "
+          f"{gpu_us / 1e3:.3f} ms/step; torch {torch.__version__}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                       max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
