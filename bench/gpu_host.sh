@@ -2,7 +2,7 @@
 # One device call for issue 13 (host overhead) and issue 12 item 20 (RHT kernel): GPU
 # conformance of NVFP4 (check_gpu.py nvfp4), the kernel tests on CUDA, the NVFP4 bandwidth rows
 # (kernels.py, BENCH_ONLY=NVFP4), the host-overhead micro-benchmark with profiles, and the
-# training-step table (train_step.py; STEP_SHAPES, STEP_CONFIGS, STEP_MODES).
+# training-step table (train_step.py; STEP_SHAPES, STEP_CONFIGS, STEP_MODES, STEP_LAYERS).
 set -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:$PWD/packages/quant-dynamo/src:$PWD/packages/quant-recipes/src:$PWD/.whl/torchao-0.18.0
@@ -28,6 +28,6 @@ if [ "${HOST:-1}" = 1 ]; then
   echo "host rc=$?"; sed -n '/cProfile/q;p' "$OUT/host.log" | grep -v "^$"
 fi
 if [ "${STEP:-0}" = 1 ]; then
-  timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" ${STEP_CONFIGS:+--configs $STEP_CONFIGS} ${STEP_MODES:+--modes $STEP_MODES} --json "$OUT/step.json" > "$OUT/step.log" 2>&1
+  timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" ${STEP_CONFIGS:+--configs $STEP_CONFIGS} ${STEP_MODES:+--modes $STEP_MODES} ${STEP_LAYERS:+--layers $STEP_LAYERS} --json "$OUT/step.json" > "$OUT/step.log" 2>&1
   echo "step rc=$?"; tail -25 "$OUT/step.log"
 fi

@@ -12,12 +12,14 @@ config uses the same ``x``, ``W`` and ``g`` and is compiled with ``torch.compile
 - ours: ``quant_recipes.Linear`` inside ``quant_recipes.autocast`` (in the compiled function,
   ``fullgraph=True``) with ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``.
 
-Per config and compile mode (``--modes default,reduce-overhead``; the second runs CUDA graphs):
-median ms/step over CUDA-event timed steps after warm-up, the speed-up over ``bf16`` of the same
-mode (its ms / this ms) in the same run, the host time of a step (the wall time of ``ITERS``
-back-to-back steps without synchronising, per step: when it is close to ms/step the step is
-bound by Python and launches, not by the GPU), the peak memory of one step above what was
-allocated before it, and for ours the GEMM paths of one eager step
+``--layers L`` stacks L such layers (K x K, the same weight each). Per config and compile mode
+(``--modes default,reduce-overhead``; the second runs CUDA graphs): median ms/step over CUDA-event
+timed steps after warm-up, the speed-up over ``bf16`` of the same mode (its ms / this ms) in the
+same run, the host time of a step (the wall time of ``ITERS`` back-to-back steps without
+synchronising, per step: when it is close to ms/step the step is bound by Python and launches, not
+by the GPU), the peak memory of one step above what was allocated before it, the MiB saved for
+backward per layer by one eager forward (distinct storages, parameters excluded: for ours the
+quantized weight copy is included), and for ours the GEMM paths of one eager step
 (``quant_recipes.gemm_paths()``). A failing config prints its error and the run goes on.
 
 ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
@@ -87,14 +89,24 @@ def torchao_linear(name: str, w: torch.Tensor) -> torch.nn.Module:
     return mod
 
 
-def build(name: str, w: torch.Tensor, compile_: bool, mode: str = "default"):
+def _stack(make, layers: int) -> torch.nn.Module:
+    return make() if layers == 1 else torch.nn.Sequential(*(make() for _ in range(layers)))
+
+
+def build(name: str, w: torch.Tensor, compile_: bool, mode: str = "default", layers: int = 1):
     """``(module, compiled forward, eager forward)`` of config ``name`` (``mode``: torch.compile's
-    mode, ``"default"`` or ``"reduce-overhead"``)."""
+    mode, ``"default"`` or ``"reduce-overhead"``); ``layers > 1`` stacks that many layers, each
+    with weight ``w`` (square)."""
     if name in OURS:
         n, k = w.shape
-        lin = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            lin.weight.copy_(w)
+
+        def make():
+            layer = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                layer.weight.copy_(w)
+            return layer
+
+        lin = _stack(make, layers)
         recipe = OURS[name]()
 
         def fwd(x):
@@ -103,10 +115,10 @@ def build(name: str, w: torch.Tensor, compile_: bool, mode: str = "default"):
 
         fullgraph = True
     elif name == "bf16":
-        lin = plain_linear(w)
+        lin = _stack(lambda: plain_linear(w), layers)
         fwd, fullgraph = lin, True
     else:
-        lin = torchao_linear(name, w)
+        lin = _stack(lambda: torchao_linear(name, w), layers)
         fwd, fullgraph = lin, False
     kw = {} if mode == "default" else {"mode": mode}
     return lin, (torch.compile(fwd, fullgraph=fullgraph, **kw) if compile_ else fwd), fwd
@@ -162,29 +174,53 @@ def peak_gib(step, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
-def run_config(name, x, w, g, compile_: bool, mode: str = "default") -> dict:
+def saved_mib(eager, x: torch.Tensor, params) -> float:
+    """MiB saved for backward by one eager forward (distinct storages; the parameters' own
+    storages excluded, since saving a parameter costs no memory)."""
+    own = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = eager(x)
+    del y
+    return sum(seen.values()) / 2**20
+
+
+def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int = 1) -> dict:
     res: dict = {"config": name, "mode": mode}
-    lin, fwd, eager = build(name, w, compile_, mode)
+    lin, fwd, eager = build(name, w, compile_, mode, layers)
+    params = list(lin.parameters())
     graphs = mode == "reduce-overhead"
+
+    def clear():
+        x.grad = None
+        for p in params:
+            p.grad = None
 
     def step():
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        x.grad = None
-        lin.weight.grad = None
+        clear()
         fwd(x).backward(g)
 
     if name in OURS:  # paths from one eager step (a compiled step need not count them)
         qr.reset_gemm_paths()
-        x.grad = lin.weight.grad = None
+        clear()
         eager(x).backward(g)
         sync(x.device)
         res["gemm_paths"] = qr.gemm_paths()
+    res["saved_mib_per_layer"] = saved_mib(eager, x, params) / layers
     res["ms"] = time_steps(step, x.device)
     res["host_ms"] = host_ms(step, x.device)
-    x.grad = lin.weight.grad = None  # so that "before" holds no gradients of the last step
+    clear()  # so that "before" holds no gradients of the last step
     res["peak_gib"] = peak_gib(step, x.device)
-    finite = all(bool(t.isfinite().all()) for t in (x.grad, lin.weight.grad))
+    finite = all(bool(t.isfinite().all()) for t in (x.grad, *(p.grad for p in params)))
     res["finite"] = finite
     if not finite:
         print(f"  WARNING: {name}: non-finite values in x.grad or weight.grad")
@@ -205,13 +241,15 @@ def _bf16_ms(rows: list[dict], mode: str) -> float | None:
 
 def fmt_row(r: dict, base: float | None) -> str:
     if "error" in r:
-        return f"| {r['config']} | {r['error'][:60]} | - | - | - | - |"
+        return f"| {r['config']} | {r['error'][:60]} | - | - | - | - | - |"
     ratio = f"{base / r['ms']:.2f}x" if base else "-"
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
     paths = ", ".join(f"{k} {v}" for k, v in sorted(r.get("gemm_paths", {}).items())) or "-"
     bad = "" if r["finite"] else " (non-finite!)"
     host = f"{r['host_ms']:.3f}" if "host_ms" in r else "-"
-    return f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {host} | {peak} | {paths} |"
+    saved = f"{r['saved_mib_per_layer']:.1f}" if "saved_mib_per_layer" in r else "-"
+    return (f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {host} | {peak} | {saved} "
+            f"| {paths} |")
 
 
 def main() -> None:
@@ -219,6 +257,8 @@ def main() -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxKxN,... (M tokens, K in, N out)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated subset of {','.join(ALL_CONFIGS)}")
+    p.add_argument("--layers", type=int, default=1,
+                   help="a stack of this many layers (each K x K: needs N == K)")
     p.add_argument("--modes", default="default",
                    help="comma-separated torch.compile modes: default, reduce-overhead")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
@@ -230,6 +270,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",") if s]
+    if args.layers > 1 and any(k != n for _, k, n in shapes):
+        p.error("--layers > 1 stacks K x K layers: every shape needs N == K")
     device = torch.device(args.device)
 
     import triton
@@ -256,7 +298,7 @@ def main() -> None:
         for mode, name in [(md, c) for md in args.modes.split(",") if md for c in configs]:
             t0 = time.perf_counter()
             try:
-                r = run_config(name, x, w, g, not args.no_compile, mode)
+                r = run_config(name, x, w, g, not args.no_compile, mode, args.layers)
                 print(f"  {name} [{mode}]: {r['ms']:.3f} ms/step, host {r['host_ms']:.3f} ms "
                       f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
             except Unavailable as e:
@@ -280,9 +322,11 @@ def main() -> None:
         m, k, n = s["shape"]
         for mode in dict.fromkeys(r["mode"] for r in s["rows"]):
             base = _bf16_ms(s["rows"], mode)
-            print(f"\n### train step, M={m} K={k} N={n}, mode {mode} ({gpu})\n")
-            print("| config | ms/step | vs bf16 | host ms/step | peak GiB | GEMM paths |")
-            print("| --- | --- | --- | --- | --- | --- |")
+            stack = f", {args.layers} layers" if args.layers > 1 else ""
+            print(f"\n### train step, M={m} K={k} N={n}{stack}, mode {mode} ({gpu})\n")
+            print("| config | ms/step | vs bf16 | host ms/step | peak GiB | saved MiB/layer "
+                  "| GEMM paths |")
+            print("| --- | --- | --- | --- | --- | --- | --- |")
             for r in s["rows"]:
                 if r["mode"] == mode:
                     print(fmt_row(r, base))
