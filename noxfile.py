@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 
 import nox
 
@@ -44,6 +45,17 @@ INTERPRETER = ["numpy>=1.26,<2.4"]
 # The machine's pip config caps torch at 2.14.1 through a constraints file; pointing
 # PIP_CONSTRAINT at an empty file lifts the cap for one command (an empty value does not).
 UNCAPPED = {"PIP_CONSTRAINT": os.devnull, "PIP_NO_CACHE_DIR": "1"}
+
+
+def _require_cxx(session: nox.Session) -> None:
+    """Stop with one clear line when no C++ compiler is on PATH: Inductor (torch.compile's code
+    generator) builds C++ for the CPU, and without one the compile tests fail one by one."""
+    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(c and shutil.which(c) for c in candidates):
+        session.error(
+            "this session runs torch.compile on the CPU, which needs a C++ compiler: install "
+            "g++ or clang++ (Debian/Ubuntu: apt install g++), or point CXX at one"
+        )
 
 
 def _stamp_install(session: nox.Session, name: str, args: list[str], env=None) -> None:
@@ -121,6 +133,7 @@ def kernels(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def dynamo(session: nox.Session) -> None:
     """quant-dynamo with quant-core only."""
+    _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TEST_TOOLS])
     _stamp_install(session, "local", _editable("quant-core", "quant-dynamo"))
     _assert_absent(session, "triton", "quant_kernels", "quant_recipes")
@@ -139,6 +152,7 @@ def recipes(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The whole suite on torch 2.13 with all four packages; kernels through TRITON_INTERPRET=1."""
+    _require_cxx(session)
     _stamp_install(
         session, "deps",
         [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7", *INTERPRETER,
@@ -155,6 +169,7 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize("torch", COMPAT_TORCH)
 def compat(session: nox.Session, torch: str) -> None:
     """tests/dynamo, tests/recipes and tests/compat on one torch release (CUDA builds on CPU)."""
+    _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={torch}", *TEST_TOOLS], env=UNCAPPED)
     _stamp_install(
         session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"), env=UNCAPPED
@@ -169,6 +184,7 @@ def compat(session: nox.Session, torch: str) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: `quant demo` with its defaults (a small model trained under every recipe)."""
+    _require_cxx(session)
     _stamp_install(
         session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7"]
     )

@@ -17,3 +17,41 @@ def test_readme_usage_example_runs():
     exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
     assert namespace["q_rowwise"].columnwise_usage is False
     assert namespace["model"][0].weight.grad is not None
+
+
+def _load_noxfile(monkeypatch):
+    """noxfile.py with a stand-in ``nox`` module (nox is not installed in the test sessions)."""
+    import importlib.util
+    import sys
+    import types
+
+    fake = types.ModuleType("nox")
+    fake.options = types.SimpleNamespace()
+    fake.Session = object
+    fake.session = lambda *a, **k: (lambda f: f)
+    fake.parametrize = lambda *a, **k: (lambda f: f)
+    monkeypatch.setitem(sys.modules, "nox", fake)
+    spec = importlib.util.spec_from_file_location("_noxfile", README.parent / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sessions_that_compile_stop_with_one_line_without_a_cxx_compiler(monkeypatch, tmp_path):
+    """Issue 16 item 3: without g++ the compile tests failed one by one (InvalidCxxCompiler)."""
+    import pytest
+
+    noxfile = _load_noxfile(monkeypatch)
+
+    class Session:
+        def error(self, message):
+            raise RuntimeError(message)
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no compiler on PATH
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler: install g\\+\\+ or clang"):
+        noxfile._require_cxx(Session())
+    fake_cxx = tmp_path / "g++"
+    fake_cxx.write_text("#!/bin/sh\n")
+    fake_cxx.chmod(0o755)
+    noxfile._require_cxx(Session())  # a compiler on PATH: no error

@@ -1,8 +1,8 @@
 """quant-core: value-identity quantizers with exact pure-torch reference numerics.
 
-``pip install quant-core`` is a complete reference implementation: every format quantizes and
-dequantizes on any device through :mod:`quant_core.reference`; kernel packages register faster
-backends through the ``quant_core.backends`` entry-point group.
+``pip install ./packages/quant-core`` (from a clone) is a complete reference implementation:
+every format quantizes and dequantizes on any device through :mod:`quant_core.reference`; kernel
+packages register faster backends through the ``quant_core.backends`` entry-point group.
 """
 
 from . import backends, reference, shapes

@@ -232,7 +232,7 @@ def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install quant-recipes[plot])")
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:

@@ -47,7 +47,8 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
         qd = _compile_ops()
         if qd is None:
             raise RuntimeError(
-                "compiling a quant_recipes module needs quant-dynamo (pip install quant-dynamo)"
+                "compiling a quant_recipes module needs quant-dynamo (from a clone: "
+                "pip install ./packages/quant-dynamo)"
             )
         return list(qd.quantize(x, q))
     storage = q.quantize(x, amax_reduction_group=group)
