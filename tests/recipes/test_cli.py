@@ -117,3 +117,35 @@ def test_demo_one_step_writes_strict_json(tmp_path, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines()
                if line.startswith("baseline"))
     assert row.split()[5] == "-"
+
+
+def test_demo_output_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
+    """Issue 16 item 4: at 80 columns the progress line (83) and the table (up to 105) wrapped."""
+    monkeypatch.setenv("COLUMNS", "80")
+    args = ["demo", "--steps", "3", "--recipes", "baseline,fp8_current,fp8_block,custom_mixed",
+            "--no-plot", "--out", str(tmp_path)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    assert any(line.startswith("recipe") for line in lines)
+    too_long = [line for line in lines if len(line) > 79 and not line.startswith(
+        ("quant demo:", "results:", "plot:"))]  # paths and versions are the user's, not ours
+    assert not too_long
+
+
+def test_progress_line_fits_a_narrow_terminal():
+    import io
+
+    from quant_recipes.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = Progress(total=4, stream=stream, columns=60)
+    for step in range(4):
+        bar.update("custom_mixed", step, 0.123456)
+    bar.close()
+    drawn = [chunk for chunk in stream.getvalue().split("\r") if chunk.strip()]
+    assert drawn and all(len(chunk.rstrip("\n")) <= 59 for chunk in drawn)

@@ -19,7 +19,7 @@ import torch
 from quant_core import DType, Float8CurrentScalingQuantizer, MXFP8Quantizer, backends
 from torch import nn
 
-from .progress import Progress
+from .progress import Progress, fit, terminal_columns
 
 D_IN, HIDDEN, D_OUT = 64, 128, 32
 
@@ -204,13 +204,17 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def format_table(results: list[RunResult], backend: str) -> str:
+def format_table(results: list[RunResult], columns: int | None = None) -> str:
+    """The result table, each line fitted to ``columns`` (default: the terminal's width); notes
+    follow the table on lines of their own. The quant backend is printed above it (one value)."""
+    columns = columns or terminal_columns()
     base = next((r for r in results if r.recipe == "baseline"), None)
     header = (
         f"{'recipe':13s} {'final loss':>10s} {'vs base':>8s} {'compiles':>8s} "
-        f"{'breaks':>6s} {'ms/step':>8s}  {'quant backend':13s} gemm"
+        f"{'breaks':>6s} {'ms/step':>8s}  gemm"
     )
-    lines = [header, "-" * len(header)]
+    lines = [header, "-" * min(len(header) + 16, columns - 1)]
+    notes = []
     for r in results:
         final = sum(r.losses[-5:]) / len(r.losses[-5:])
         gap = "-"
@@ -219,10 +223,11 @@ def format_table(results: list[RunResult], backend: str) -> str:
             gap = f"{100 * (final - ref) / ref:+.1f}%"
         lines.append(
             f"{r.recipe:13s} {final:10.4f} {gap:>8s} {r.compiles:8d} {r.graph_breaks:6d} "
-            f"{_ms(r.ms_per_step):>8s}  {backend:13s} {r.gemm_path}"
-            + (f"  ({r.note})" if r.note else "")
+            f"{_ms(r.ms_per_step):>8s}  {r.gemm_path}"
         )
-    return "\n".join(lines)
+        if r.note:
+            notes.append(f"{r.recipe}: {r.note}")
+    return "\n".join(fit(line, columns) for line in [*lines, *notes])
 
 
 def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
@@ -310,7 +315,7 @@ def run_demo(args) -> int:
         results.append(train_one(name, None if factory is None else factory(), args, device,
                                  progress))
     progress.close()
-    table = format_table(results, backend)
+    table = format_table(results)
     print(table)
     (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
         {"device": str(device), "torch": torch.__version__, "compile": mode,
