@@ -51,6 +51,12 @@ def test_demo_without_compile(tmp_path, capsys):
     [
         (["demo", "--recipes", "bogus"], "unknown recipe.*bogus.*choose from"),
         (["demo", "--device", "tpu"], "--device must be"),
+        # issue 16 item 7: a trailing comma was accepted silently; mps and gpu got different
+        # wordings; a missing cuda:N was reported as "cuda"
+        (["demo", "--recipes", "mxfp8,"], "--recipes 'mxfp8,' has an empty entry"),
+        (["demo", "--device", "gpu"], "--device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
+        (["demo", "--device", "mps"], "--device must be cpu, cuda, cuda:N or auto, got 'mps'"),
+        (["demo", "--device", "cuda:7"], "--device cuda:7 was asked for"),
     ],
 )
 def test_demo_bad_values_are_named(argv, message, tmp_path):
@@ -149,3 +155,23 @@ def test_progress_line_fits_a_narrow_terminal():
     bar.close()
     drawn = [chunk for chunk in stream.getvalue().split("\r") if chunk.strip()]
     assert drawn and all(len(chunk.rstrip("\n")) <= 59 for chunk in drawn)
+
+
+def test_demo_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = capsys.readouterr().out
+    for default in ("(default: 300)", "(default: all)", "(default: auto", "(default: 64)",
+                    "(default: 0)"):
+        assert default in text
+    assert "./quant-demo" in text
+
+
+def test_no_plot_removes_a_plot_left_by_an_earlier_run(tmp_path):
+    """Issue 16 item 7: ``--no-plot`` left an old PNG beside a new results.json."""
+    stale = tmp_path / "loss_curves.png"
+    stale.write_bytes(b"an earlier run's plot")
+    args = ["demo", "--steps", "1", "--recipes", "baseline", "--no-compile", "--no-plot",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert not stale.exists() and (tmp_path / "results.json").exists()

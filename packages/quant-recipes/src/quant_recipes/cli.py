@@ -25,17 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
 
     demo = sub.add_parser(
-        "demo", help="train a small model under every recipe and compare the loss curves"
+        "demo", help="train a small model under every recipe and compare the loss curves",
     )
-    demo.add_argument("--steps", type=_positive_int, default=300, help="training steps per recipe")
+    demo.add_argument("--steps", type=_positive_int, default=300,
+                      help="training steps per recipe (default: %(default)s)")
     demo.add_argument(
         "--recipes", default=",".join(DEFAULT_RECIPES),
         help=f"comma-separated recipes to run, from: {', '.join(RECIPES)} (default: all)",
     )
     demo.add_argument(
-        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)"
+        "--device", default="auto",
+        help="cpu, cuda, cuda:N, or auto (default: auto, which is cuda when available)",
     )
-    demo.add_argument("--out", default="quant-demo", help="folder for the plot and results.json")
+    demo.add_argument("--out", default="quant-demo",
+                      help="folder for the plot and results.json (default: ./%(default)s)")
     demo.add_argument(
         "--no-compile", action="store_true", help="run eagerly, without torch.compile"
     )
@@ -43,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-backend", default=None,
         help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
     )
-    demo.add_argument("--batch", type=_positive_int, default=64, help="batch size (rows)")
-    demo.add_argument("--seed", type=int, default=0, help="seed for the data and the weights")
+    demo.add_argument("--batch", type=_positive_int, default=64,
+                      help="batch size in rows (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed for the data and the weights (default: %(default)s)")
     demo.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
 
     sub.add_parser("doctor", help="what this machine supports: versions, backends, formats")

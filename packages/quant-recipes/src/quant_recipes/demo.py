@@ -255,18 +255,23 @@ def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
 
 
 def _resolve_device(text: str) -> torch.device:
+    allowed = "cpu, cuda, cuda:N or auto"
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise SystemExit(
-            f"quant demo: --device must be cpu, cuda, cuda:N or auto, got {text!r}"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("quant demo: --device cuda was asked for but no CUDA GPU is available")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"quant demo: --device must be cpu or cuda, got {text!r}")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"quant demo: --device must be {allowed}, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SystemExit(f"quant demo: --device {text} was asked for but no CUDA GPU is "
+                             "available")
+        if device.index is not None and device.index >= count:
+            raise SystemExit(f"quant demo: --device {text} was asked for but this machine has "
+                             f"{count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
     return device
 
 
@@ -287,7 +292,12 @@ def _output_folder(text: str) -> pathlib.Path:
 
 
 def run_demo(args) -> int:
-    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    names = [n.strip() for n in args.recipes.split(",")]
+    if "" in names:
+        raise SystemExit(
+            f"quant demo: --recipes {args.recipes!r} has an empty entry; give recipe names "
+            f"separated by single commas, from: {', '.join(RECIPES)}"
+        )
     unknown = [n for n in names if n not in RECIPES]
     if unknown or not names:
         raise SystemExit(
@@ -320,9 +330,9 @@ def run_demo(args) -> int:
     (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
         {"device": str(device), "torch": torch.__version__, "compile": mode,
          "runs": [_jsonable(r.__dict__) for r in results]}, indent=1, allow_nan=False))
-    if not args.no_plot:
-        png = out / "loss_curves.png"
-        if _plot(results, png, f"quant demo on {device} ({mode})"):
-            print(f"plot: {png}")
+    png = out / "loss_curves.png"
+    png.unlink(missing_ok=True)  # a plot left by an earlier run would not match results.json
+    if not args.no_plot and _plot(results, png, f"quant demo on {device} ({mode})"):
+        print(f"plot: {png}")
     print(f"results: {out / 'results.json'}")
     return 0
