@@ -175,3 +175,20 @@ def test_no_plot_removes_a_plot_left_by_an_earlier_run(tmp_path):
             "--out", str(tmp_path)]
     assert main(args) == 0
     assert not stale.exists() and (tmp_path / "results.json").exists()
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="the plot needs matplotlib")
+def test_plot_adds_a_panel_relative_to_the_baseline(tmp_path):
+    """Issue 16 item 5: the absolute curves lie on top of each other; a second panel shows each
+    recipe's loss over the baseline's (a 10-step trailing mean)."""
+    import matplotlib.image
+    from quant_recipes.demo import RunResult, _plot, _smoothed
+
+    assert _smoothed([1.0, 3.0, 5.0], window=2) == [1.0, 2.0, 4.0]
+    runs = [RunResult(recipe="baseline", losses=[1.0, 0.5, 0.25]),
+            RunResult(recipe="mxfp8", losses=[1.0, 0.55, 0.3])]
+    two, one = tmp_path / "two.png", tmp_path / "one.png"
+    assert _plot(runs, two, "t") and _plot(runs[1:], one, "t")
+    height_two = matplotlib.image.imread(two).shape[0]
+    height_one = matplotlib.image.imread(one).shape[0]
+    assert height_two == 2 * height_one  # two panels of the same height

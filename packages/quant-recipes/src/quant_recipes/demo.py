@@ -141,6 +141,7 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
 
     reset_gemm_paths()
     times = []
+    warmup = max(1, args.steps // 10)  # one step at least: it includes compilation
     for i, x in enumerate(_batches(device, dtype, args.batch, args.steps, args.seed)):
         y = teacher(x)
         start = time.perf_counter()
@@ -157,7 +158,7 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i > 0:  # the first step includes compilation
+        if i >= warmup:  # the first steps include compilation and first-use allocations
             times.append(time.perf_counter() - start)
         result.losses.append(loss.item())
         progress.update(name, i + 1, result.losses[-1])
@@ -227,10 +228,23 @@ def format_table(results: list[RunResult], columns: int | None = None) -> str:
         )
         if r.note:
             notes.append(f"{r.recipe}: {r.note}")
+    notes.append("ms/step: median after a warm-up (the first tenth); indicative only on a CPU")
     return "\n".join(fit(line, columns) for line in [*lines, *notes])
 
 
+def _smoothed(values: list[float], window: int = 10) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
+    """Loss curves (log scale) and, with a baseline, each recipe's loss relative to it."""
     try:
         import matplotlib
 
@@ -239,15 +253,34 @@ def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    base = next((r for r in results if r.recipe == "baseline"), None)
+    panels = 2 if base is not None and len(results) > 1 else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3.4 * panels), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    colors = {}
     for r in results:
-        ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.recipe, lw=1.4)
+        (line,) = ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.recipe, lw=1.4)
+        colors[r.recipe] = line.get_color()
     ax.set_yscale("log")
-    ax.set_xlabel("step")
     ax.set_ylabel("MSE loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    if panels == 2:  # the curves lie on top of each other: show each one against the baseline
+        ratio_ax = axes[1][0]
+        ref = _smoothed(base.losses)
+        for r in results:
+            if r is base:
+                continue
+            mine = _smoothed(r.losses)
+            ratio_ax.plot(range(1, len(mine) + 1),
+                          [a / b if b else float("nan") for a, b in zip(mine, ref, strict=False)],
+                          label=r.recipe, lw=1.4, color=colors[r.recipe])
+        ratio_ax.axhline(1.0, color="black", lw=0.8)
+        ratio_ax.set_ylabel("loss / baseline loss\n(10-step mean)")
+        ratio_ax.grid(alpha=0.3)
+        ratio_ax.legend()
+    axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
