@@ -86,10 +86,15 @@ def _editable(*names: str) -> list[str]:
     return args
 
 
+#: The sessions without numpy (core, dynamo, recipes, compat) need none; torch still warns that
+#: it could not load it, once per process: noise, silenced where the tests import torch.
+QUIET = ["-W", "ignore:Failed to initialize NumPy"]
+
+
 def _pytest(session: nox.Session, *paths: str, env=None) -> None:
     session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs,
-        env=env,
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *QUIET, *paths,
+        *session.posargs, env=env,
     )
 
 
