@@ -234,3 +234,35 @@ def test_first_compile_in_a_fresh_process_without_importing_quant_dynamo():
     proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+_WITHOUT_DYNAMO = """
+import sys
+sys.modules["quant_dynamo"] = None  # as if quant-dynamo were not installed
+import torch
+import quant_recipes as qr
+lin = qr.Linear(64, 32)
+recipe = qr.Float8CurrentScaling()
+def fwd(x):
+    with qr.autocast(recipe=recipe):
+        return lin(x)
+x = torch.randn(16, 64)
+assert fwd(x).shape == (16, 32)  # eager use is unaffected
+try:
+    torch.compile(fwd, backend="aot_eager", fullgraph=True)(x)
+except Exception as exc:
+    print(str(exc))
+"""
+
+
+def test_compiling_without_quant_dynamo_names_the_install_command():
+    """Issue 15 item 3: an unguarded function-local import ran first and gave a bare
+    ModuleNotFoundError instead of the intended message."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_DYNAMO], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiling a quant_recipes module needs quant-dynamo" in proc.stdout
+    assert "pip install ./packages/quant-dynamo" in proc.stdout

@@ -1,11 +1,10 @@
 """quant-recipes: recipes, nested ``autocast``, ``CustomRecipe`` and quantized modules.
 
 Depends on quant-core only; quant-dynamo (compile support) and quant-kernels (Triton backend)
-are used when installed. quant-dynamo is imported here when present: it must register the value
-quantizer classes with torch before Dynamo first sees one, or a first ``torch.compile`` of a
-module would trace them as plain objects and fail.
+are used when installed (quant-dynamo is imported with the package: :mod:`.compiling`).
 """
 
+from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
 from .autocast import Frame, autocast, current_frame, default_recipe
 from .gemm import gemm_paths, last_gemm_path, reset_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
@@ -35,11 +34,6 @@ from .states import (
     NVFP4BlockScalingRecipeState,
     RecipeState,
 )
-
-try:  # compile support, registered before any trace (see the module docstring)
-    import quant_dynamo as _quant_dynamo  # noqa: F401
-except ImportError:
-    _quant_dynamo = None
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .compiling import compiling
 from .delayed import Region, update_registered
 from .recipes import Float8CurrentScaling, Recipe
 
@@ -63,7 +64,7 @@ def default_recipe() -> Recipe:
     if _DEFAULT:
         return _DEFAULT[0]
     recipe = Float8CurrentScaling()
-    if not torch.compiler.is_compiling():
+    if not compiling():
         _DEFAULT.append(recipe)
     return recipe
 
@@ -82,7 +83,7 @@ def current_region() -> Region | None:
 def _check_recipe_support(recipe: Recipe) -> None:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"autocast(recipe=...) must be a quant_recipes.Recipe, got {recipe!r}")
-    if recipe.delayed() and torch.compiler.is_compiling():
+    if recipe.delayed() and compiling():
         raise RuntimeError(
             "DelayedScaling is not supported under torch.compile: it keeps live amax/scale "
             "tensors updated between steps. Use Float8CurrentScaling (or another stateless "
@@ -124,7 +125,7 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
         stack.append(Frame(bool(self.enabled), recipe, bool(self.calibrating),
                            self.amax_reduction_group))
         self._depth = depth
-        if depth == 0 and not torch.compiler.is_compiling():
+        if depth == 0 and not compiling():
             region = _region()
             region.clear()
             region.append(Region())
@@ -134,7 +135,7 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
         depth = self._depth
         self._depth = -1
         del _stack()[depth:]
-        if depth == 0 and not torch.compiler.is_compiling():
+        if depth == 0 and not compiling():
             regions = _region()
             region = regions.pop() if regions else None
             if (

@@ -19,6 +19,7 @@ import torch
 from quant_core import DType, Float8CurrentScalingQuantizer, MXFP8Quantizer, backends
 from torch import nn
 
+from .compiling import available, dynamo
 from .progress import Progress, fit, terminal_columns
 
 D_IN, HIDDEN, D_OUT = 64, 128, 32
@@ -173,9 +174,7 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
 def _fullgraph_supported() -> bool:
     """``fullgraph=True`` where quant-dynamo has an opaque-object API; on older torch (2.9) the
     quantize calls are graph breaks, which the table counts."""
-    import quant_dynamo
-
-    return quant_dynamo.status()["mode"] != "none"
+    return dynamo().status()["mode"] != "none"
 
 
 def _default_backend(device: torch.device) -> str:
@@ -338,9 +337,7 @@ def run_demo(args) -> int:
         )
     device = _resolve_device(args.device)
     if not args.no_compile:
-        try:
-            import quant_dynamo  # noqa: F401  (switches compile support on)
-        except ImportError:
+        if not available():
             print("quant-dynamo is not installed: running eagerly (--no-compile)")
             args.no_compile = True
     factories = _recipes()

@@ -20,37 +20,24 @@ from quant_core import Quantizer
 from quant_core.inputs import check_dense
 
 from .autocast import current_region
+from .compiling import compiling, dynamo
 from .delayed import update_registered
 from .gemm import HP, for_transposed_use, qgemm, quantizer_meta
 from .module import QuantizedModule, module_frame
 from .role import QuantizerRole
 
 
-def _compile_ops():
-    try:
-        import quant_dynamo
-    except ImportError:
-        return None
-    return quant_dynamo
-
-
 def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
     """``q``'s storage buffers for ``x`` (an absent buffer is an empty uint8 tensor)."""
     if quantizer_meta(q)[0] == HP:
         return [x]
-    if torch.compiler.is_compiling():
+    if compiling():
         if group is not None:
             raise RuntimeError(
                 "autocast(amax_reduction_group=...) is not supported under torch.compile yet; "
                 "run the reduction eagerly"
             )
-        qd = _compile_ops()
-        if qd is None:
-            raise RuntimeError(
-                "compiling a quant_recipes module needs quant-dynamo (from a clone: "
-                "pip install ./packages/quant-dynamo)"
-            )
-        return list(qd.quantize(x, q))
+        return list(dynamo().quantize(x, q))
     storage = q.quantize(x, amax_reduction_group=group)
     return [
         t if t is not None else x.new_empty((0,), dtype=torch.uint8)
@@ -187,7 +174,7 @@ class Linear(QuantizedModule):
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
         region = None
-        if not torch.compiler.is_compiling():
+        if not compiling():
             fwd_ds, bwd_ds = self.delayed_states(qset)
             r = current_region()
             if r is not None and (fwd_ds or bwd_ds):

@@ -22,6 +22,7 @@ from quant_core import Quantizer, is_value_quantizer
 
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
+from .compiling import compiling, dynamo, is_compiled_value
 from .recipes import Recipe
 from .role import QuantizerRole
 from .states import RecipeState, delayed_states
@@ -45,7 +46,7 @@ def module_frame(module: torch.nn.Module) -> Frame | None:
     exited), the frame of the module's own last forward (`behaviour.md` §7). Eager forwards
     outside backward record their frame for that purpose."""
     frame = active_frame()
-    if torch.compiler.is_compiling():
+    if compiling():
         return frame
     if _in_backward():
         return frame if frame is not None else _FORWARD_FRAMES.get(module)
@@ -58,7 +59,7 @@ def module_frame(module: torch.nn.Module) -> Frame | None:
 
 def intern(q: Quantizer) -> Quantizer:
     """The canonical object equal to value quantizer ``q`` (``q`` itself for others)."""
-    if torch.compiler.is_compiling() or not is_value_quantizer(q):
+    if compiling() or not is_value_quantizer(q):
         return q
     return _INTERN.setdefault(q, q)
 
@@ -89,10 +90,8 @@ class QuantizerSet:
 
     def variant(self, q: Quantizer, **fields: Any) -> Quantizer:
         """``q`` with ``fields`` changed (cached per ``(id(q), fields)``; value ones interned)."""
-        if torch.compiler.is_compiling():
-            import quant_dynamo
-
-            if not quant_dynamo.DERIVES_IN_GRAPH:
+        if compiling():
+            if not dynamo().DERIVES_IN_GRAPH:
                 # torch 2.10 cannot run a baked quantizer's methods at trace time: keep q. Only
                 # usage flags differ under compile, and the GEMMs read the same buffers of the
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
@@ -125,11 +124,8 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
 
 
 def _is_value(q: Quantizer) -> bool:
-    if torch.compiler.is_compiling():
-        # a string-set test Dynamo folds; only registered value quantizers compile
-        import quant_dynamo
-
-        return quant_dynamo.is_value_opaque_quantizer(q)
+    if compiling():  # only registered value quantizers compile
+        return is_compiled_value(q)
     return is_value_quantizer(q)
 
 
@@ -179,7 +175,7 @@ class QuantizedModule(torch.nn.Module):
         recipe = frame.recipe
         fwd_roles = self.get_quantizer_roles(fwd=True, num_quantizers=3 * num_gemms)
         bwd_roles = self.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
-        if torch.compiler.is_compiling():
+        if compiling():
             if recipe.delayed():
                 raise RuntimeError(
                     "DelayedScaling is not supported under torch.compile (live amax/scale state); "

@@ -18,6 +18,7 @@ from quant_core import (
     Quantizer,
 )
 
+from .compiling import compiling, is_compiled_value
 from .recipes import DelayedScalingRequest, Format, Recipe
 from .role import BACKWARD_SLOT_TYPES, FORWARD_SLOT_TYPES, KNOWN_TENSOR_TYPES, QuantizerRole
 
@@ -229,19 +230,15 @@ def _is_quantizer(q) -> bool:
     value quantizer as (``isinstance`` is False there; quant-dynamo's registry knows it)."""
     if isinstance(q, Quantizer):
         return True
-    if torch.compiler.is_compiling():
-        import quant_dynamo
-
-        return quant_dynamo.is_value_opaque_quantizer(q)
+    if compiling():
+        return is_compiled_value(q)
     return False
 
 
 def _check_compilable(q: Quantizer, slot: str) -> None:
     """Under torch.compile: a factory's quantizer must be a registered value quantizer; say why
     not (stateful delayed scaling, or a subclass that did not opt in) before tracing trips."""
-    import quant_dynamo
-
-    if not quant_dynamo.is_value_opaque_quantizer(q):
+    if not is_compiled_value(q):
         from quant_dynamo.registration import identity_quantizer_message
 
         raise TypeError(
@@ -277,12 +274,12 @@ class CustomRecipeState(RecipeState):
                     f"CustomRecipe.qfactory must return a Quantizer or a DelayedScalingRequest, "
                     f"got {type(q).__name__} for {slot}"
                 )
-            if torch.compiler.is_compiling() and isinstance(q, Quantizer):
+            if compiling() and isinstance(q, Quantizer):
                 _check_compilable(q, slot)
         requests = [i for i, q in enumerate(raw) if isinstance(q, DelayedScalingRequest)]
         if not requests:
             return raw
-        if torch.compiler.is_compiling():
+        if compiling():
             raise RuntimeError(
                 "a CustomRecipe qfactory returned a DelayedScalingRequest under torch.compile: "
                 "delayed scaling holds live tensor state and runs in eager mode only"
