@@ -209,7 +209,10 @@ def test_custom_recipe_factory_errors_under_compile(factory, message):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.randn(16, 32))
 
 
+#: A Linear under Float8CurrentScaling in a fresh process, compiled with fullgraph=True; the
+#: prelude runs first (before torch is imported).
 _FRESH_PROCESS = """
+{prelude}
 import torch
 import quant_recipes as qr  # quant_dynamo is never imported by hand here
 lin = qr.Linear(64, 32)
@@ -218,51 +221,35 @@ def fwd(x):
     with qr.autocast(recipe=recipe):
         return lin(x)
 x = torch.randn(16, 64)
-y = torch.compile(fwd, backend="aot_eager", fullgraph=True)(x)
-assert torch.equal(y, fwd(x))
-print("ok")
+assert fwd(x).shape == (16, 32)  # eager use
+try:
+    y = torch.compile(fwd, backend="aot_eager", fullgraph=True)(x)
+    print("equal" if torch.equal(y, fwd(x)) else "differs")
+except Exception as exc:
+    print(str(exc))
 """
+
+
+def _fresh_process(prelude: str = "") -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS.format(prelude=prelude)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 def test_first_compile_in_a_fresh_process_without_importing_quant_dynamo():
     """The value classes must be registered before Dynamo first sees one: a user who imports
     only quant_recipes got 'Failed to convert args/kwargs to proxy' (quant_dynamo was imported
     lazily, mid-trace, after Dynamo had wrapped the quantizer as a plain object)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
-
-
-_WITHOUT_DYNAMO = """
-import sys
-sys.modules["quant_dynamo"] = None  # as if quant-dynamo were not installed
-import torch
-import quant_recipes as qr
-lin = qr.Linear(64, 32)
-recipe = qr.Float8CurrentScaling()
-def fwd(x):
-    with qr.autocast(recipe=recipe):
-        return lin(x)
-x = torch.randn(16, 64)
-assert fwd(x).shape == (16, 32)  # eager use is unaffected
-try:
-    torch.compile(fwd, backend="aot_eager", fullgraph=True)(x)
-except Exception as exc:
-    print(str(exc))
-"""
+    assert _fresh_process().strip().endswith("equal")
 
 
 def test_compiling_without_quant_dynamo_names_the_install_command():
     """Issue 15 item 3: an unguarded function-local import ran first and gave a bare
     ModuleNotFoundError instead of the intended message."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_DYNAMO], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiling a quant_recipes module needs quant-dynamo" in proc.stdout
-    assert "pip install ./packages/quant-dynamo" in proc.stdout
+    out = _fresh_process('import sys; sys.modules["quant_dynamo"] = None  # not installed')
+    assert "compiling a quant_recipes module needs quant-dynamo" in out
+    assert "pip install ./packages/quant-dynamo" in out
