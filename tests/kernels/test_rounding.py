@@ -99,3 +99,17 @@ def test_native_rules_refused_by_interpreter():
         pytest.skip("interpreter only")
     with pytest.raises(ValueError, match="GPU"):
         encode(V[:4], "e4m3_native")
+
+
+def test_kernel_constants_are_quant_core_constants():
+    """The kernels' constexprs come from quant_core.constants (one definition, issue 15)."""
+    from quant_core import constants as C
+    from quant_kernels import _rounding as R
+
+    for name, value in (("FLT_MAX", C.FLT_MAX), ("E4M3_MAX", C.E4M3_MAX),
+                        ("E5M2_MAX", C.E5M2_MAX), ("RCP_E4M3", C.RCP_E4M3),
+                        ("RCP_E5M2", C.RCP_E5M2), ("RCP_6", C.RCP_E2M1_MAX),
+                        ("RCP_2688", C.RCP_NVFP4_GLOBAL_MAX),
+                        ("NVFP4_GLOBAL_MAX", C.NVFP4_GLOBAL_MAX),
+                        ("POW2_MINUS_127_BITS", C.POW2_MINUS_127_BITS)):
+        assert getattr(R, name).value == value, name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .constants import FLT_MAX
 from .dtypes import INPUT_DTYPES
 
 
@@ -63,7 +64,7 @@ def check_k_multiple(k: int, block: int, fmt: str) -> None:
 
 
 #: The largest finite fp32 value: an ``amax_epsilon`` is compared with fp32 amaxes.
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = FLT_MAX
 
 
 def check_amax_epsilon(amax_epsilon) -> None:

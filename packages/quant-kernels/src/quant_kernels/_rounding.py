@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from quant_core import constants as C
 
 from ._common import native_bf16, native_fp8
 
 #: Native casts in every kernel (False under the interpreter, or by the ``_common`` constants).
 NATIVE_FP8 = tl.constexpr(native_fp8())
 NATIVE = tl.constexpr(native_bf16())
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
-#: Exact fp32 values (as Python floats) of fp32(1/448), fp32(1/57344) (MXFP8 multiplies by
-#: these, §5) and fp32(1/6) (NVFP4, §7.3).
-RCP_E4M3 = tl.constexpr(0.0022321429569274187)
-RCP_E5M2 = tl.constexpr(1.743861685099546e-05)
-RCP_6 = tl.constexpr(0.1666666716337204)
-#: fp32(1 / (6 * 448)), the NVFP4 dequantization constant (§8).
-RCP_2688 = tl.constexpr(0.00037202381645329297)
-E4M3_MAX = tl.constexpr(448.0)
-E5M2_MAX = tl.constexpr(57344.0)
+#: The constants of ``quant_core.constants`` as constexprs (one definition for both sides).
+FLT_MAX = tl.constexpr(C.FLT_MAX)
+E4M3_MAX = tl.constexpr(C.E4M3_MAX)
+E5M2_MAX = tl.constexpr(C.E5M2_MAX)
+#: fp32(1/448), fp32(1/57344) (MXFP8 multiplies by these, §5) and fp32(1/6) (NVFP4, §7.3).
+RCP_E4M3 = tl.constexpr(C.RCP_E4M3)
+RCP_E5M2 = tl.constexpr(C.RCP_E5M2)
+RCP_6 = tl.constexpr(C.RCP_E2M1_MAX)
+#: 2688 = 6 * 448, NVFP4's per-tensor encode numerator, and fp32(1/2688) for decoding (§7, §8).
+NVFP4_GLOBAL_MAX = tl.constexpr(C.NVFP4_GLOBAL_MAX)
+RCP_2688 = tl.constexpr(C.RCP_NVFP4_GLOBAL_MAX)
+#: The fp32 bit pattern of 2^-127 (E8M0 byte 0 decoded, §5).
+POW2_MINUS_127_BITS = tl.constexpr(C.POW2_MINUS_127_BITS)
 
 
 @triton.jit
@@ -118,9 +122,9 @@ def fp8_rne_sat_t(v, IS_E4M3: tl.constexpr):
     byte-exact in every GPU check."""
     if NATIVE_FP8:
         if IS_E4M3:
-            MAXV: tl.constexpr = 448.0
+            MAXV: tl.constexpr = E4M3_MAX
         else:
-            MAXV: tl.constexpr = 57344.0
+            MAXV: tl.constexpr = E5M2_MAX
         b = fp8_native(tl.minimum(tl.maximum(v, -MAXV), MAXV), IS_E4M3)
         return tl.where(v == v, b, tl.full(b.shape, 0x7F, tl.uint8))
     else:
@@ -139,11 +143,11 @@ def fp8_soft(v, IS_E4M3: tl.constexpr):
     the interpreter's faulty fp8 rounding is never exercised.
     """
     if IS_E4M3:
-        MAXV: tl.constexpr = 448.0
+        MAXV: tl.constexpr = E4M3_MAX
         CSHIFT: tl.constexpr = 20 << 23  # (23 - MB) << 23
         CMIN: tl.constexpr = 0x46800000  # 2^14 = subnormal quantum 2^-9 times 2^23
     else:
-        MAXV: tl.constexpr = 57344.0
+        MAXV: tl.constexpr = E5M2_MAX
         CSHIFT: tl.constexpr = 21 << 23
         CMIN: tl.constexpr = 0x43000000  # 2^7 = subnormal quantum 2^-16 times 2^23
     bits = f32_bits(v)
@@ -206,7 +210,7 @@ def e8m0_roundup(v):
 def e8m0_encode_mult(e):
     """Encode multiplier ``2^(127 - e)`` of E8M0 byte ``e`` (254 -> 2^-127, 255 -> NaN)."""
     s = f32_from_bits((254 - e) << 23)
-    s = tl.where(e == 254, f32_from_bits(tl.full(e.shape, 0x00400000, tl.int32)), s)
+    s = tl.where(e == 254, f32_from_bits(tl.full(e.shape, POW2_MINUS_127_BITS, tl.int32)), s)
     return tl.where(e == 255, float("nan"), s)
 
 
@@ -215,7 +219,7 @@ def e8m0_decode(e):
     """Decode scale ``2^(e - 127)`` of E8M0 byte ``e`` (0 -> 2^-127, 255 -> NaN)."""
     e = e.to(tl.int32) & 0xFF
     s = f32_from_bits(e << 23)
-    s = tl.where(e == 0, f32_from_bits(tl.full(e.shape, 0x00400000, tl.int32)), s)
+    s = tl.where(e == 0, f32_from_bits(tl.full(e.shape, POW2_MINUS_127_BITS, tl.int32)), s)
     return tl.where(e == 255, float("nan"), s)
 
 
@@ -313,8 +317,8 @@ def scale_from_amax(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     overflow to Inf (subnormal ``a`` included), which takes ``VALUE_FOR_INF``'s power of two."""
     a = tl.where(amax < eps, eps, amax)
     if POW2:
-        tl.static_assert((FP8_MAX == 448.0) or (FP8_MAX == 57344.0))
-        E: tl.constexpr = 8 if FP8_MAX == 448.0 else 15
+        tl.static_assert((FP8_MAX == E4M3_MAX) or (FP8_MAX == E5M2_MAX))
+        E: tl.constexpr = 8 if FP8_MAX == E4M3_MAX else 15
         b = f32_bits(a)
         sb = (E + 254) - (b >> 23) - ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
         vinf = f32_from_bits(f32_bits(tl.full(a.shape, VALUE_FOR_INF, tl.float32)) & -8388608)
@@ -332,7 +336,7 @@ def scale_inverse(s, POW2: tl.constexpr):
     ``2^(127 - e)``, with ``2^127 -> 2^-127`` (the subnormal 0x00400000)."""
     if POW2:
         e = f32_bits(s) >> 23
-        return tl.where(e == 254, f32_from_bits(tl.full(s.shape, 0x00400000, tl.int32)),
+        return tl.where(e == 254, f32_from_bits(tl.full(s.shape, POW2_MINUS_127_BITS, tl.int32)),
                         f32_from_bits((254 - e) << 23))
     else:
         return tl.math.div_rn(1.0, s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
 
 from . import mxfp8, nvfp4
@@ -27,7 +28,7 @@ CONFIGS["gemm_epilogue"] = {"gpu": {"BLOCK": 4096, "num_warps": 8},
 #: E4M3 block scales decode exactly when the NVFP4 dequantizer's per-tensor factor is
 #: ``fp32(2688 * fp32(1/2688))``: ``e4m3 * 2688`` is exact and the product rounds back to
 #: ``e4m3`` for all 256 codes (checked exhaustively in tests/kernels/test_gemm.py).
-_UNIT_AMAX = 2688.0
+_UNIT_AMAX = NVFP4_GLOBAL_MAX
 
 
 def _mxfp8_bf16(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: DType, swizzled: bool):

@@ -16,6 +16,7 @@ from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
 from ._layout import scale_offset
 from ._rounding import (
     FLT_MAX,
+    NVFP4_GLOBAL_MAX,
     RCP_6,
     RCP_2688,
     abs_for_max,
@@ -49,7 +50,7 @@ CONFIGS["nvfp4_dequant"] = {
 def _global_scales(amax_ptr):
     """(``S_dec``, ``t = fp32(S_enc * fp32(1/6))``) of §7.2 from the stored amax."""
     amax = tl.load(amax_ptr)
-    s_enc = tl.math.div_rn(2688.0, amax)
+    s_enc = tl.math.div_rn(tl.full(amax.shape, NVFP4_GLOBAL_MAX, tl.float32), amax)
     s_enc = tl.where((s_enc != s_enc) | (s_enc > FLT_MAX), FLT_MAX, s_enc)
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     return tl.math.div_rn(1.0, s_enc), s_enc * RCP_6

@@ -8,10 +8,9 @@ that ran first in the region.
 from __future__ import annotations
 
 import torch
+from quant_core.constants import FLT_MAX as _FLT_MAX
 
 from .states import DelayedScalingRecipeState
-
-_FLT_MAX = torch.finfo(torch.float32).max
 
 
 def _reduce(rows: torch.Tensor, group) -> torch.Tensor:

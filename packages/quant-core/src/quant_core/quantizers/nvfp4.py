@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
+from ..constants import RHT_DEFAULT_SIGN_MASK
 from ..distributed import reduce_amax
 from ..dtypes import DType
 from ..inputs import as_2d, check_rht_input
@@ -18,8 +19,8 @@ from ..shapes import (
 )
 from ..storage import NVFP4TensorStorage
 
-#: The spec's fixed RHT sign vector as a mask (bit i set where s_i == -1): 0xD7E8.
-DEFAULT_RHT_SIGN_MASK = 55272
+#: The spec's fixed RHT sign vector as a mask (bit i set where s_i == -1): 0xD7E8 = 55272.
+DEFAULT_RHT_SIGN_MASK = RHT_DEFAULT_SIGN_MASK
 
 
 @value_quantizer

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import FLT_MAX  # the value_for_inf of current scaling (also imported from here)
 from ..dtypes import DType, check_fp8
 from ._rounding import f32_bits, f32_from_bits, fp8_decode, fp8_encode, nan_to_zero_abs
 
-#: Largest finite fp32 (the ``value_for_inf`` of current scaling).
-FLT_MAX = torch.finfo(torch.float32).max
 #: ``bits(scale) & POW2_MASK`` floors a positive fp32 to a power of two (keeps sign and exponent).
 POW2_MASK = 0xFF800000
 

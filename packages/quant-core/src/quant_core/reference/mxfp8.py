@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
+from ..constants import POW2_MINUS_127_BITS
 from ..dtypes import DType, check_fp8
 from ..inputs import check_k_multiple
 from ._pad import zero_pad
@@ -15,7 +16,7 @@ from .swizzle import swizzle_scales, unswizzle_scales
 BLOCK = shapes.MXFP8_BLOCK
 E8M0_NAN = 255
 #: fp32 bits of 2^-127, the subnormal that both E8M0 byte 0 (decode) and 254 (encode) need.
-_POW2_MINUS_127_BITS = 0x00400000
+_POW2_MINUS_127_BITS = POW2_MINUS_127_BITS
 
 
 def _rcp(fp8_dtype: DType) -> float:

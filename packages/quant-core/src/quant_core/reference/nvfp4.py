@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
+from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ..inputs import check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
@@ -23,9 +24,8 @@ from .rht import rht_columnwise
 from .stochastic import sr_random_byte, sr_round_e2m1
 
 BLOCK = shapes.NVFP4_BLOCK
-FLT_MAX = torch.finfo(torch.float32).max
 #: ``6 * 448``: FP4 max times E4M3 max (the global scale's numerator).
-_GLOBAL = 2688.0
+_GLOBAL = NVFP4_GLOBAL_MAX
 #: E2M1 magnitudes of codes 0..7, then the negative codes 8..15 (bit 3 is the sign).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
