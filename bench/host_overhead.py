@@ -161,10 +161,7 @@ def gemm_call(x: torch.Tensor, device: torch.device):
     """One forward GEMM of a Linear (the op and its dispatch) with current-scaling operands."""
     q = Float8CurrentScalingQuantizer()
     w = torch.randn(x.shape[1], x.shape[1], device=device, dtype=x.dtype)
-    xb = [t if t is not None else x.new_empty(0, dtype=torch.uint8)
-          for t in q.quantize(x).buffers().values()]
-    wb = [t if t is not None else x.new_empty(0, dtype=torch.uint8)
-          for t in q.quantize(w).buffers().values()]
+    xb, wb = q.quantize(x).buffer_list(x), q.quantize(w).buffer_list(w)
     meta = qr.gemm.quantizer_meta(q)
     m, k = x.shape
     return lambda: qr.gemm.qgemm(xb, meta, (m, k), False, False, wb, meta, (k, k), False, True,

@@ -361,3 +361,20 @@ def test_delayed_quantizer_refuses_a_scale_that_cannot_dequantize(bad):
         Float8Quantizer(torch.tensor([bad]), torch.zeros(1), DType.E4M3)
     tiny = torch.tensor([torch.finfo(torch.float32).tiny])  # positive and finite: accepted
     Float8Quantizer(tiny, torch.zeros(1), DType.E4M3)
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_buffer_list_keeps_positions_with_absent_buffers(name):
+    """One convention for buffer lists (issue 15 item 7): declaration order, an absent buffer as
+    an empty uint8 tensor on the input's device."""
+    q = QUANTIZERS[name].with_usage(rowwise=True, columnwise=False)
+    x = _randn(32, 64)
+    storage = q.quantize(x)
+    listed = storage.buffer_list(x)
+    assert len(listed) == len(storage._buffer_names)
+    for name_, t in zip(storage._buffer_names, listed, strict=True):
+        original = getattr(storage, name_)
+        if original is None:
+            assert t.numel() == 0 and t.dtype == torch.uint8 and t.device == x.device
+        else:
+            assert t is original

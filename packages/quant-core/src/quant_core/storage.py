@@ -17,6 +17,12 @@ from .operand import GemmOperand
 from .shapes import m_k
 
 
+def absent_buffer(like: torch.Tensor) -> torch.Tensor:
+    """The stand-in for an absent buffer in a buffer list (positions stay stable): an empty
+    uint8 tensor on ``like``'s device. A buffer list holds one per absent direction."""
+    return like.new_empty((0,), dtype=torch.uint8)
+
+
 class QuantizedStorage:
     """Base of the four storages.
 
@@ -54,6 +60,11 @@ class QuantizedStorage:
     def buffers(self) -> dict[str, torch.Tensor | None]:
         """Every buffer by name, in declaration order (``None`` where absent)."""
         return {name: getattr(self, name) for name in self._buffer_names}
+
+    def buffer_list(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers in declaration order as a plain tensor list (what custom ops pass and
+        return), an absent one as :func:`absent_buffer` on ``like``'s device."""
+        return [absent_buffer(like) if t is None else t for t in self.buffers().values()]
 
     def prepare_for_saving(self) -> list[torch.Tensor | None]:
         """The buffers in declaration order, for ``ctx.save_for_backward``; fields become None."""

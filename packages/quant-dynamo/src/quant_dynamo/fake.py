@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from quant_core.storage import absent_buffer
 
-_U8 = torch.uint8
 
-
-def quantize_buffers(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+def fake_buffers(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     """Empty tensors shaped like ``quant::quantize``'s outputs for ``q`` on ``x``.
 
     A quantizer of another family is quantized on the fake tensor itself (its ``quantize`` must
@@ -23,13 +22,9 @@ def quantize_buffers(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     try:
         specs = q.inner_tensor_specs(x.shape)
     except NotImplementedError:
-        storage = q.quantize(x)
-        return [
-            x.new_empty((0,), dtype=_U8) if t is None else torch.empty_like(t)
-            for t in storage.buffers().values()
-        ]
+        return [torch.empty_like(t) for t in q.quantize(x).buffer_list(x)]
     return [
         x.new_empty(specs[name][0], dtype=specs[name][1]) if name in specs
-        else x.new_empty((0,), dtype=_U8)
+        else absent_buffer(x)
         for name in q._storage_class._buffer_names
     ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from quant_core.storage import absent_buffer
 
 from . import fake
 from .registration import (
@@ -52,7 +53,7 @@ def _quantize_impl(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     for name in storage._buffer_names:
         t = getattr(storage, name)
         if t is None:
-            t = x.new_empty((0,), dtype=torch.uint8)
+            t = absent_buffer(x)
         elif not t.numel():  # empty buffers may share a storage; outputs must not alias
             t = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         else:
@@ -72,7 +73,7 @@ def _qdq_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
 
 
 def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    return fake.quantize_buffers(x, check_quantizer_arg(q))
+    return fake.fake_buffers(x, check_quantizer_arg(q))
 
 
 def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:

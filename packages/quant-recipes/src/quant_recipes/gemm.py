@@ -24,6 +24,7 @@ from quant_core import (
     NVFP4TensorStorage,
     backends,
 )
+from quant_core.storage import absent_buffer
 
 from .gemm_fast import fast_gemm
 
@@ -131,8 +132,7 @@ def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.
     if fmt == HP or not bufs[_COLUMNWISE_DATA[fmt]].numel():
         return bufs
     drop = _ROWWISE_ONLY[fmt]
-    return [bufs[i].new_empty((0,), dtype=torch.uint8) if i in drop else t
-            for i, t in enumerate(bufs)]
+    return [absent_buffer(t) if i in drop else t for i, t in enumerate(bufs)]
 
 
 def _storage(bufs: list[torch.Tensor], meta: list[int], shape):

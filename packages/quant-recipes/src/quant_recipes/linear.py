@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from quant_core import Quantizer
 from quant_core.inputs import check_dense
+from quant_core.storage import absent_buffer
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
@@ -38,11 +39,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
                 "run the reduction eagerly"
             )
         return list(dynamo().quantize(x, q))
-    storage = q.quantize(x, amax_reduction_group=group)
-    return [
-        t if t is not None else x.new_empty((0,), dtype=torch.uint8)
-        for t in storage.buffers().values()
-    ]
+    return q.quantize(x, amax_reduction_group=group).buffer_list(x)
 
 
 def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
@@ -51,7 +48,7 @@ def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
     when the backward GEMMs use it transposed (no override); all of it for the
     "dequantized" override, whose backward GEMMs read the rowwise forms."""
     if not needed:
-        return [t.new_empty((0,), dtype=torch.uint8) for t in bufs]
+        return [absent_buffer(t) for t in bufs]
     return for_transposed_use(bufs, meta) if override is None else bufs
 
 
