@@ -344,10 +344,9 @@ def run_demo(args) -> int:
     out = _output_folder(args.out)
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
-    print(
-        f"quant demo: {len(names)} recipes x {args.steps} steps on {device} "
-        f"(torch {torch.__version__}, compile: {mode}, quant backend: {backend})"
-    )
+    columns = terminal_columns()
+    print(fit(f"quant demo: {len(names)} recipes x {args.steps} steps on {device}", columns))
+    print(fit(f"torch {torch.__version__}, compile: {mode}, quant backend: {backend}", columns))
     progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
     results = []
     for name in names:
