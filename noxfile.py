@@ -179,7 +179,7 @@ def compat(session: nox.Session, torch: str) -> None:
     _stamp_install(
         session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"), env=UNCAPPED
     )
-    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("python", *QUIET, "-c", "import torch; print('torch', torch.__version__)")
     _pytest(
         session, "tests/dynamo", "tests/recipes", "tests/compat",
         env={"QUANT_EXPECT_TORCH": torch},

@@ -6,7 +6,7 @@ quantizer is baked into the graph as a constant, so its constructor needs concre
 torch would stop with "SymNodeVariable() is not a constant". For the classes quant-dynamo
 registered, :func:`install` has Dynamo specialise such arguments before construction: each gets
 a guard on its value, exactly as a constant argument would, so a new value recompiles and never
-reaches a graph built for another (`behaviour.md` §2.5: quantizers are values).
+reaches a graph built for another (`behaviour.md` §2: quantizers are values).
 
 The hook wraps the ``call_function`` of Dynamo's variable for an opaque class (named
 ``CustomClassVariable`` on 2.14+, ``OpaqueObjectClassVariable`` on 2.10-2.13), found by probing.
