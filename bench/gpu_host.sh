@@ -22,8 +22,6 @@ if [ "${KERNELS:-1}" = 1 ]; then
   echo "kernels rc=$?"; grep -v "^  " "$OUT/kernels.log" | tail -16
 fi
 if [ "${HOST:-1}" = 1 ]; then
-  QUANT_FAST_LAUNCH=0 timeout 200 python3 bench/host_overhead.py --json "$OUT/host_plain.json" > "$OUT/host_plain.log" 2>&1
-  echo "host (plain Triton launcher) rc=$?"; grep -v "^$" "$OUT/host_plain.log"
   timeout 300 python3 bench/host_overhead.py --profile --step --json "$OUT/host.json" > "$OUT/host.log" 2>&1
   echo "host rc=$?"; sed -n '/cProfile/q;p' "$OUT/host.log" | grep -v "^$"
 fi

@@ -168,23 +168,12 @@ def gemm_call(x: torch.Tensor, device: torch.device):
                                  None, x.dtype)
 
 
-def compiled_step(n: int, recipe, device: torch.device):
-    """One compiled training step of a bias-free ``qr.Linear(n, n)`` on ``[n, n]`` bf16 input."""
-    lin = qr.Linear(n, n, bias=False, dtype=torch.bfloat16, device=device)
-    x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def compiled_step(n: int, device: torch.device):
+    """One compiled fp8_current training step of a bias-free ``Linear(n, n)`` on ``[n, n]``
+    (``bench/train_step.py``'s step)."""
+    from train_step import make_step, step_inputs
 
-    def fwd(x):
-        with qr.autocast(recipe=recipe):
-            return lin(x)
-
-    fwd_c = torch.compile(fwd, fullgraph=True)
-
-    def step():
-        x.grad = lin.weight.grad = None
-        fwd_c(x).backward(g)
-
-    return step
+    return make_step("fp8_current", *step_inputs(n, n, n, device))[0]
 
 
 def main() -> None:
@@ -232,11 +221,11 @@ def main() -> None:
                 results["profiles"]["qgemm"] = profile_table(fn, args.iters)
     m = shapes[-1][0]
     if args.step and dev.type == "cuda":
-        step = compiled_step(m, qr.Float8CurrentScaling(), dev)
+        step = compiled_step(m, dev)
         host, gpu = per_call_us(step, 20, dev)
         results["step_fp8_current"] = {"host_us": host, "gpu_us": gpu}
         print(f"compiled step fp8_current {m}^3: host {host:.1f} us, gpu {gpu:.1f} us")
-        step = compiled_step(4096, qr.Float8CurrentScaling(), dev)
+        step = compiled_step(4096, dev)
         host, gpu = per_call_us(step, 20, dev)
         results["step_fp8_current_4096"] = {"host_us": host, "gpu_us": gpu}
         print(f"compiled step fp8_current 4096^3: host {host:.1f} us, gpu {gpu:.1f} us")

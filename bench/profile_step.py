@@ -14,26 +14,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import quant_dynamo  # noqa: F401
-import quant_recipes as qr
 import torch
-from quant_core import backends
 from torch.profiler import ProfilerActivity, profile
-
-try:
-    from quant_kernels.backend import BACKEND
-
-    backends.register(BACKEND)
-except ImportError:
-    pass
-
-RECIPES = {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
-           "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
+from train_step import OURS, make_step, step_inputs  # registers Triton from source trees
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", default="fp8_current", choices=[*RECIPES, "bf16"])
+    p.add_argument("--recipe", default="fp8_current", choices=[*OURS, "bf16"])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--trace", metavar="OUT")
@@ -41,25 +29,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     n = args.n
-    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    if args.recipe == "bf16":
-        lin = torch.nn.Linear(n, n, bias=False, device=dev, dtype=torch.bfloat16)
-        fwd = lin
-    else:
-        lin = qr.Linear(n, n, bias=False, device=dev, dtype=torch.bfloat16)
-        recipe = RECIPES[args.recipe]()
-
-        def fwd(x):
-            with qr.autocast(recipe=recipe):
-                return lin(x)
-
-    compiled = torch.compile(fwd, fullgraph=True)
-
-    def step():
-        x.grad = lin.weight.grad = None
-        compiled(x).backward(g)
-
+    step = make_step(args.recipe, *step_inputs(n, n, n, dev))[0]  # train_step.py's step
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -192,8 +192,19 @@ def saved_mib(eager, x: torch.Tensor, params) -> float:
     return sum(seen.values()) / 2**20
 
 
-def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int = 1) -> dict:
-    res: dict = {"config": name, "mode": mode}
+def step_inputs(m: int, k: int, n: int, device) -> tuple[torch.Tensor, ...]:
+    """bf16 ``x [m, k]`` (requires grad), ``W [n, k]`` and ``g [m, n]``, seeded."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
+    g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+    return x, w, g
+
+
+def make_step(name, x, w, g, compile_: bool = True, mode: str = "default", layers: int = 1):
+    """``(step, clear, eager, params)`` of config ``name``: ``step()`` runs one training step
+    (gradients cleared first), ``clear()`` drops the gradients, ``eager`` is the uncompiled
+    forward. Also what bench/host_overhead.py and bench/profile_step.py time."""
     lin, fwd, eager = build(name, w, compile_, mode, layers)
     params = list(lin.parameters())
     graphs = mode == "reduce-overhead"
@@ -209,6 +220,12 @@ def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int
         clear()
         fwd(x).backward(g)
 
+    return step, clear, eager, params
+
+
+def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int = 1) -> dict:
+    res: dict = {"config": name, "mode": mode}
+    step, clear, eager, params = make_step(name, x, w, g, compile_, mode, layers)
     if name in OURS:  # paths from one eager step (a compiled step need not count them)
         qr.reset_gemm_paths()
         clear()
@@ -290,10 +307,7 @@ def main() -> None:
     results = []
     for m, k, n in shapes:
         print(f"\n## M={m} K={k} N={n}", flush=True)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
-        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
-        g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+        x, w, g = step_inputs(m, k, n, device)
         rows = []
         for mode, name in [(md, c) for md in args.modes.split(",") if md for c in configs]:
             t0 = time.perf_counter()

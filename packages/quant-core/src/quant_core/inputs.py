@@ -63,18 +63,14 @@ def check_k_multiple(k: int, block: int, fmt: str) -> None:
         raise ValueError(f"{fmt} needs K to be a multiple of {block}, got K = {k}")
 
 
-#: The largest finite fp32 value: an ``amax_epsilon`` is compared with fp32 amaxes.
-_FLT_MAX = FLT_MAX
-
-
 def check_amax_epsilon(amax_epsilon) -> None:
     """``amax_epsilon`` is a finite number in ``[0, FLT_MAX]`` (beyond fp32 the reference raised
     a raw error while the Triton backend returned scale 1.0)."""
     if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float)):
         raise TypeError(f"amax_epsilon must be a float, got {amax_epsilon!r}")
-    if not 0 <= amax_epsilon <= _FLT_MAX:  # also False for NaN
+    if not 0 <= amax_epsilon <= FLT_MAX:  # also False for NaN (it is compared with fp32 amaxes)
         raise ValueError(
-            f"amax_epsilon must be a finite fp32 value >= 0 (at most {_FLT_MAX:.7g}), "
+            f"amax_epsilon must be a finite fp32 value >= 0 (at most {FLT_MAX:.7g}), "
             f"got {amax_epsilon!r}"
         )
 

@@ -2,9 +2,9 @@
 
 Order per class: validate (quant-core's ``@value_quantizer``), attach ``__fx_repr__`` (and the
 2.10 repr), register with the probed API inside ``except (RuntimeError, TypeError)``, and only
-after success add the class to :data:`REGISTERED_CLASSES` (keyed by ``module:qualname``, and
-its qualname to :data:`REGISTERED_QUALNAMES`), so that :func:`is_value_opaque_quantizer`
-constant-folds under Dynamo without a graph break.
+after success add the class to :data:`REGISTERED_CLASSES` and its qualname to
+:data:`REGISTERED_QUALNAMES` (the strings are what :func:`is_value_opaque_quantizer` tests while
+Dynamo traces, constant-folded without a graph break).
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from ._api import probe
 #: Qualnames of the classes registered with torch (for :func:`status`, and the membership test
 #: of torch 2.11's traced wrapper, which only registered objects become).
 REGISTERED_QUALNAMES: set[str] = set()
-#: The registered classes themselves (exact classes, not subclasses), keyed by
-#: ``module:qualname``: Dynamo traces a string lookup and an ``is`` test, not a set of classes.
-#: torch's registry keeps every registered class alive anyway.
-REGISTERED_CLASSES: dict[str, type] = {}
+#: The registered classes themselves (exact classes, not subclasses); torch's registry keeps
+#: them alive anyway.
+REGISTERED_CLASSES: set[type] = set()
 #: Called with each class after its successful registration (ops define their overloads here).
 _on_registered: list[Callable[[type], None]] = []
 
@@ -91,18 +90,18 @@ def register_value_opaque_quantizer(cls: type) -> type:
         api.register(cls, _members(cls))
         if not api.is_registered(cls):
             raise RuntimeError(f"torch did not register {cls.__qualname__}")
-        REGISTERED_CLASSES[_class_name(cls)] = cls
+        REGISTERED_CLASSES.add(cls)
         for callback in list(_on_registered):
             callback(cls)
     except (RuntimeError, TypeError):
         # e.g. a class local to a function: its type name ("f.<locals>.C") cannot appear in a
         # schema. The class keeps eager value semantics and the ops' flat overloads.
-        _forget(cls)
+        REGISTERED_CLASSES.discard(cls)
         return cls
     except ValueError as exc:
         # torch refused the class outright (already a pytree node, a builtins module, ...): an
         # import must never die of it (behaviour.md §2.9); say so and go on with the rest
-        _forget(cls)
+        REGISTERED_CLASSES.discard(cls)
         warnings.warn(
             f"quant_dynamo: torch refused {cls.__qualname__} as an opaque value type ({exc}); "
             "it keeps eager value semantics and compiles through the flat ops",
@@ -116,7 +115,7 @@ def register_value_opaque_quantizer(cls: type) -> type:
 def on_registered(callback: Callable[[type], None]) -> None:
     """Call ``callback(cls)`` for every class registered so far and from now on."""
     _on_registered.append(callback)
-    for _, cls in sorted(REGISTERED_CLASSES.items()):
+    for cls in sorted(REGISTERED_CLASSES, key=_class_name):
         callback(cls)
 
 
@@ -124,13 +123,12 @@ def is_value_opaque_quantizer(obj: Any) -> bool:
     """Whether ``type(obj)`` is exactly a registered value quantizer class (by class, never by
     name: an unregistered class that shares a registered qualname is not one).
 
-    Traceable without a graph break: while tracing the qualname decides, since Dynamo does not
-    fold the class identity test on every release (2.10 does not). A class traced under a
-    registered name but not registered then fails at the op's schema; it never runs as another
-    class. Eager calls test
-    the class. Under torch 2.11's Dynamo a registered opaque value is seen through a
-    ``FakeScriptObject`` (only registered objects become one), so the qualname is then read from
-    the real object (a USE_REAL member).
+    Eager calls test the class. While tracing the registered qualname decides (a string test
+    Dynamo folds without a graph break; it does not fold a class-identity test on every release):
+    a class traced under a registered name but not registered then fails at the op's schema, it
+    never runs as another class. Under torch 2.11's Dynamo a registered opaque value is seen
+    through a ``FakeScriptObject`` (only registered objects become one), so the qualname is then
+    read from the real object (a USE_REAL member).
     """
     cls = type(obj)
     if cls.__qualname__ == "FakeScriptObject":
@@ -146,12 +144,7 @@ def _class_of(cls_or_obj: Any) -> type:
 
 def is_registered_class(cls: type) -> bool:
     """Whether exactly ``cls`` (not a parent, nor a class of the same name) was registered."""
-    return REGISTERED_CLASSES.get(_class_name(cls)) is cls
-
-
-def _forget(cls: type) -> None:
-    if is_registered_class(cls):
-        del REGISTERED_CLASSES[_class_name(cls)]
+    return cls in REGISTERED_CLASSES
 
 
 def compile_supported(cls_or_obj: Any = None) -> bool:

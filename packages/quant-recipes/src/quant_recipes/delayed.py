@@ -8,7 +8,7 @@ that ran first in the region.
 from __future__ import annotations
 
 import torch
-from quant_core.constants import FLT_MAX as _FLT_MAX
+from quant_core.constants import FLT_MAX
 
 from .states import DelayedScalingRecipeState
 
@@ -66,7 +66,7 @@ def _update_one(state: DelayedScalingRecipeState, reduced: torch.Tensor) -> None
                               device=hist.device)
     ok = roll & torch.isfinite(amax) & (amax > 0)
     new_scale = scaled_max / torch.where(ok, amax, torch.ones_like(amax))
-    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, _FLT_MAX), new_scale)
+    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale)
     scale.copy_(torch.where(ok, new_scale, scale))
 
 

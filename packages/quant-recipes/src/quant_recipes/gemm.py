@@ -118,9 +118,13 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
     raise ValueError(f"unknown operand format {fmt}")
 
 
-#: Per format: the positions of the buffers only a rowwise use reads, and of the columnwise data.
-_ROWWISE_ONLY = {FP8: (0,), MXFP8: (0, 1), FP8_BLOCK: (0, 1), NVFP4: (0, 1, 4)}
-_COLUMNWISE_DATA = {FP8: 1, MXFP8: 2, FP8_BLOCK: 2, NVFP4: 2}
+#: The storage class behind each operand format's buffer list.
+_STORAGE_CLASSES = {FP8: Float8TensorStorage, MXFP8: MXFP8TensorStorage,
+                    FP8_BLOCK: Float8BlockwiseQTensorStorage, NVFP4: NVFP4TensorStorage}
+#: Buffer names only a rowwise use reads (per-tensor FP8's one scale serves both directions),
+#: and the names of the columnwise data.
+_ROWWISE_ONLY = ("_data", "_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
+_COLUMNWISE_DATA = ("_transpose", "_columnwise_data")
 
 
 def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:
@@ -128,24 +132,24 @@ def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.
     them: the rowwise data, scales and amax become empty tensors when the columnwise copy exists
     (the backward GEMMs of a Linear read only that copy, so saving the rest wastes memory).
     High-precision operands and operands without a columnwise copy are returned as they are."""
-    fmt = meta[0]
-    if fmt == HP or not bufs[_COLUMNWISE_DATA[fmt]].numel():
+    if meta[0] == HP:
         return bufs
-    drop = _ROWWISE_ONLY[fmt]
-    return [absent_buffer(t) if i in drop else t for i, t in enumerate(bufs)]
+    names = _STORAGE_CLASSES[meta[0]]._buffer_names
+    if not any(t.numel() for n, t in zip(names, bufs, strict=True) if n in _COLUMNWISE_DATA):
+        return bufs
+    return [absent_buffer(t) if n in _ROWWISE_ONLY else t
+            for n, t in zip(names, bufs, strict=True)]
 
 
 def _storage(bufs: list[torch.Tensor], meta: list[int], shape):
     """The storage object of a quantized operand's buffer list (absent buffers are empty)."""
     fmt, dt, dim, swz = meta
-    cls, tags = {
-        FP8: (Float8TensorStorage, {"_fp8_dtype": DType(dt)}),
-        MXFP8: (MXFP8TensorStorage,
-                {"_fp8_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)}),
-        FP8_BLOCK: (Float8BlockwiseQTensorStorage,
-                    {"_fp8_dtype": DType(dt), "_is_2D_scaled": dim == 2}),
-        NVFP4: (NVFP4TensorStorage,
-                {"_fp4_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)}),
+    cls = _STORAGE_CLASSES[fmt]
+    tags = {
+        FP8: {"_fp8_dtype": DType(dt)},
+        MXFP8: {"_fp8_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)},
+        FP8_BLOCK: {"_fp8_dtype": DType(dt), "_is_2D_scaled": dim == 2},
+        NVFP4: {"_fp4_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)},
     }[fmt]
     names = cls._buffer_names
     buffers = {name: t if t.numel() else None for name, t in zip(names, bufs, strict=True)}

@@ -18,7 +18,7 @@ from quant_core import (
     Quantizer,
 )
 
-from .compiling import compiling, is_compiled_value
+from .compiling import compiling, dynamo, is_compiled_value
 from .recipes import DelayedScalingRequest, Format, Recipe
 from .role import BACKWARD_SLOT_TYPES, FORWARD_SLOT_TYPES, KNOWN_TENSOR_TYPES, QuantizerRole
 
@@ -239,11 +239,10 @@ def _check_compilable(q: Quantizer, slot: str) -> None:
     """Under torch.compile: a factory's quantizer must be a registered value quantizer; say why
     not (stateful delayed scaling, or a subclass that did not opt in) before tracing trips."""
     if not is_compiled_value(q):
-        from quant_dynamo.registration import identity_quantizer_message
-
+        why = dynamo().registration.identity_quantizer_message(type(q))
         raise TypeError(
             f"CustomRecipe.qfactory returned {type(q).__name__} for {slot} under "
-            f"torch.compile: {identity_quantizer_message(type(q))}"
+            f"torch.compile: {why}"
         )
 
 

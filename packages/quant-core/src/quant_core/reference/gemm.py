@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ._rounding import fp8_decode
 from .mxfp8 import e8m0_to_scale
-from .nvfp4 import _GLOBAL, e2m1_decode, unpack_e2m1
+from .nvfp4 import e2m1_decode, unpack_e2m1
 from .swizzle import unswizzle_scales
-
-#: fp32(1 / 2688) as a Python float (exact), the NVFP4 dequantization constant (§8).
-RCP_2688 = float(torch.tensor(1.0, dtype=torch.float32) / _GLOBAL)
 
 
 def _block_scales(scale: torch.Tensor, swizzled: bool, rows: int, blocks: int) -> torch.Tensor:
@@ -86,6 +84,6 @@ def nvfp4_gemm(
     """
     av = _nvfp4_operand(a, a_scale, a_swizzled)
     bv = _nvfp4_operand(b, b_scale, b_swizzled)
-    alpha = (a_amax.to(torch.float32).reshape(()) * RCP_2688,
-             b_amax.to(torch.float32).reshape(()) * RCP_2688)
+    alpha = (a_amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX,
+             b_amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX)
     return _finish(av, bv, bias, out_dtype, alpha)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import POW2_MINUS_127_BITS
+from ..constants import POW2_MINUS_127_BITS, RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
 from ..inputs import check_k_multiple
 from ._pad import zero_pad
@@ -15,16 +15,8 @@ from .swizzle import swizzle_scales, unswizzle_scales
 
 BLOCK = shapes.MXFP8_BLOCK
 E8M0_NAN = 255
-#: fp32 bits of 2^-127, the subnormal that both E8M0 byte 0 (decode) and 254 (encode) need.
-_POW2_MINUS_127_BITS = POW2_MINUS_127_BITS
-
-
-def _rcp(fp8_dtype: DType) -> float:
-    """``fp32(1 / fp8_max)``: one correctly rounded fp32 division (exact as a Python float)."""
-    return (torch.ones((), dtype=torch.float32) / fp8_dtype.max).item()
-
-
-_RCP = {d: _rcp(d) for d in (DType.E4M3, DType.E5M2)}
+#: ``fp32(1 / fp8_max)`` per FP8 format (exact as Python floats).
+_RCP = {DType.E4M3: RCP_E4M3, DType.E5M2: RCP_E5M2}
 
 
 def e8m0_roundup(v: torch.Tensor) -> torch.Tensor:
@@ -47,7 +39,7 @@ def e8m0_roundup(v: torch.Tensor) -> torch.Tensor:
 def _pow2(biased: torch.Tensor) -> torch.Tensor:
     """fp32 ``2^(biased - 127)`` for int64 ``biased`` in ``[0, 254]``, from exponent bits;
     ``biased == 0`` is the subnormal 2^-127 (the plain ``biased << 23`` would give 0)."""
-    bits = torch.where(biased >= 1, biased << 23, torch.full_like(biased, _POW2_MINUS_127_BITS))
+    bits = torch.where(biased >= 1, biased << 23, torch.full_like(biased, POW2_MINUS_127_BITS))
     return f32_from_bits(bits)
 
 

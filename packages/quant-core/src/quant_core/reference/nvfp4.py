@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX
+from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ..inputs import check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
@@ -24,8 +24,6 @@ from .rht import rht_columnwise
 from .stochastic import sr_random_byte, sr_round_e2m1
 
 BLOCK = shapes.NVFP4_BLOCK
-#: ``6 * 448``: FP4 max times E4M3 max (the global scale's numerator).
-_GLOBAL = NVFP4_GLOBAL_MAX
 #: E2M1 magnitudes of codes 0..7, then the negative codes 8..15 (bit 3 is the sign).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -77,7 +75,7 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """``S_enc`` (fp32 ``(1,)``) of §7.2: ``fminf(fp32(2688 / amax), FLT_MAX)``, 1 if that is 0 or
     ``amax == 0``. Like TE's ``fminf``, a NaN amax gives FLT_MAX."""
     amax = amax.to(torch.float32)
-    s = torch.fmin(_f32(_GLOBAL, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    s = torch.fmin(_f32(NVFP4_GLOBAL_MAX, amax.device) / amax, _f32(FLT_MAX, amax.device))
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
@@ -228,6 +226,6 @@ def nvfp4_dequantize(
     dev = data.device
     e4m3 = fp8_decode(scale[:m, : -(-k // BLOCK)].contiguous(), DType.E4M3)
     s = e4m3 * amax.to(torch.float32)
-    s = s * (_f32(1.0, dev) / _GLOBAL)  # fp32(1 / 2688), correctly rounded
+    s = s * _f32(RCP_NVFP4_GLOBAL_MAX, dev)  # fp32(1 / 2688)
     vals = e2m1_decode(unpack_e2m1(data)) * s.repeat_interleave(BLOCK, dim=1)[:, :k]
     return vals.to(dtype)
