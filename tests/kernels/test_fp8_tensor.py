@@ -50,6 +50,35 @@ def test_current_scaling(fp8, shape, dtype):
                     ref.fp8_dequantize(want[1], want[2], fp8_dtype=fp8, dtype=d))
 
 
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+@pytest.mark.parametrize("shape", [*SHAPES, (300, 96)])  # (300, 96): partials of 2 programs
+def test_fused_current_scaling(fp8, pow2, eps, shape):
+    """The two-launch path (amax partials, then a cast that derives the scale per program) gives
+    the bytes of the reference's amax -> current_scale -> fp8_quantize."""
+    x = make_input(*shape, torch.bfloat16, seed=5)
+    kw = dict(fp8_dtype=fp8, force_pow_2_scales=pow2, amax_epsilon=eps)
+    for rw, cw in ((True, True), (True, False), (False, True)):
+        got = B.fp8_current_quantize(x.to(DEVICE), rowwise=rw, columnwise=cw, **kw)
+        want = ref.fp8_current_quantize(x, rowwise=rw, columnwise=cw, **kw)
+        assert_all_same(got, want, fp8, ("data", "transpose", "scale_inv"))
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), 0.0, 1e-30])
+def test_fused_current_scaling_special_amax(special):
+    """NaN is dropped from the amax, Inf and 0 give scale 1, a tiny amax meets the epsilon."""
+    x = make_input(70, 96, torch.float32, seed=6)
+    x = torch.full_like(x, 0.0) + special if special in (0.0, 1e-30) else x
+    x[3, 5] = special
+    for eps in (0.0, 1e-3):
+        kw = dict(fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=eps,
+                  rowwise=True, columnwise=True)
+        assert_all_same(B.fp8_current_quantize(x.to(DEVICE), **kw),
+                        ref.fp8_current_quantize(x, **kw), DType.E4M3,
+                        ("data", "transpose", "scale_inv"))
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-20, 3e5])
 def test_delayed_scaling_accumulates_amax(scale):
     x = make_input(40, 64, torch.bfloat16, seed=3)

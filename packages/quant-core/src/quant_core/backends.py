@@ -3,9 +3,11 @@
 A backend is an object with ``name: str``, ``priority: int``, ``supports(device) -> bool`` and the
 functions of :mod:`quant_core.reference` with the same signatures. An optional
 ``preferred(device) -> bool`` (default: ``supports``) says whether automatic choice may pick it
-there: Triton supports the CPU through its slow interpreter, but is never picked for it. The
-pure-torch reference is always present (priority 0, every device). Kernel packages join through
-the entry-point group ``quant_core.backends``: installing them is enough.
+there: Triton supports the CPU through its slow interpreter, but is never picked for it. An
+optional ``capturable = True`` says its launches can be recorded into a compiled graph
+(:mod:`quant_core.kernel_capture`). The pure-torch reference is always present (priority 0,
+every device). Kernel packages join through the entry-point group ``quant_core.backends``:
+installing them is enough.
 
 Choice: an explicit ``name``, else the ``QUANT_BACKEND`` environment variable, else the
 highest-priority backend that supports the device.
@@ -25,7 +27,7 @@ from . import reference
 ENTRY_POINT_GROUP = "quant_core.backends"
 #: The functions every backend provides, with the reference's signatures.
 FUNCTIONS = (
-    "amax", "current_scale", "fp8_quantize", "fp8_dequantize",
+    "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
     "mxfp8_gemm", "nvfp4_gemm",
@@ -68,6 +70,15 @@ def register(backend) -> None:
     if missing:
         raise TypeError(f"backends.register: {backend!r} lacks {', '.join(missing)}")
     _load()[backend.name] = backend
+    _choice_cache.clear()
+
+
+def unregister(name: str) -> None:
+    """Remove a backend registered by hand (``KeyError`` for an unknown name; the reference
+    cannot be removed)."""
+    if name == "reference":
+        raise ValueError("the reference backend cannot be unregistered")
+    del _load()[name]
     _choice_cache.clear()
 
 

@@ -15,6 +15,7 @@ import torch
 from quant_core import reference
 
 from . import fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
+from ._common import interpreting
 
 
 class TritonBackend:
@@ -22,6 +23,12 @@ class TritonBackend:
 
     name = "triton"
     priority = 10
+    @property
+    def capturable(self) -> bool:
+        """Launches go through ``_common.launch``: inside ``quant_core.kernel_capture.capture()``
+        they are recorded into the graph being compiled (quant-dynamo lowers its ops with this).
+        Not under the interpreter, whose kernels torch's ``wrap_triton`` cannot record."""
+        return not interpreting()
 
     @staticmethod
     def supports(device: torch.device) -> bool:
@@ -39,6 +46,7 @@ class TritonBackend:
     amax = staticmethod(fp8_tensor.amax)
     current_scale = staticmethod(fp8_tensor.current_scale)
     fp8_quantize = staticmethod(fp8_tensor.fp8_quantize)
+    fp8_current_quantize = staticmethod(fp8_tensor.fp8_current_quantize)
     fp8_dequantize = staticmethod(fp8_tensor.fp8_dequantize)
     mxfp8_quantize = staticmethod(mxfp8.mxfp8_quantize)
     mxfp8_dequantize = staticmethod(mxfp8.mxfp8_dequantize)

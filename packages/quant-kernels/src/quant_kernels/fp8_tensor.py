@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
 
-from ._common import CONFIGS, config, interpreting, launch_kwargs, tile_args, tl_dtype
+from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, out_code, tile_args
 from ._rounding import (
     FLT_MAX,
     abs_for_max,
@@ -25,6 +25,9 @@ from ._rounding import (
 #: amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
 CONFIGS["amax"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
                    "interp": {"BLOCK": 4096, "per_sm": 1}}
+#: current scaling's amax: fewer programs, whose partial maxima every cast program reads.
+CONFIGS["amax_partials"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 4},
+                            "interp": {"BLOCK": 4096, "per_sm": 1}}
 CONFIGS["fp8_cast"] = {
     "gpu": {"BM": 32, "BK": 256, "num_warps": 8},
     "interp": {"BM": 64, "BK": 64},
@@ -33,15 +36,25 @@ CONFIGS["fp8_dequant"] = {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BL
 
 
 @triton.jit
-def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
+def _program_max(x_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    """NaN-dropping ``max|x|`` over this program's tiles of a persistent grid (>= 0)."""
     acc = tl.zeros([BLOCK], tl.float32)
-    pid = tl.program_id(0).to(tl.int64)
-    t = pid
+    t = tl.program_id(0).to(tl.int64)
     while t < n_tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
         offs = t * BLOCK + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, abs_for_max(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
         t += tl.num_programs(0)
-    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(acc, axis=0)))
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    tl.atomic_max(out_bits_ptr, f32_bits(_program_max(x_ptr, n, n_tiles, BLOCK)))
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, parts_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    tl.store(parts_ptr + tl.program_id(0), _program_max(x_ptr, n, n_tiles, BLOCK))
 
 
 _SMS: dict[int, int] = {}
@@ -65,8 +78,21 @@ def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     cfg = config("amax")
     n_tiles = triton.cdiv(n, cfg["BLOCK"])
     grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
-    _amax_kernel[(grid,)](x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
-                       **launch_kwargs(cfg))
+    launch(_amax_kernel, (grid,), x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
+           **launch_kwargs(cfg))
+
+
+def _amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Each program's NaN-dropping ``max|x|`` of non-empty ``x`` (fp32, no initialisation and no
+    atomics: the consumer takes the max of all of them)."""
+    n = x.numel()
+    cfg = config("amax_partials")
+    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
+    parts = torch.empty(grid, dtype=torch.float32, device=x.device)
+    launch(_amax_partials_kernel, (grid,), x, parts, n, n_tiles, **tile_args(cfg),
+           **launch_kwargs(cfg))
+    return parts
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -88,15 +114,16 @@ def current_scale(
     ``reference.current_scale``."""
     check_fp8(fp8_dtype, "fp8_dtype")
     out = torch.empty(1, dtype=torch.float32, device=amax.device)
-    _current_scale_kernel[(1,)](amax.to(torch.float32).reshape(1), out, float(amax_epsilon),
-                                FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales))
+    launch(_current_scale_kernel, (1,), amax.to(torch.float32).reshape(1), out,
+           float(amax_epsilon), FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales))
     return out
 
 
 @triton.jit
 def _fp8_cast_kernel(
-    x_ptr, scale_ptr, data_ptr, t_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
+    x_ptr, scale_ptr, data_ptr, t_ptr, scale_inv_ptr, amax_bits_ptr, M, K, n_parts, eps,
     ROW: tl.constexpr, COL: tl.constexpr, AMAX: tl.constexpr, IS_E4M3: tl.constexpr,
+    PARTS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -105,7 +132,12 @@ def _fp8_cast_kernel(
     rk = pid_k * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
-    s = tl.load(scale_ptr)
+    if PARTS > 0:  # current scaling: the scale of the amax partials at scale_ptr (§3 step 3)
+        i = tl.arange(0, PARTS)
+        amax = tl.max(tl.load(scale_ptr + i, mask=i < n_parts, other=0.0), axis=0)
+        s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
+    else:
+        s = tl.load(scale_ptr)
     v = widen(x) * s
     if ROW:
         tl.store(data_ptr + rm[:, None] * K + rk[None, :], fp8_rne_sat(v, IS_E4M3), mask=mask)
@@ -118,6 +150,33 @@ def _fp8_cast_kernel(
                       f32_bits(nan_to_0(tl.max(tl.max(abs_for_max(x), axis=1), axis=0))))
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, s))
+
+
+def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, amax_out=None,
+          current: dict | None = None):
+    """The cast kernel's launch: with ``current`` (``force_pow_2_scales``, ``amax_epsilon``)
+    ``scale_or_parts`` holds amax partials and every program derives the scale from them."""
+    m, k = x.shape
+    dev = x.device
+    data = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
+    trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    cfg = config("fp8_cast")
+    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    n_parts = scale_or_parts.numel() if current else 0
+    dummy = scale_inv
+    launch(
+        _fp8_cast_kernel, grid,
+        x, scale_or_parts, data if rowwise else dummy, trans if columnwise else dummy, scale_inv,
+        amax_out.view(torch.int32) if amax_out is not None else dummy, m, k, n_parts,
+        float(current["amax_epsilon"]) if current else 0.0,
+        ROW=rowwise, COL=columnwise, AMAX=amax_out is not None,
+        IS_E4M3=fp8_dtype == DType.E4M3,
+        PARTS=triton.next_power_of_2(max(n_parts, 16)) if current else 0,
+        FP8_MAX=fp8_dtype.max, POW2=bool(current and current["force_pow_2_scales"]),
+        **tile_args(cfg), **launch_kwargs(cfg),
+    )
+    return data, trans, scale_inv
 
 
 def fp8_quantize(
@@ -134,24 +193,38 @@ def fp8_quantize(
     ``max|x|`` into ``amax_out`` on its fp32 bits. Mirrors ``reference.fp8_quantize``."""
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
-    dev = x.device
     scale = scale.to(torch.float32).reshape(1).contiguous()
-    data = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
-    trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
-    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     if m == 0 or k == 0:
-        scale_inv.copy_((1.0 / scale.double()).float())  # fp64 then one rounding: div_rn
+        dev = x.device
+        data = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
+        trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
+        scale_inv = (1.0 / scale.double()).float()  # fp64 then one rounding: div_rn
         return data, trans, scale_inv
-    cfg = config("fp8_cast")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
-    dummy = scale_inv
-    _fp8_cast_kernel[grid](
-        x, scale, data if rowwise else dummy, trans if columnwise else dummy, scale_inv,
-        amax_out.view(torch.int32) if amax_out is not None else dummy, m, k,
-        ROW=rowwise, COL=columnwise, AMAX=amax_out is not None,
-        IS_E4M3=fp8_dtype == DType.E4M3, **tile_args(cfg), **launch_kwargs(cfg),
-    )
-    return data, trans, scale_inv
+    return _cast(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
+
+
+def fp8_current_quantize(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    force_pow_2_scales: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Current scaling in two launches: per-program amax partials, then the cast, each of whose
+    programs takes the max of the partials and derives the scale itself (§3 step 3), instead of
+    zeroing an amax, an atomic amax pass, a scale launch and the cast. Mirrors
+    ``reference.fp8_current_quantize``."""
+    check_fp8(fp8_dtype, "fp8_dtype")
+    if x.numel() == 0:  # amax 0 -> scale 1 (§3): the unfused steps, nothing to read
+        scale = current_scale(amax(x), fp8_dtype=fp8_dtype,
+                              force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
+        return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise,
+                            columnwise=columnwise)
+    current = {"force_pow_2_scales": force_pow_2_scales, "amax_epsilon": amax_epsilon}
+    return _cast(x, _amax_partials(x.reshape(-1)), fp8_dtype, rowwise, columnwise,
+                 current=current)
 
 
 @triton.jit
@@ -176,9 +249,10 @@ def fp8_dequantize(
     n = data.numel()
     if n:
         cfg = config("fp8_dequant")
-        _fp8_dequant_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+        launch(
+            _fp8_dequant_kernel, (triton.cdiv(n, cfg["BLOCK"]),),
             data.view(torch.uint8), scale_inv.to(torch.float32).reshape(1).contiguous(), out, n,
-            IS_E4M3=fp8_dtype == DType.E4M3, OUT=tl_dtype(dtype), **tile_args(cfg),
+            IS_E4M3=fp8_dtype == DType.E4M3, OUT=out_code(dtype), **tile_args(cfg),
             **launch_kwargs(cfg),
         )
     return out

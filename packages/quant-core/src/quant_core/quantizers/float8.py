@@ -114,10 +114,16 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
-        amax = be.amax(x2d)
-        if self.with_amax_reduction:
-            group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
-            amax = reduce_amax(amax, group)
+        if not self.with_amax_reduction:  # amax, scale and cast in one backend call
+            data, transpose, scale_inv = be.fp8_current_quantize(
+                x2d, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
+                amax_epsilon=self.amax_epsilon, rowwise=self.rowwise_usage,
+                columnwise=self.columnwise_usage,
+            )
+            return self._make_storage(x.shape, x.dtype, {
+                "_data": data, "_transpose": transpose, "_scale_inv": scale_inv})
+        group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
+        amax = reduce_amax(be.amax(x2d), group)
         scale = be.current_scale(
             amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
             amax_epsilon=self.amax_epsilon,

@@ -13,6 +13,9 @@ Per-tensor FP8 (current and delayed scaling, §2–§4):
     ``fp8_quantize(x, scale, *, fp8_dtype, rowwise, columnwise, amax_out=None)
         -> (data [M, K] | None, transpose [K, M] | None, scale_inv fp32 (1,))``; when ``amax_out``
         (fp32 (1,)) is given, ``max|x|`` is max-accumulated into it in place (delayed scaling).
+    ``fp8_current_quantize(x, *, fp8_dtype, force_pow_2_scales, amax_epsilon, rowwise,
+        columnwise)``: the three steps of current scaling in one call, same result as
+        ``fp8_quantize(x, current_scale(amax(x), ...), ...)`` (a backend may fuse them).
     ``fp8_dequantize(data, scale_inv, *, fp8_dtype, dtype) -> Tensor`` (any shape of ``data``).
 
 MXFP8 (§5):
@@ -54,7 +57,13 @@ Scale swizzle (§5, GEMM layout):
 from __future__ import annotations
 
 from .fp8_block import fp8_block_dequantize, fp8_block_quantize  # noqa: F401
-from .fp8_tensor import amax, current_scale, fp8_dequantize, fp8_quantize  # noqa: F401
+from .fp8_tensor import (  # noqa: F401
+    amax,
+    current_scale,
+    fp8_current_quantize,
+    fp8_dequantize,
+    fp8_quantize,
+)
 from .gemm import mxfp8_gemm, nvfp4_gemm  # noqa: F401
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: F401
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize  # noqa: F401

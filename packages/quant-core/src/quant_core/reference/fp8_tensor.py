@@ -97,6 +97,23 @@ def fp8_quantize(
     return (data if rowwise else None), transpose, scale_inv
 
 
+def fp8_current_quantize(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    force_pow_2_scales: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Current scaling in one call (§3, §4): ``amax(x)``, its :func:`current_scale`, then
+    :func:`fp8_quantize` with that scale; returns what :func:`fp8_quantize` returns. A backend may
+    fuse the steps (the Triton one needs two launches instead of four)."""
+    scale = current_scale(amax(x), fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
+                          amax_epsilon=amax_epsilon)
+    return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+
+
 def fp8_dequantize(
     data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from ..constants import RHT_DEFAULT_SIGN_MASK
 from ..inputs import check_rht_input
+from ..kernel_capture import capturing
 
 RHT_SIZE = 16
 #: TE's fixed sign vector (``with_random_sign_mask=True``); all ones is mask 0.
@@ -58,8 +59,10 @@ def rht_columnwise(x: torch.Tensor, sign_mask: int) -> torch.Tensor:
     """
     check_rht_input(x)
     m, k = x.shape
-    # Under torch.compile build R in the graph (dynamo does not honour the cache wrapper).
-    build = rht_matrix.__wrapped__ if torch.compiler.is_compiling() else rht_matrix
+    # Traced (Dynamo, or a lowering's capture) R is built in the graph: a cached tensor made
+    # while tracing is a fake tensor of that trace, and Dynamo does not honour the cache wrapper.
+    traced = torch.compiler.is_compiling() or capturing()
+    build = rht_matrix.__wrapped__ if traced else rht_matrix
     r = build(int(sign_mask), x.device).to(torch.float64)
     v = x.t().to(torch.float64).reshape(k, m // RHT_SIZE, RHT_SIZE)
     # §7.6: the exact sum of the 16 products, rounded once to fp32, then to bf16. Each product
