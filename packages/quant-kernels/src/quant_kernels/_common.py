@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from quant_core.kernel_capture import capturing
 
 
 def interpreting() -> bool:
@@ -50,10 +51,16 @@ def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
 
 
-def unfused() -> dict[str, bool]:
-    """Launch option keeping every fp32 multiply and add separately rounded (no FMA contraction),
-    for kernels whose epilogue must round like the reference's separate torch ops."""
-    return {} if interpreting() else {"enable_fp_fusion": False}
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``; inside ``quant_core.kernel_capture.capture()`` the launch
+    is recorded into the graph being traced (``torch.library.wrap_triton``) instead, so compiled
+    code launches the same kernel with the same constants."""
+    if capturing():
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](*args, **kwargs)
+        return
+    kernel[grid](*args, **kwargs)
 
 
 def tile_args(cfg: dict[str, int]) -> dict[str, int]:
@@ -61,9 +68,13 @@ def tile_args(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k.isupper()}
 
 
-def tl_dtype(dtype: torch.dtype):
-    """The ``triton.language`` dtype of a float torch dtype."""
-    import triton.language as tl
+#: Output dtype codes of ``_rounding.to_out`` (a plain int constexpr, see there).
+OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-    table = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    return table[dtype]
+
+def out_code(dtype: torch.dtype) -> int:
+    """The ``to_out`` code of a float output dtype (fp32, bf16 or fp16)."""
+    if dtype not in OUT_CODES:
+        allowed = ", ".join(str(d) for d in OUT_CODES)
+        raise ValueError(f"dtype must be one of {allowed}, got {dtype}")
+    return OUT_CODES[dtype]

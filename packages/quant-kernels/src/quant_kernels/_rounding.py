@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 from quant_core import constants as C
 
-from ._common import native_bf16, native_fp8
+from ._common import interpreting, native_bf16, native_fp8
 
 #: Native casts in every kernel (False under the interpreter, or by the ``_common`` constants).
 NATIVE_FP8 = tl.constexpr(native_fp8())
 NATIVE = tl.constexpr(native_bf16())
+#: Compiled for a GPU (inline PTX is available), not run by the interpreter.
+ON_GPU = tl.constexpr(not interpreting())
 #: The constants of ``quant_core.constants`` as constexprs (one definition for both sides).
 FLT_MAX = tl.constexpr(C.FLT_MAX)
 E4M3_MAX = tl.constexpr(C.E4M3_MAX)
@@ -293,14 +295,31 @@ def bf16_round(x):
 
 
 @triton.jit
-def to_out(x, OUT_DTYPE: tl.constexpr):
-    """Cast fp32 ``x`` to the output dtype with RNE (bf16: native cast on GPU, else software)."""
-    if NATIVE:
-        return x.to(OUT_DTYPE)
-    elif OUT_DTYPE == tl.bfloat16:
-        return (f32_bits(bf16_rne(x)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def separately_rounded(x):
+    """fp32 ``x`` behind an opaque register move on the GPU, so the compiler cannot contract the
+    multiply that produced it into a following add (an FMA rounds once where the reference's
+    separate torch ops round twice). Replaces Triton's ``enable_fp_fusion=False``, which torch
+    cannot record into a compiled graph. The interpreter never contracts: ``x`` as it is."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("mov.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
-        return x.to(OUT_DTYPE)
+        return x
+
+
+@triton.jit
+def to_out(x, OUT: tl.constexpr):
+    """Cast fp32 ``x`` with RNE to the output dtype of code ``OUT`` (``_common.out_code``: 0 fp32,
+    1 bf16, 2 fp16); bf16 through the native cast on GPU, else in software. An int code, not a
+    ``tl.dtype``, so the launch can be recorded into an Inductor graph as a plain constant."""
+    if OUT == 0:
+        return x
+    elif OUT == 2:
+        return x.to(tl.float16)
+    elif NATIVE:
+        return x.to(tl.bfloat16)
+    else:
+        return (f32_bits(bf16_rne(x)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -314,7 +333,11 @@ def scale_from_amax(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     ``a = m * 2^Ea`` (m in [1, 2)) the exponent of ``RN(fp8_max / a)`` is ``E - Ea``, minus one
     when ``m > 1.75``; RN never carries the quotient into the next binade (1.75 / m <= 1.75, and
     for m >= 1.75 + 2^-23 it stays below 1 - 2^-25). A biased exponent past 254 is exactly the
-    overflow to Inf (subnormal ``a`` included), which takes ``VALUE_FOR_INF``'s power of two."""
+    overflow to Inf (subnormal ``a`` included), which takes ``VALUE_FOR_INF``'s power of two.
+
+    ``eps`` is rounded to fp32 first (RNE, as Triton's own launcher passes a Python float):
+    Inductor passes a recorded kernel's float arguments as fp64."""
+    eps = tl.cast(eps, tl.float32)
     a = tl.where(amax < eps, eps, amax)
     if POW2:
         tl.static_assert((FP8_MAX == E4M3_MAX) or (FP8_MAX == E5M2_MAX))

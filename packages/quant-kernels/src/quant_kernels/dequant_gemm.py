@@ -20,8 +20,8 @@ from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
 
 from . import mxfp8, nvfp4
-from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype, unfused
-from ._rounding import RCP_2688, to_out
+from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
+from ._rounding import RCP_2688, separately_rounded, to_out
 
 CONFIGS["gemm_epilogue"] = {"gpu": {"BLOCK": 4096, "num_warps": 8},
                             "interp": {"BLOCK": 4096}}
@@ -74,7 +74,8 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     mask = offs < total
     v = tl.load(acc_ptr + offs, mask=mask, other=0.0)
     if HAS_ALPHA:
-        v = (v * (tl.load(amax_a_ptr) * RCP_2688)) * (tl.load(amax_b_ptr) * RCP_2688)
+        v = separately_rounded((v * (tl.load(amax_a_ptr) * RCP_2688))
+                               * (tl.load(amax_b_ptr) * RCP_2688))
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
@@ -89,12 +90,13 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None) -> tor
     if acc.numel() == 0:
         return out
     cfg = config("gemm_epilogue")
-    _epilogue_kernel[(triton.cdiv(acc.numel(), cfg["BLOCK"]),)](
+    launch(
+        _epilogue_kernel, (triton.cdiv(acc.numel(), cfg["BLOCK"]),),
         acc, out, bias if bias is not None else acc,
         amax_a.to(torch.float32).reshape(1) if has_alpha else acc,
         amax_b.to(torch.float32).reshape(1) if has_alpha else acc, acc.numel(), acc.shape[1],
-        HAS_ALPHA=has_alpha, HAS_BIAS=bias is not None, OUT=tl_dtype(out_dtype),
-        **tile_args(cfg), **launch_kwargs(cfg), **unfused(),
+        HAS_ALPHA=has_alpha, HAS_BIAS=bias is not None, OUT=out_code(out_dtype),
+        **tile_args(cfg), **launch_kwargs(cfg),
     )
     return out
 

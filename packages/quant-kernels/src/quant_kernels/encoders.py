@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from ._common import interpreting, launch
 from ._rounding import (
     FLT_MAX,
     bf16_rne,
@@ -73,6 +73,6 @@ def encode(v: torch.Tensor, rule: str) -> torch.Tensor:
     if n:
         block = 4096 if interpreting() else 2048
         kw = {} if interpreting() else {"num_warps": 8}
-        _encode_kernel[(triton.cdiv(n, block),)](v, out, n, RULE=RULES.index(rule), BLOCK=block,
-                                                 **kw)
+        launch(_encode_kernel, (triton.cdiv(n, block),), v, out, n, RULE=RULES.index(rule),
+               BLOCK=block, **kw)
     return out

@@ -11,7 +11,7 @@ from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_k_multiple
 
-from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
+from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
 from ._layout import scale_offset
 from ._rounding import (
     RCP_E4M3,
@@ -167,7 +167,8 @@ def mxfp8_quantize(
         cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
     dummy = rd if rd is not None else cd
-    _mxfp8_kernel[grid](
+    launch(
+        _mxfp8_kernel, grid,
         x, rd if rowwise else dummy, rs if rowwise else dummy, cd if columnwise else dummy,
         cs if columnwise else dummy, m, k, rs_shape[1], cs_shape[1], cs_shape[0],
         ROW=rowwise, COL=columnwise, TWO_D=with_2d_quantization, SWIZZLE=swizzle,
@@ -227,9 +228,10 @@ def mxfp8_dequantize(
     if columnwise and 32 % cfg["BM"]:
         raise ValueError(f"mxfp8_dequant config: BM must divide 32, got {cfg['BM']}")
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
-    _mxfp8_dequant_kernel[grid](
+    launch(
+        _mxfp8_dequant_kernel, grid,
         data.contiguous().view(torch.uint8), scale.contiguous(), out, m, k, scale.shape[1],
         scale.shape[0], COLWISE=columnwise, SWIZZLE=swizzled, IS_E4M3=fp8_dtype == DType.E4M3,
-        OUT=tl_dtype(dtype), **tile_args(cfg), **launch_kwargs(cfg),
+        OUT=out_code(dtype), **tile_args(cfg), **launch_kwargs(cfg),
     )
     return out

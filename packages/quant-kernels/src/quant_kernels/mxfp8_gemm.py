@@ -26,7 +26,7 @@ import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
 
 from . import _gemm, dequant_gemm
-from ._common import CONFIGS, config, interpreting, launch_kwargs, tile_args, tl_dtype
+from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, out_code, tile_args
 from ._rounding import NATIVE_FP8, e8m0_decode, fp8_decode
 
 #: Tile configs of the fused mainloops (winners of the 2026-11-30 H200 sweep, bench/RESULTS.md).
@@ -143,12 +143,13 @@ def mxfp8_gemm(
     cfg = config(f"mxfp8_gemm_{mode}")
     t_am, t_ak, sa_c = _scale_args(a_scale, a_swizzled, k)
     t_bn, t_bk, sb_c = _scale_args(b_scale, b_swizzled, k)
-    _mxfp8_gemm_kernel[_gemm.grid(m, n, cfg)](
+    launch(
+        _mxfp8_gemm_kernel, _gemm.grid(m, n, cfg),
         a, b, a_scale, b_scale, bias if bias is not None else out, out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), t_am, t_ak, t_bn, t_bk, sa_c, sb_c,
         out.stride(0), out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
         A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3, FP8_MMA=mode == "fp8",
-        HAS_BIAS=bias is not None, OUT=tl_dtype(out_dtype), **tile_args(cfg),
+        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **tile_args(cfg),
         **launch_kwargs(cfg),
     )
     return out

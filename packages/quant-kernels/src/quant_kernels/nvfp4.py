@@ -12,7 +12,7 @@ import triton.language as tl
 from quant_core import shapes
 from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_input
 
-from ._common import CONFIGS, config, launch_kwargs, tile_args, tl_dtype
+from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
 from ._layout import scale_offset
 from ._rounding import (
     FLT_MAX,
@@ -350,7 +350,8 @@ def nvfp4_amax(
             col = torch.zeros(1, dtype=torch.float32, device=dev)
             if m and k:
                 cfg = config("nvfp4_col")
-                _rht_amax_kernel[_col_grid(m, k, cfg)](
+                launch(
+                    _rht_amax_kernel, _col_grid(m, k, cfg),
                     x, col.view(torch.int32), m, k, MASK=int(rht_sign_mask),
                     **tile_args(cfg), **launch_kwargs(cfg),
                 )
@@ -392,7 +393,8 @@ def nvfp4_quantize(
             cfg = config("nvfp4_row")
             grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
             xp, dt = _pairs(x)
-            _nvfp4_row_kernel[grid](
+            launch(
+                _nvfp4_row_kernel, grid,
                 xp, amax_rowwise.to(torch.float32).reshape(1), seed, rd, rs, m, k, rs.shape[1],
                 DT=dt, SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
                 SWIZZLE=bool(swizzle), **tile_args(cfg), **launch_kwargs(cfg),
@@ -405,7 +407,8 @@ def nvfp4_quantize(
         cs = torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
             cfg = config("nvfp4_col")
-            _nvfp4_col_kernel[_col_grid(m, k, cfg)](
+            launch(
+                _nvfp4_col_kernel, _col_grid(m, k, cfg),
                 x, amax_columnwise.to(torch.float32).reshape(1), seed, cdw.view(torch.int64), cs,
                 m, k, mhw, cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
                 SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
@@ -447,9 +450,10 @@ def nvfp4_dequantize(
         return out
     cfg = config("nvfp4_dequant")
     grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
-    _nvfp4_dequant_kernel[grid](
+    launch(
+        _nvfp4_dequant_kernel, grid,
         data.contiguous(), scale.contiguous(), amax.to(torch.float32).reshape(1), out, m, k,
-        scale.shape[1], SWIZZLE=bool(swizzled), OUT=tl_dtype(dtype), **tile_args(cfg),
+        scale.shape[1], SWIZZLE=bool(swizzled), OUT=out_code(dtype), **tile_args(cfg),
         **launch_kwargs(cfg),
     )
     return out

@@ -26,12 +26,12 @@ from ._common import (
     CONFIGS,
     config,
     interpreting,
+    launch,
     launch_kwargs,
+    out_code,
     tile_args,
-    tl_dtype,
-    unfused,
 )
-from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode
+from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
 
 MODES = ("dequant", "fused")
 #: The implementation of every call: None picks "dequant" on GPUs, "fused" under the interpreter.
@@ -91,7 +91,7 @@ def _nvfp4_gemm_kernel(
         acc = _dot(a_hi, tl.trans(b_hi), acc)
     alpha_a = tl.load(amax_a_ptr) * RCP_2688
     alpha_b = tl.load(amax_b_ptr) * RCP_2688
-    acc = (acc * alpha_a) * alpha_b
+    acc = separately_rounded((acc * alpha_a) * alpha_b)  # the bias add must not contract
     _gemm.store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 
@@ -122,12 +122,13 @@ def nvfp4_gemm(
     if out.numel() == 0 or k == 0:
         return _gemm.empty_k(out, bias)
     cfg = config("nvfp4_gemm")
-    _nvfp4_gemm_kernel[_gemm.grid(m, n, cfg)](
+    launch(
+        _nvfp4_gemm_kernel, _gemm.grid(m, n, cfg),
         a, b, a_scale, b_scale, a_amax.to(torch.float32).reshape(1),
         b_amax.to(torch.float32).reshape(1), bias if bias is not None else out, out, m, n, k,
         a.stride(0), b.stride(0), a_scale.shape[1], b_scale.shape[1], out.stride(0),
         out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
-        HAS_BIAS=bias is not None, OUT=tl_dtype(out_dtype), **tile_args(cfg),
-        **launch_kwargs(cfg), **unfused(),
+        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **tile_args(cfg),
+        **launch_kwargs(cfg),
     )
     return out

@@ -1,0 +1,99 @@
+"""Which tensors each recorded Triton launch writes, by torch's own TTIR analysis: no quantize
+kernel may write its input.
+
+Under ``torch.compile`` the quant ops' launches are recorded into the graph (quant_dynamo.capture)
+and torch decides from the kernel's TTIR which tensor arguments it mutates. A kernel it reads as
+writing its input costs a copy of the input per call and turns CUDA graphs off ("skipping
+cudagraphs due to mutated inputs"); the analysis is conservative through helper calls (a helper
+that takes ``x_ptr`` and returns the offsets a store uses marks ``x`` as written). This script
+runs every quantize function of the Triton backend with launches intercepted (nothing runs), so
+it needs no GPU: on a CPU machine it compiles the TTIR for an sm_90 target.
+
+``python bench/check_kernel_writes.py`` prints one line per launch and exits 1 if any kernel is
+read as writing the input.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from quant_core import DType
+
+
+def _fake_cuda_target() -> None:
+    """Compile TTIR for sm_90 without a GPU (only TTIR is needed, no binary)."""
+    from triton.backends.compiler import GPUTarget
+
+    class Target:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_current_device(self):
+            return 0
+
+    if not torch.cuda.is_available():
+        triton.runtime.driver.set_active(Target())
+
+
+def main() -> int:
+    _fake_cuda_target()
+    from quant_kernels import _common, fp8_block, fp8_tensor, mxfp8, nvfp4
+    from quant_kernels.backend import BACKEND as B
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    launches = []
+
+    def record(kernel, grid, *args, **kwargs):
+        names = [p.name for p in kernel.params]
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        bound = {k: v for k, v in bound.items() if k in names}
+        launches.append((kernel, bound))
+
+    for mod in (_common, fp8_block, fp8_tensor, mxfp8, nvfp4):
+        mod.launch = record
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(256, 256, dtype=torch.bfloat16, device=dev)
+    one = torch.ones(1, device=dev)
+    calls = {
+        "fp8_current": lambda: B.fp8_current_quantize(
+            x, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0, rowwise=True,
+            columnwise=True),
+        "mxfp8": lambda: B.mxfp8_quantize(x, fp8_dtype=DType.E4M3, rowwise=True,
+                                          columnwise=True, with_2d_quantization=False,
+                                          swizzle=True),
+        "fp8_block_1d": lambda: B.fp8_block_quantize(
+            x, fp8_dtype=DType.E4M3, block_scaling_dim=1, force_pow_2_scales=True,
+            amax_epsilon=0.0, rowwise=True, columnwise=True),
+        "fp8_block_2d": lambda: B.fp8_block_quantize(
+            x, fp8_dtype=DType.E4M3, block_scaling_dim=2, force_pow_2_scales=True,
+            amax_epsilon=0.0, rowwise=True, columnwise=True),
+        "nvfp4_amax_rht": lambda: B.nvfp4_amax(x, rowwise=True, columnwise=True, with_rht=True,
+                                               rht_sign_mask=0xD7E8),
+        "nvfp4_rht": lambda: B.nvfp4_quantize(
+            x, one, one, rowwise=True, columnwise=True, with_rht=True, rht_sign_mask=0xD7E8,
+            with_2d_quantization=False, stochastic_rounding=False, rng_seed=None, swizzle=True),
+    }
+    bad = 0
+    for name, call in calls.items():
+        launches.clear()
+        call()
+        for kernel, bound in launches:
+            inputs = {k for k, v in bound.items() if isinstance(v, torch.Tensor)
+                      and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()}
+            acc = identify_accessed_tensors(kernel, bound, {})
+            writes = {d.name for d in acc.read_writes.writes}
+            wrong = inputs & writes
+            bad += bool(wrong)
+            print(f"{'FAIL' if wrong else 'ok  '} {name:15s} {kernel.__name__:24s} "
+                  f"writes {sorted(writes)}" + (f" INCLUDING THE INPUT {sorted(wrong)}"
+                                               if wrong else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
