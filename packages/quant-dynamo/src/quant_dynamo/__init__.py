@@ -38,6 +38,11 @@ Public API
     straight-through gradient.
 ``buffer_names(cls_or_obj) -> tuple[str, ...]``
     The buffer order of ``quantize`` for this quantizer class.
+``lower_to_kernels(op, body, device_of) -> bool``
+    Under functionalization (AOTAutograd: Inductor, aot_eager), run custom op ``op`` as
+    ``body`` with the backend's kernel launches recorded into the graph, for calls on a device
+    whose backend can record them (CUDA with Triton); :mod:`quant_dynamo.capture`. The ``quant``
+    ops are lowered so (stochastic rounding excepted); quant-recipes lowers its GEMM op.
 ``DERIVES_IN_GRAPH: bool``
     Whether compiled code may derive a new quantizer from one it holds (``q.replace``,
     ``q.with_usage``): those methods then run on the real object at trace time and the result is
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 from ._api import probe as _probe
 from ._specialize import install as _install_specialisation
+from .capture import lower as lower_to_kernels
 from .fx_repr import rebuild_quantizer
 from .ops import buffer_names, qdq, quantize
 from .registration import (
@@ -74,5 +80,5 @@ _install_specialisation(_is_registered_class)
 __all__ = [
     "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",
     "opaque_schema_type", "check_quantizer_arg", "flatten_quantizer", "unflatten_quantizer",
-    "quantize", "qdq", "buffer_names", "rebuild_quantizer", "DERIVES_IN_GRAPH",
+    "quantize", "qdq", "buffer_names", "rebuild_quantizer", "DERIVES_IN_GRAPH", "lower_to_kernels",
 ]

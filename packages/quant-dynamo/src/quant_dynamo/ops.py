@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from quant_core.storage import absent_buffer
 
-from . import fake
+from . import capture, fake
 from .registration import (
     check_quantizer_arg,
     flatten_quantizer,
@@ -70,6 +70,29 @@ def _qdq_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
     if out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         out = out.clone()  # a custom op's output may not alias its input (IdentityQuantizer)
     return out
+
+
+#: Storage formats whose quantize is lowered to backend kernels in compiled graphs (high
+#: precision launches nothing and may alias its input).
+_LOWERED_FORMATS = ("fp8", "mxfp8", "fp8_block", "nvfp4")
+
+
+def _lowered_storage(x: torch.Tensor, q: Any):
+    """``q.quantize(x)`` for the bodies recorded into a compiled graph (:mod:`.capture`).
+    Stochastic rounding stays opaque: its seed must come from torch's generator, as in eager
+    mode, not from Inductor's own random numbers."""
+    q = check_quantizer_arg(q)
+    if q.storage_format not in _LOWERED_FORMATS or getattr(q, "stochastic_rounding", False):
+        raise capture.NotCapturable(f"{type(q).__name__} is not lowered")
+    return q.quantize(x)
+
+
+def _quantize_lowered(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    return _lowered_storage(x, q).buffer_list(x)
+
+
+def _qdq_lowered(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return _lowered_storage(x, q).dequantize(dtype=x.dtype)
 
 
 def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
@@ -123,6 +146,10 @@ def _define(overload: str, q_type: str, unpack) -> None:
         _lib.define(f"{name}.{overload}(Tensor x, {q_type}) -> {ret}")
         _lib.impl(f"{name}.{overload}", impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
+    for name, body in (("quantize", _quantize_lowered), ("qdq", _qdq_lowered)):
+        capture.lower(getattr(getattr(torch.ops.quant, name), overload),
+                      lambda x, *args, body=body: body(x, unpack(*args)),
+                      lambda x, *args: x.device)
     torch.library.register_autograd(
         f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
     )

@@ -24,8 +24,10 @@ from quant_core import (
     NVFP4TensorStorage,
     backends,
 )
+from quant_core.kernel_capture import NotCapturable
 from quant_core.storage import absent_buffer
 
+from .compiling import available, dynamo
 from .gemm_fast import fast_gemm
 
 HP, FP8, MXFP8, FP8_BLOCK, NVFP4 = range(5)
@@ -38,10 +40,13 @@ _LAST: list[str] = []
 def gemm_paths() -> dict[str, int]:
     """How many GEMMs chose each path since the last :func:`reset_gemm_paths`.
 
-    Counted where the path is decided, in Python, each time the GEMM op runs: eagerly and in
-    compiled code per call, and once per GEMM at CUDA-graph capture (``torch.cuda.graph`` or
-    ``torch.compile(mode="reduce-overhead")``). A graph replay runs the captured kernels without
-    Python and counts nothing: the capture's count says which paths every replay takes.
+    Counted where the path is decided, in Python, each time the GEMM op runs: eagerly, in
+    compiled code where the GEMM stays an opaque op, and once per GEMM at CUDA-graph capture
+    (``torch.cuda.graph``). A graph replay runs the captured kernels without Python and counts
+    nothing: the capture's count says which paths every replay takes. Likewise a fast-path GEMM
+    lowered into a compiled graph (CUDA under Inductor, :func:`quant_dynamo.lower_to_kernels`)
+    runs no Python per call and is not counted: an eager step shows the paths it takes, decided
+    by the same code.
     """
     return dict(_PATHS)
 
@@ -213,8 +218,23 @@ def _qgemm_fake(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, tr
     return torch.empty((rows, cols), dtype=out_dtype, device=dev)
 
 
+def _qgemm_lowered(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, transb, bias,
+                   out_dtype):
+    """The body recorded into a compiled graph: a fast path only (cuBLAS or the backend's GEMM
+    kernel); the emulated and high-precision paths stay in the opaque op (``NotCapturable``)."""
+    ra = operand(list(a), list(a_meta), list(a_shape), transa, a_col)
+    rb = operand(list(b), list(b_meta), list(b_shape), not transb, b_col)
+    fast = fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+    if fast is None:
+        raise NotCapturable("no fast GEMM path for these operands")
+    return fast[0]
+
+
 _lib.impl("qgemm", _qgemm_cpu, "CompositeExplicitAutograd")
 torch.library.register_fake("quant_recipes::qgemm", _qgemm_fake, lib=_lib)
+if available():
+    dynamo().lower_to_kernels(torch.ops.quant_recipes.qgemm.default, _qgemm_lowered,
+                              lambda a, *args: a[0].device)
 
 
 def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb,

@@ -1,0 +1,146 @@
+"""Lowering the ``quant`` ops to backend kernels in compiled graphs (quant_dynamo.capture).
+
+On the CPU, Triton's interpreter cannot be recorded (torch's ``wrap_triton`` only records
+compiled kernels), so the mechanism is checked with a capturable stand-in backend whose functions
+are the reference's torch ops: under aot_eager the lowered graph runs the same ops, so its bytes
+must equal the eager op's, and no ``quant.quantize`` call may remain in the graph. The Triton
+lowering itself is checked on the GPU (bench/check_compile_cuda.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import quant_dynamo
+import torch
+from _dynamo_helpers import requires_api
+from functorch.compile import make_boxed_func
+from quant_core import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    backends,
+    reference,
+)
+from quant_core.kernel_capture import NotCapturable, capture, capturing
+from quant_dynamo import capture as lowering
+from torch._dynamo.backends.common import aot_autograd
+
+pytestmark = [
+    requires_api,
+    pytest.mark.skipif(not lowering.supported(), reason="torch lacks wrap_triton"),
+]
+
+QUANTIZERS = {
+    "current": Float8CurrentScalingQuantizer(columnwise_usage=True),
+    "mxfp8": MXFP8Quantizer(columnwise_usage=True),
+    "block": Float8BlockQuantizer(columnwise_usage=True),
+    "nvfp4": NVFP4Quantizer(columnwise_usage=True, with_rht=True, with_post_rht_amax=True),
+}
+
+
+@pytest.fixture
+def traced_backend(monkeypatch):
+    """A capturable CPU backend made of the reference's functions, preferred on the CPU."""
+    fns = {name: getattr(reference, name) for name in backends.FUNCTIONS}
+    backend = types.SimpleNamespace(name="traced_reference", priority=1000,
+                                    supports=lambda device: True, capturable=True, **fns)
+    backends.register(backend)
+    monkeypatch.setattr(lowering, "KERNEL_DEVICES", {"cuda", "cpu"})
+    yield backend
+    backends.unregister("traced_reference")
+
+
+def _compile_graphs(fn):
+    """``fn`` compiled with aot_eager, and the list its forward graphs' code is appended to."""
+    graphs: list[str] = []
+
+    def forward(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=aot_autograd(fw_compiler=forward), fullgraph=True), graphs
+
+
+def _x():
+    torch.manual_seed(0)
+    return torch.randn(64, 128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_quantize_is_lowered_with_the_eager_bytes(traced_backend, name):
+    q, x = QUANTIZERS[name], _x()
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.quantize(t, q))
+    got, want = compiled(x), quant_dynamo.quantize(x, q)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "quant.quantize" not in graphs[0]
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_qdq_is_lowered_with_the_eager_bytes(traced_backend, name):
+    q, x = QUANTIZERS[name], _x()
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.qdq(t, q))
+    assert torch.equal(compiled(x), quant_dynamo.qdq(x, q))
+    assert "quant.qdq" not in graphs[0]
+
+
+def test_stochastic_rounding_stays_opaque(traced_backend):
+    """Its seed must come from torch's generator, as in eager mode."""
+    q = NVFP4Quantizer(stochastic_rounding=True)
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.quantize(t, q))
+    compiled(_x())
+    assert "quant.quantize" in graphs[0]
+
+
+def test_a_backend_that_cannot_record_keeps_the_op():
+    """The reference (the CPU's default) is not capturable: Inductor could reorder its fp32
+    arithmetic, so the op stays opaque."""
+    assert not getattr(backends.get(None, "cpu"), "capturable", False)
+    q = QUANTIZERS["current"]
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.quantize(t, q))
+    x = _x()
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), quant_dynamo.quantize(x, q),
+                                                 strict=True))
+    assert "quant.quantize" in graphs[0]
+
+
+def test_quant_lowering_0_keeps_every_op(traced_backend, monkeypatch):
+    monkeypatch.setenv("QUANT_LOWERING", "0")
+    q = QUANTIZERS["mxfp8"]
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.quantize(t, q))
+    compiled(_x())
+    assert "quant.quantize" in graphs[0]
+
+
+def test_a_launch_that_cannot_be_recorded_keeps_the_op(traced_backend, monkeypatch):
+    def refuse(*args, **kwargs):
+        assert capturing()
+        raise NotCapturable("test")
+
+    monkeypatch.setattr(traced_backend, "amax", refuse)
+    q = QUANTIZERS["current"]
+    compiled, graphs = _compile_graphs(lambda t: quant_dynamo.quantize(t, q))
+    x = _x()
+    monkeypatch.undo()  # eager reference: the real backend functions
+    backends.register(types.SimpleNamespace(**{**vars(traced_backend), "amax": reference.amax}))
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), quant_dynamo.quantize(x, q),
+                                                 strict=True))
+    assert "quant.quantize" in graphs[0]
+
+
+def test_capture_is_thread_local_and_reentrant():
+    import threading
+
+    seen = []
+    with capture():
+        with capture():
+            assert capturing()
+        assert capturing()
+        t = threading.Thread(target=lambda: seen.append(capturing()))
+        t.start()
+        t.join()
+    assert not capturing() and seen == [False]
