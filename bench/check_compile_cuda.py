@@ -1,6 +1,8 @@
-"""On CUDA: fullgraph-compiled ``quant::qdq`` equals eager bitwise for every quantizer, with the
-Triton backend and with the reference; and a compiled quantized ``Linear`` per recipe equals its
-eager run, with the GEMM path each recipe took.
+"""On CUDA: fullgraph-compiled ``quant::quantize`` and ``quant::qdq`` equal eager bitwise for
+every quantizer with the Triton backend, and a compiled quantized ``Linear`` per recipe equals its
+eager run, with the GEMM path each recipe took. Each line also says how many opaque ``quant`` op
+calls and counted GEMMs the compiled call made: 0 where the ops are lowered to their kernels in
+Inductor's code (quant_dynamo.capture); ``QUANT_LOWERING=0`` keeps them opaque.
 
 Run on the GPU machine with the four packages installed (wheels):
 ``python bench/check_compile_cuda.py``.
@@ -22,6 +24,13 @@ from quant_core import (
     backends,
 )
 
+try:  # run from source trees (PYTHONPATH), the entry point that registers Triton is absent
+    from quant_kernels.backend import BACKEND
+
+    backends.register(BACKEND)
+except ImportError:
+    pass
+
 QUANTIZERS = {
     "current": Float8CurrentScalingQuantizer(),
     "mxfp8": MXFP8Quantizer(),
@@ -32,17 +41,50 @@ QUANTIZERS = {
 }
 
 
+_OPAQUE_CALLS = [0]
+
+
+def _count_opaque_calls() -> None:
+    """Count the Python bodies of the opaque ``quant`` ops (lowered ops never run them)."""
+    from quant_dynamo import ops
+
+    def counting(f):
+        def counted(*args):
+            _OPAQUE_CALLS[0] += 1
+            return f(*args)
+
+        return counted
+
+    for name in ("_quantize_impl", "_qdq_impl"):
+        setattr(ops, name, counting(getattr(ops, name)))
+
+
+def _compiled_call(fn, *args):
+    """``fn(*args)`` and the number of opaque quant op calls it made."""
+    _OPAQUE_CALLS[0] = 0
+    out = fn(*args)
+    torch.cuda.synchronize()
+    return out, _OPAQUE_CALLS[0]
+
+
 def _qdq_cases(results):
     x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
-    for backend in ("triton",):  # the reference is compiled on the CPU by tests/dynamo
-        os.environ["QUANT_BACKEND"] = backend
-        backends._choice_cache.clear()
-        for name, q in QUANTIZERS.items():
+    os.environ["QUANT_BACKEND"] = "triton"  # the reference is compiled on the CPU by tests/dynamo
+    backends._choice_cache.clear()
+    for name, q in QUANTIZERS.items():
+        q = q.with_usage(columnwise=True)
+        for op in ("quantize", "qdq"):
             torch._dynamo.reset()
-            fn = torch.compile(lambda t, q=q: quant_dynamo.qdq(t, q), fullgraph=True)
-            ok = torch.equal(fn(x), quant_dynamo.qdq(x, q))
+            fn = torch.compile(lambda t, q=q, op=op: getattr(quant_dynamo, op)(t, q),
+                               fullgraph=True)
+            fn(x)  # compile
+            got, opaque = _compiled_call(fn, x)
+            want = getattr(quant_dynamo, op)(x, q)
+            ok = (all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+                  if op == "quantize" else torch.equal(got, want))
             results.append(ok)
-            print(f"{'ok  ' if ok else 'FAIL'} qdq fullgraph inductor {backend:9s} {name}")
+            print(f"{'ok  ' if ok else 'FAIL'} {op:8s} fullgraph inductor {name:10s} "
+                  f"opaque calls {opaque}")
     os.environ.pop("QUANT_BACKEND")
     backends._choice_cache.clear()
 
@@ -73,18 +115,28 @@ def _linear_cases(results):
         x.grad = None
         layer.weight.grad = None
         torch._dynamo.reset()
-        compiled = torch.compile(step, fullgraph=True)(x)
+        fn = torch.compile(step, fullgraph=True)
+        fn(x).float().sum().backward()  # compile forward and backward
+        x.grad = None
+        layer.weight.grad = None
+        qr.reset_gemm_paths()
+        _OPAQUE_CALLS[0] = 0
+        compiled = fn(x)
         compiled.float().sum().backward()
+        torch.cuda.synchronize()
         ok = (torch.equal(eager, compiled) and torch.equal(g_eager[0], x.grad)
               and torch.equal(g_eager[1], layer.weight.grad))
         results.append(ok)
-        print(f"{'ok  ' if ok else 'FAIL'} Linear fwd+bwd compiled==eager {name:12s} gemm {paths}")
+        print(f"{'ok  ' if ok else 'FAIL'} Linear fwd+bwd compiled==eager {name:12s} gemm {paths}"
+              f"; compiled call: opaque quant calls {_OPAQUE_CALLS[0]}, "
+              f"counted GEMMs {qr.gemm_paths()}")
 
 
 def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"quant_dynamo mode {quant_dynamo.status()['mode']}, backends {backends.available()}")
     results: list[bool] = []
+    _count_opaque_calls()
     _qdq_cases(results)
     _linear_cases(results)
     passed = sum(results)

@@ -3,6 +3,9 @@
 # conformance of NVFP4 (check_gpu.py nvfp4), the kernel tests on CUDA, the NVFP4 bandwidth rows
 # (kernels.py, BENCH_ONLY=NVFP4), the host-overhead micro-benchmark with profiles, and the
 # training-step table (train_step.py; STEP_SHAPES, STEP_CONFIGS, STEP_MODES, STEP_LAYERS).
+# COMPILECHECK=1: compiled == eager with the ops lowered into Inductor's code
+# (check_compile_cuda.py); STEP_AB=1: the step again with QUANT_LOWERING=0 (AB_CONFIGS);
+# STEP_STATIC=1: again with Inductor's static launcher for the recorded kernels.
 set -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:$PWD/packages/quant-dynamo/src:$PWD/packages/quant-recipes/src:$PWD/.whl/torchao-0.18.0
@@ -14,8 +17,12 @@ if [ "${CHECK:-1}" = 1 ]; then
     echo "check rc=$?"; grep -E "mismatches=[1-9]|CHECKS|MISMATCH|took" "$OUT/check.log"
   fi
   (cd tests/kernels && timeout 200 python3 -m pytest -q -p no:cacheprovider ${KTESTS:-test_nvfp4.py} 2>&1 | tail -4)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/recipes/test_cuda_graphs.py > "$OUT/graphs.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/recipes/test_cuda_graphs.py tests/recipes/test_lowered_linear.py > "$OUT/graphs.log" 2>&1
   echo "cuda graph tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|^E  .*(Error|assert|mismatch)" "$OUT/graphs.log" | cut -c1-300 | head -30
+fi
+if [ "${COMPILECHECK:-0}" = 1 ]; then
+  timeout 400 python3 bench/check_compile_cuda.py > "$OUT/compile.log" 2>&1
+  echo "compile check rc=$?"; grep -E "^(ok|FAIL)|passed|Error|error" "$OUT/compile.log" | cut -c1-400 | tail -30
 fi
 if [ "${KERNELS:-1}" = 1 ]; then
   BENCH_ONLY=${BENCH_ONLY:-NVFP4} timeout 200 python3 bench/kernels.py "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
@@ -26,6 +33,14 @@ if [ "${HOST:-1}" = 1 ]; then
   echo "host rc=$?"; sed -n '/cProfile/q;p' "$OUT/host.log" | grep -v "^$"
 fi
 if [ "${STEP:-0}" = 1 ]; then
-  timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" ${STEP_CONFIGS:+--configs $STEP_CONFIGS} ${STEP_MODES:+--modes $STEP_MODES} ${STEP_LAYERS:+--layers $STEP_LAYERS} --json "$OUT/step.json" > "$OUT/step.log" 2>&1
-  echo "step rc=$?"; tail -25 "$OUT/step.log"
+  timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" ${STEP_CONFIGS:+--configs $STEP_CONFIGS} ${STEP_MODES:+--modes $STEP_MODES} ${STEP_LAYERS:+--layers $STEP_LAYERS} ${STEP_REPEAT:+--repeat $STEP_REPEAT} --json "$OUT/step.json" > "$OUT/step.log" 2>&1
+  echo "step rc=$?"; grep -v "^  \|Warning\|Configuration class" "$OUT/step.log" | tail -${STEP_TAIL:-25}
+fi
+if [ "${STEP_AB:-0}" = 1 ]; then
+  QUANT_LOWERING=0 timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" --configs "bf16,${AB_CONFIGS:-fp8_current}" ${STEP_MODES:+--modes $STEP_MODES} --json "$OUT/step_ab.json" > "$OUT/step_ab.log" 2>&1
+  echo "step (QUANT_LOWERING=0) rc=$?"; tail -12 "$OUT/step_ab.log"
+fi
+if [ "${STEP_STATIC:-0}" = 1 ]; then
+  timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --static-launch --shapes "${STEP_SHAPES:-4096x4096x4096}" --configs "bf16,${AB_CONFIGS:-fp8_current}" ${STEP_MODES:+--modes $STEP_MODES} --json "$OUT/step_static.json" > "$OUT/step_static.log" 2>&1
+  echo "step (static launch) rc=$?"; tail -12 "$OUT/step_static.log"
 fi

@@ -168,12 +168,12 @@ def gemm_call(x: torch.Tensor, device: torch.device):
                                  None, x.dtype)
 
 
-def compiled_step(n: int, device: torch.device):
-    """One compiled fp8_current training step of a bias-free ``Linear(n, n)`` on ``[n, n]``
+def compiled_step(n: int, device: torch.device, config: str = "fp8_current"):
+    """One compiled training step of a bias-free ``Linear(n, n)`` on ``[n, n]`` under ``config``
     (``bench/train_step.py``'s step)."""
     from train_step import make_step, step_inputs
 
-    return make_step("fp8_current", *step_inputs(n, n, n, device))[0]
+    return make_step(config, *step_inputs(n, n, n, device))[0]
 
 
 def main() -> None:
@@ -230,6 +230,12 @@ def main() -> None:
         results["step_fp8_current_4096"] = {"host_us": host, "gpu_us": gpu}
         print(f"compiled step fp8_current 4096^3: host {host:.1f} us, gpu {gpu:.1f} us")
         results["profiles"]["compiled step"] = profile_table(step, 20, top=30)
+        for config in ("mxfp8", "bf16"):
+            step = compiled_step(4096, dev, config)
+            host, gpu = per_call_us(step, 20, dev)
+            results[f"step_{config}_4096"] = {"host_us": host, "gpu_us": gpu}
+            print(f"compiled step {config} 4096^3: host {host:.1f} us, gpu {gpu:.1f} us")
+            results["profiles"][f"compiled step {config}"] = profile_table(step, 20, top=20)
     for name, table in results["profiles"].items():
         print(f"\n## cProfile: {name} ({args.iters} calls)\n{table}")
     if args.json:

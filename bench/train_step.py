@@ -31,8 +31,10 @@ packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -223,10 +225,45 @@ def make_step(name, x, w, g, compile_: bool = True, mode: str = "default", layer
     return step, clear, eager, params
 
 
+#: ``<ours>:<variant>`` runs one of OURS differently, for an A/B inside one process: "opaque"
+#: keeps the quant ops opaque (QUANT_LOWERING=0), "static" has Inductor launch the recorded
+#: Triton kernels with its C launcher (static_launch_user_defined_triton_kernels).
+VARIANTS = ("opaque", "static")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The environment of config ``name``'s variant while it compiles and runs."""
+    kind = name.partition(":")[2]
+    if kind == "opaque":
+        old = os.environ.get("QUANT_LOWERING")
+        os.environ["QUANT_LOWERING"] = "0"
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["QUANT_LOWERING"]
+            else:
+                os.environ["QUANT_LOWERING"] = old
+    elif kind == "static":
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(static_launch_user_defined_triton_kernels=True):
+            yield
+    else:
+        yield
+
+
 def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int = 1) -> dict:
+    with variant(name):
+        return _run_config(name, x, w, g, compile_, mode, layers)
+
+
+def _run_config(name, x, w, g, compile_: bool, mode: str, layers: int) -> dict:
     res: dict = {"config": name, "mode": mode}
-    step, clear, eager, params = make_step(name, x, w, g, compile_, mode, layers)
-    if name in OURS:  # paths from one eager step (a compiled step need not count them)
+    step, clear, eager, params = make_step(name.partition(":")[0], x, w, g, compile_, mode,
+                                           layers)
+    if name.partition(":")[0] in OURS:  # paths from one eager step (a compiled one need not count)
         qr.reset_gemm_paths()
         clear()
         eager(x).backward(g)
@@ -251,9 +288,21 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def _bf16_ms(rows: list[dict], mode: str) -> float | None:
-    return next((r["ms"] for r in rows
-                 if r["config"] == "bf16" and r["mode"] == mode and "ms" in r), None)
+def _bf16_ms(rows: list[dict], mode: str, rep: int = 0) -> float | None:
+    return next((r["ms"] for r in rows if r["config"] == "bf16" and r["mode"] == mode
+                 and r.get("rep", 0) == rep and "ms" in r), None)
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per config and mode, the median over repeats of the ratio to that repeat's bf16."""
+    print("\n| config | mode | vs bf16, median | each repeat |\n| --- | --- | --- | --- |")
+    keys = dict.fromkeys((r["config"], r["mode"]) for r in rows)
+    for config, mode in keys:
+        ratios = [r["vs_bf16"] for r in rows
+                  if (r["config"], r["mode"]) == (config, mode) and "vs_bf16" in r]
+        if ratios:
+            each = " ".join(f"{v:.2f}" for v in ratios)
+            print(f"| {config} | {mode} | {statistics.median(ratios):.2f}x | {each} |")
 
 
 def fmt_row(r: dict, base: float | None) -> str:
@@ -279,11 +328,23 @@ def main() -> None:
     p.add_argument("--modes", default="default",
                    help="comma-separated torch.compile modes: default, reduce-overhead")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the config list this many times (ratios: median over repeats)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
+    p.add_argument("--static-launch", action="store_true",
+                   help="torch._inductor.config.static_launch_user_defined_triton_kernels = True "
+                   "(Inductor's C launcher for recorded Triton kernels; a torch option)")
     args = p.parse_args()
+    if args.static_launch:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+            p.error(f"torch {torch.__version__} has no static_launch_user_defined_triton_kernels")
+        inductor_config.static_launch_user_defined_triton_kernels = True
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    unknown = [c for c in configs if c not in ALL_CONFIGS and not (
+        c.partition(":")[0] in OURS and c.partition(":")[2] in VARIANTS)]
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",") if s]
@@ -301,7 +362,8 @@ def main() -> None:
         ao_version = f"unavailable ({type(e).__name__}: {e})"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     env = {"torch": torch.__version__, "triton": triton.__version__, "torchao": ao_version,
-           "gpu": gpu, "compile": not args.no_compile}
+           "gpu": gpu, "compile": not args.no_compile, "static_launch": args.static_launch,
+           "lowering": os.environ.get("QUANT_LOWERING", "1") != "0"}
     print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
 
     results = []
@@ -309,7 +371,8 @@ def main() -> None:
         print(f"\n## M={m} K={k} N={n}", flush=True)
         x, w, g = step_inputs(m, k, n, device)
         rows = []
-        for mode, name in [(md, c) for md in args.modes.split(",") if md for c in configs]:
+        runs = [(md, c) for md in args.modes.split(",") if md for c in configs]
+        for i, (mode, name) in enumerate(runs * args.repeat):
             t0 = time.perf_counter()
             try:
                 r = run_config(name, x, w, g, not args.no_compile, mode, args.layers)
@@ -321,11 +384,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - report and go on with the next config
                 r = {"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"}
                 print(f"  {name}: FAILED {r['error']}", flush=True)
+            r["rep"] = i // len(runs)
             rows.append(r)
             x.grad = None
             free()
         for r in rows:
-            base = _bf16_ms(rows, r["mode"])
+            base = _bf16_ms(rows, r["mode"], r["rep"])
             if "ms" in r and base:
                 r["vs_bf16"] = base / r["ms"]  # speed-up: > 1 is faster than bf16
         results.append({"shape": [m, k, n], "rows": rows})
@@ -342,8 +406,10 @@ def main() -> None:
                   "| GEMM paths |")
             print("| --- | --- | --- | --- | --- | --- | --- |")
             for r in s["rows"]:
-                if r["mode"] == mode:
+                if r["mode"] == mode and r["rep"] == 0:
                     print(fmt_row(r, base))
+        if args.repeat > 1:
+            print_medians(s["rows"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": results}, f, indent=1)
