@@ -148,11 +148,11 @@ def floors(x: torch.Tensor, iters: int) -> dict[str, float]:
             lambda: torch.ops.quant_bench.noop(x), iters, dev)[0],
     }
     if dev.type == "cuda":
-        from quant_kernels import fp8_tensor
+        from quant_kernels import _amax
 
         out = torch.zeros(1, dtype=torch.float32, device=dev)
         res["triton launch (amax kernel, 1 program)"] = per_call_us(
-            lambda: fp8_tensor._amax_kernel[(1,)](x, out.view(torch.int32), 1, 1, BLOCK=1024),
+            lambda: _amax._amax_kernel[(1,)](x, out.view(torch.int32), 1, 1, BLOCK=1024),
             iters, dev)[0]
     return res
 

@@ -14,7 +14,7 @@ import os
 import torch
 from quant_core import reference
 
-from . import fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
+from . import _amax, fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
 from ._common import interpreting
 
 
@@ -43,7 +43,7 @@ class TritonBackend:
         """Automatic choice takes Triton on CUDA only: the interpreter is for tests, by name."""
         return torch.device(device).type == "cuda"
 
-    amax = staticmethod(fp8_tensor.amax)
+    amax = staticmethod(_amax.amax)
     current_scale = staticmethod(fp8_tensor.current_scale)
     fp8_quantize = staticmethod(fp8_tensor.fp8_quantize)
     fp8_current_quantize = staticmethod(fp8_tensor.fp8_current_quantize)

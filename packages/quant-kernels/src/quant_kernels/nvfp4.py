@@ -12,6 +12,7 @@ import triton.language as tl
 from quant_core import shapes
 from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_input
 
+from ._amax import amax_into
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
 from ._layout import scale_offset
 from ._rounding import (
@@ -33,7 +34,6 @@ from ._rounding import (
     to_out,
     widen,
 )
-from .fp8_tensor import amax_into
 
 CONFIGS["nvfp4_row"] = {
     "gpu": {"BM": 32, "BK": 256, "num_warps": 4},

@@ -1,0 +1,86 @@
+"""NaN-dropping amax passes shared by the formats (`numerics.md` §3 step 1, §7.3): a persistent
+grid whose programs keep an elementwise running max, then one atomic max each (:func:`amax`,
+:func:`amax_into`) or one partial each for a consumer to reduce (:func:`amax_partials`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, tile_args
+from ._rounding import abs_for_max, f32_bits
+
+#: amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
+CONFIGS["amax"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
+                   "interp": {"BLOCK": 4096, "per_sm": 1}}
+#: current scaling's amax: fewer programs, whose partial maxima every cast program reads.
+CONFIGS["amax_partials"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 4},
+                            "interp": {"BLOCK": 4096, "per_sm": 1}}
+
+
+@triton.jit
+def _program_max(x_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    """NaN-dropping ``max|x|`` over this program's tiles of a persistent grid (>= 0)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    t = tl.program_id(0).to(tl.int64)
+    while t < n_tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
+        offs = t * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, abs_for_max(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+        t += tl.num_programs(0)
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    tl.atomic_max(out_bits_ptr, f32_bits(_program_max(x_ptr, n, n_tiles, BLOCK)))
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, parts_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    tl.store(parts_ptr + tl.program_id(0), _program_max(x_ptr, n, n_tiles, BLOCK))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if interpreting() or dev.type != "cuda":
+        return 2
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Max-accumulate NaN-dropping ``max|x|`` into fp32 ``out (1,)`` (non-negative) in place:
+    a persistent grid, an elementwise running max per program, one atomic max (fp32 bits) each."""
+    n = x.numel()
+    if n == 0:
+        return
+    cfg = config("amax")
+    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
+    launch(_amax_kernel, (grid,), x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
+           **launch_kwargs(cfg))
+
+
+def amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Each program's NaN-dropping ``max|x|`` of non-empty ``x`` (fp32, no initialisation and no
+    atomics: the consumer takes the max of all of them)."""
+    n = x.numel()
+    cfg = config("amax_partials")
+    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
+    parts = torch.empty(grid, dtype=torch.float32, device=x.device)
+    launch(_amax_partials_kernel, (grid,), x, parts, n, n_tiles, **tile_args(cfg),
+           **launch_kwargs(cfg))
+    return parts
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as fp32 ``(1,)``, NaN dropped, 0 for an empty tensor (one atomic-max pass)."""
+    out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    amax_into(x.reshape(-1), out)
+    return out
