@@ -5,7 +5,10 @@ from __future__ import annotations
 import pathlib
 import re
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def test_readme_usage_example_runs():
@@ -39,8 +42,6 @@ def _load_noxfile(monkeypatch):
 
 def test_sessions_that_compile_stop_with_one_line_without_a_cxx_compiler(monkeypatch, tmp_path):
     """Issue 16 item 3: without g++ the compile tests failed one by one (InvalidCxxCompiler)."""
-    import pytest
-
     noxfile = _load_noxfile(monkeypatch)
 
     class Session:
@@ -55,3 +56,17 @@ def test_sessions_that_compile_stop_with_one_line_without_a_cxx_compiler(monkeyp
     fake_cxx.write_text("#!/bin/sh\n")
     fake_cxx.chmod(0o755)
     noxfile._require_cxx(Session())  # a compiler on PATH: no error
+
+
+@pytest.mark.parametrize("package", ["quant-core", "quant-kernels", "quant-dynamo",
+                                     "quant-recipes"])
+def test_package_readme_names_every_module(package):
+    """Each package README's module table names every module (a directory by ``name/``)."""
+    root = ROOT / "packages" / package
+    (src,) = [d for d in (root / "src").iterdir() if d.is_dir() and not d.name.endswith("info")]
+    readme = (root / "README.md").read_text()
+    missing = [f.name + ("/" if f.is_dir() else "") for f in sorted(src.iterdir())
+               if f.name != "__init__.py" and (f.suffix == ".py" or (
+                   f.is_dir() and any(g.suffix == ".py" for g in f.iterdir())))
+               and f"`{f.name}{'/' if f.is_dir() else ''}`" not in readme]
+    assert not missing, f"{package}/README.md does not name {missing}"

@@ -1,4 +1,5 @@
-"""Launch plumbing shared by the kernel modules: interpreter detection and tile configs."""
+"""Launch plumbing shared by the kernel modules: interpreter detection, tile configs, output dtype
+codes and :func:`launch` (direct, or recorded into a compiled graph)."""
 
 from __future__ import annotations
 
