@@ -40,10 +40,22 @@ def _fake_cuda_target() -> None:
         triton.runtime.driver.set_active(Target())
 
 
+def _writes_analysis():
+    """``f(kernel, kwargs) -> set of written argument names`` from this torch's analysis
+    (``identify_accessed_tensors`` from 2.13, ``identify_mutated_tensors`` before)."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    if hasattr(wrap, "identify_accessed_tensors"):
+        return lambda kernel, kw: {d.name for d in wrap.identify_accessed_tensors(
+            kernel, kw, {}).read_writes.writes}
+    return lambda kernel, kw: set(wrap.identify_mutated_tensors(kernel, kw, {}))
+
+
 def main() -> int:
     _fake_cuda_target()
     from quant_kernels.backend import BACKEND as B
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    writes_of = _writes_analysis()
 
     launches = []
 
@@ -85,8 +97,7 @@ def main() -> int:
         for kernel, bound in launches:
             inputs = {k for k, v in bound.items() if isinstance(v, torch.Tensor)
                       and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()}
-            acc = identify_accessed_tensors(kernel, bound, {})
-            writes = {d.name for d in acc.read_writes.writes}
+            writes = writes_of(kernel, bound)
             wrong = inputs & writes
             bad += bool(wrong)
             print(f"{'FAIL' if wrong else 'ok  '} {name:15s} {kernel.__name__:24s} "

@@ -79,6 +79,19 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
     assert "emulated" in text
 
 
+def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):
+    pytest.importorskip("quant_dynamo")
+    from quant_dynamo import capture
+
+    if not capture.supported():
+        pytest.skip("this torch cannot record Triton launches")
+    main(["doctor"])
+    assert "kernels in graph yes on cuda" in capsys.readouterr().out
+    monkeypatch.setenv("QUANT_LOWERING", "0")
+    main(["doctor"])
+    assert "kernels in graph no (QUANT_LOWERING=0)" in capsys.readouterr().out
+
+
 def test_doctor_format_table_follows_the_capability():
     from quant_recipes.doctor import format_support
 

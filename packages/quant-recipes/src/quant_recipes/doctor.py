@@ -27,6 +27,19 @@ def compile_mode() -> str:
     return str(quant_dynamo.status()["mode"])
 
 
+def lowering() -> str:
+    """Whether compiled graphs launch the quant kernels from Inductor's code, or why not."""
+    try:
+        from quant_dynamo import capture
+    except ImportError:
+        return "no (quant-dynamo is not installed)"
+    if not capture.supported():
+        return f"no (torch {torch.__version__} lacks wrap_triton / register_torch_dispatch)"
+    if not capture.enabled():
+        return "no (QUANT_LOWERING=0)"
+    return "yes on " + ", ".join(sorted(capture.KERNEL_DEVICES)) + " with a capturable backend"
+
+
 def _has_kernels() -> bool:
     return any(name != "reference" for name in backends.available())
 
@@ -84,6 +97,7 @@ def run_doctor() -> int:
     for dist in ("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"):
         print(f"{dist:16s} {_version(dist)}")
     print(f"compile API      {compile_mode()}")
+    print(f"kernels in graph {lowering()}")
     print(f"backends         {', '.join(backends.available())}")
     capability = None
     if torch.cuda.is_available():
