@@ -17,9 +17,15 @@ def test_readme_usage_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", usage, flags=re.S)
     assert blocks, "the README's Usage section has no python example"
     namespace: dict = {}
-    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
+    for block in blocks:  # in order, one namespace: later blocks use earlier names
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
     assert namespace["q_rowwise"].columnwise_usage is False
     assert namespace["model"][0].weight.grad is not None
+    net = namespace["net"]
+    import quant_recipes
+
+    assert type(net[0]) is quant_recipes.Linear and type(net[2]) is namespace["torch"].nn.Linear
+    assert net[0].weight.grad is not None
 
 
 def _load_noxfile(monkeypatch):

@@ -6,6 +6,7 @@ are used when installed (quant-dynamo is imported with the package: :mod:`.compi
 
 from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
 from .autocast import Frame, autocast, current_frame, default_recipe
+from .convert import convert, unconvert
 from .gemm import gemm_paths, last_gemm_path, reset_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
 from .linear import Linear
@@ -46,4 +47,5 @@ __all__ = [
     "NVFP4BlockScalingRecipeState", "CustomRecipeState", "IdentityQuantizer",
     "HighPrecisionStorage", "autocast", "Frame", "current_frame", "default_recipe",
     "QuantizedModule", "Linear", "intern", "gemm_paths", "last_gemm_path", "reset_gemm_paths",
+    "convert", "unconvert",
 ]

@@ -1,0 +1,125 @@
+"""``convert`` / ``unconvert`` on an existing model (issue 17 item 1)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import quant_recipes as qr
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, d: int = 64, vocab: int = 96) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(2))
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.lm_head(h)
+
+
+def _model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return Toy().to(dtype)
+
+
+def test_convert_shares_parameters_and_names_layers_by_fqn():
+    model = _model()
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    qr.convert(model)
+    for fqn in ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down"):
+        layer = model.get_submodule(fqn)
+        assert type(layer) is qr.Linear and layer.name == fqn
+    assert type(model.lm_head) is torch.nn.Linear  # the head stays in high precision
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)  # the same Parameter objects
+    assert list(model.state_dict()) == keys
+
+
+def test_default_filter_keeps_the_last_linear_and_named_heads():
+    seq = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    qr.convert(seq)
+    assert type(seq[0]) is qr.Linear and type(seq[2]) is torch.nn.Linear
+    qr.convert(seq, filter=lambda fqn, m: True)
+    assert type(seq[2]) is qr.Linear
+
+
+def test_filter_receives_fqn_and_module():
+    model = _model()
+    seen = []
+    qr.convert(model, filter=lambda fqn, m: seen.append((fqn, type(m))) or fqn.endswith("up"))
+    assert ("blocks.1.down", torch.nn.Linear) in seen
+    assert type(model.blocks[0].up) is qr.Linear
+    assert type(model.blocks[0].down) is torch.nn.Linear
+
+
+def test_layers_a_recipe_cannot_take_are_skipped_with_a_warning(caplog):
+    seq = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64),
+                              torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(seq, recipe=qr.MXFP8BlockScaling(), filter=lambda fqn, m: True)
+    # N = 48 (grad_output K) and K = 48 are not multiples of 32; N = 8 neither
+    assert [type(m) is qr.Linear for m in seq] == [False, False, True, False]
+    text = caplog.text
+    assert "0 stays in high precision: MXFP8BlockScaling cannot take in_features=64, " \
+           "out_features=48" in text
+    assert "multiple of 32" in text
+
+
+def test_converted_model_trains_under_autocast_and_the_optimizer_steps_the_same_tensors():
+    model = _model(torch.float32)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    qr.convert(model)
+    ids = torch.randint(0, 96, (4, 16))
+    with qr.autocast(recipe=qr.Float8CurrentScaling()):
+        loss = model(ids).float().logsumexp(-1).mean()
+    loss.backward()
+    w = model.blocks[0].up.weight
+    old = w.detach().clone()
+    opt.step()  # the optimizer built before convert updates the converted layer's weight
+    assert not torch.equal(w, old)
+    with torch.no_grad():  # outside autocast a converted model computes what the original does
+        assert torch.equal(qr.unconvert(copy.deepcopy(model))(ids), model(ids))
+    assert reference.blocks[0].up.weight.shape == w.shape
+
+
+def test_unconvert_restores_plain_linears_with_the_same_parameters():
+    model = _model()
+    before = dict(model.named_parameters())
+    qr.unconvert(qr.convert(model))
+    assert not any(isinstance(m, qr.Linear) for m in model.modules())
+    assert all(p is before[k] for k, p in model.named_parameters())
+    assert type(model.blocks[0].up) is torch.nn.Linear
+
+
+def test_state_dict_round_trips_between_converted_and_plain_models():
+    plain, converted = _model(), qr.convert(_model())
+    converted.load_state_dict(plain.state_dict())
+    plain.load_state_dict(converted.state_dict())
+
+
+@pytest.mark.parametrize("bad", [object(), torch.nn.Linear(4, 4)])
+def test_convert_refuses_what_it_cannot_convert(bad):
+    with pytest.raises(TypeError, match="convert: "):
+        qr.convert(bad)
+    with pytest.raises(TypeError, match="recipe must be a quant_recipes.Recipe"):
+        qr.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), recipe="mxfp8")
