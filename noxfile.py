@@ -28,15 +28,17 @@ nox.options.envdir = os.environ.get(
 )
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "compat"]
+nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "hf", "compat"]
 
 #: torch for the main suite: the CPU build that lies on this machine's disk.
 TEST_TORCH = "2.13.0"
 #: Triton as on the H200 GPU machine, so interpreter and hardware see the same compiler.
 TRITON = "3.6.0"
-#: Releases whose opaque-object API differs (spec/torch-versions.md).
+#: Releases whose opaque-object API differs (docs/torch-versions.md).
 COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
+#: Hugging Face Transformers for tests/hf only (never a runtime dependency).
+TRANSFORMERS = "transformers==5.24.0"
 #: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy. Triton
 #: 3.6's interpreter turns a loop bound into a Python int with ``int(array)``, which numpy 2.4
 #: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.
@@ -168,6 +170,16 @@ def tests(session: nox.Session) -> None:
         _editable("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"),
     )
     _pytest(session, "tests", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(python="3.11")
+def hf(session: nox.Session) -> None:
+    """A Hugging Face Llama converted, trained eagerly and compiled (tests/hf; transformers is a
+    test dependency of this session only)."""
+    _require_cxx(session)
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", TRANSFORMERS, *TEST_TOOLS])
+    _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
+    _pytest(session, "tests/hf")
 
 
 @nox.session(python="3.11")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-#: spec/torch-versions.md §1: the mode of each release of the compat matrix.
+#: docs/torch-versions.md §1: the mode of each release of the compat matrix.
 EXPECTED_MODE = {
     "2.9.1": "none",
     "2.10.0": "repr",

@@ -1,6 +1,6 @@
 """On every torch release, a compiled quantized ``Linear`` gives eager's bits, forward and
 backward: with ``fullgraph=True`` where quant-dynamo has an opaque-object API, and through graph
-breaks where it has none (torch 2.9: `spec/torch-versions.md` §3)."""
+breaks where it has none (torch 2.9: `docs/torch-versions.md` §3)."""
 
 from __future__ import annotations
 

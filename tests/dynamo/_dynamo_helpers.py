@@ -20,7 +20,7 @@ HAS_API = quant_dynamo.compile_supported()
 requires_api = pytest.mark.skipif(
     not HAS_API,
     reason=f"torch {torch.__version__} has no opaque-object API (mode 'none'): quantizers cannot "
-    "be custom-op arguments, so fullgraph=True is not promised (spec/torch-versions.md §3)",
+    "be custom-op arguments, so fullgraph=True is not promised (docs/torch-versions.md §3)",
 )
 #: torch 2.10 rebuilds a value with repr() and only its own class name in scope: no nesting.
 requires_nesting = pytest.mark.skipif(

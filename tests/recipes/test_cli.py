@@ -37,6 +37,34 @@ def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert (out / "loss_curves.png").exists() == HAVE_MATPLOTLIB
 
 
+def test_demo_gpt_trains_a_converted_transformer(tmp_path, capsys):
+    """Issue 17 item 3: ``--model gpt`` converts a plain transformer and reports validation
+    loss and tokens/s."""
+    argv = ["demo", "--model", "gpt", "--steps", "3", "--recipes", "baseline,fp8_current",
+            "--out", str(tmp_path), "--no-plot", "--batch", "2"]
+    assert main(argv) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("recipe"))
+    assert "val loss" in header and "tok/s" in header
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["model"] == "gpt"
+    runs = {r["recipe"]: r for r in results["runs"]}
+    for run in runs.values():
+        assert run["val_loss"] > 0 and run["tokens_per_s"] > 0 and len(run["losses"]) == 3
+    assert runs["baseline"]["gemm_path"] == "-"
+    assert runs["fp8_current"]["gemm_path"] != "-"  # convert() quantized the projections
+
+
+def test_demo_help_gives_an_example_per_option():
+    from quant_recipes.cli import build_parser
+
+    parser = build_parser()
+    demo = next(a for a in parser._actions if a.dest == "command").choices["demo"]
+    options = [a for a in demo._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 10
+    assert [a.option_strings[0] for a in options if "e.g." not in a.help] == []
+
+
 def test_demo_without_compile(tmp_path, capsys):
     out = tmp_path / "eager"
     args = ["demo", "--steps", "2", "--recipes", "fp8_current", "--no-compile", "--no-plot",
@@ -173,9 +201,9 @@ def test_progress_line_fits_a_narrow_terminal():
 def test_demo_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
-    text = capsys.readouterr().out
-    for default in ("(default: 300)", "(default: all)", "(default: auto", "(default: 64)",
-                    "(default: 0)"):
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    for default in ("default: 300)", "default: all)", "default: auto", "default: 64 for mlp",
+                    "default: 0)", "default: mlp)"):
         assert default in text
     assert "./quant-demo" in text
 

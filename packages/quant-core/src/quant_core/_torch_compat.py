@@ -4,7 +4,7 @@ torch 2.11 requires every opaque class, value types included, to use ``OpaqueBas
 be decided when the class is created, so quant-core decides it at import. Every other release gets
 plain ``ABCMeta`` (2.12+ dropped the requirement; 2.14+ warns when ``torch._opaque_base`` is
 imported, so it is never imported there). Features are probed, not version strings
-(`spec/torch-versions.md` §3).
+(`docs/torch-versions.md` §3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import inspect
 
 def opaque_api_generation() -> str:
     """Which opaque-object API this torch has: "custom_class", "opaque_value",
-    "opaque_value_base", "repr" or "none" (the modes of `spec/torch-versions.md` §1)."""
+    "opaque_value_base", "repr" or "none" (the modes of `docs/torch-versions.md` §1)."""
     try:
         from torch._library import opaque_object
     except ImportError:

@@ -1,4 +1,4 @@
-"""The ``Quantizer`` base and opt-in value identity (`spec/behaviour.md` §1–§3).
+"""The ``Quantizer`` base and opt-in value identity (`docs/behaviour.md` §1–§3).
 
 Class annotations are the single source of truth for a quantizer's configuration: the four base
 fields plus each subclass's own, in MRO order (base first). A class becomes a *value quantizer*

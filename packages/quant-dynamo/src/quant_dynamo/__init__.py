@@ -2,7 +2,7 @@
 
 ``import quant_dynamo`` registers every value quantizer class of quant-core (the four tensorless
 ones and every class decorated with ``@value_quantizer`` later) with the opaque-object API of the
-running torch (`spec/torch-versions.md`), and defines the custom ops ``torch.ops.quant.quantize``
+running torch (`docs/torch-versions.md`), and defines the custom ops ``torch.ops.quant.quantize``
 and ``torch.ops.quant.qdq``. The import never fails; on a torch without the API (2.9) value
 semantics still hold in eager mode and the ops take the quantizer flattened into strings.
 

@@ -1,6 +1,6 @@
 """The probe: which opaque-object API this torch has, behind one small interface.
 
-Features are probed, not version strings (`spec/torch-versions.md` §3). The probe never raises:
+Features are probed, not version strings (`docs/torch-versions.md` §3). The probe never raises:
 a missing module or attribute means mode ``"none"``. On 2.14+ only ``torch._custom_class_base``
 and ``torch._library.opaque_object`` are touched, never the warning alias ``torch._opaque_base``.
 """

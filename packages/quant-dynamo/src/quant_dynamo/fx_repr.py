@@ -1,4 +1,4 @@
-"""Evaluable representations of value quantizers for FX codegen (`spec/behaviour.md` §2.8).
+"""Evaluable representations of value quantizers for FX codegen (`docs/behaviour.md` §2.8).
 
 ``__fx_repr__`` (torch 2.11+) returns ``(expr, globals)`` with
 ``expr = "_rebuild_quantizer(ClassName, <key items>)"``; torch 2.10 instead evals ``repr(q)`` with

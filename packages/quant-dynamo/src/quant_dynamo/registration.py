@@ -1,4 +1,4 @@
-"""Registering value quantizer classes with torch (`spec/behaviour.md` §2.9).
+"""Registering value quantizer classes with torch (`docs/behaviour.md` §2.9).
 
 Order per class: validate (quant-core's ``@value_quantizer``), attach ``__fx_repr__`` (and the
 2.10 repr), register with the probed API inside ``except (RuntimeError, TypeError)``, and only

@@ -27,30 +27,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train a small model under every recipe and compare the loss curves",
     )
+    demo.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                      help="mlp: a 3-layer MLP learns a random teacher (fast); gpt: a small "
+                      "transformer learns a generated character corpus, quantized with "
+                      "convert() (e.g. --model gpt; default: %(default)s)")
     demo.add_argument("--steps", type=_positive_int, default=300,
-                      help="training steps per recipe (default: %(default)s)")
+                      help="training steps per recipe (e.g. --steps 100; default: %(default)s)")
     demo.add_argument(
         "--recipes", default=",".join(DEFAULT_RECIPES),
-        help=f"comma-separated recipes to run, from: {', '.join(RECIPES)} (default: all)",
+        help=f"comma-separated recipes to run, from: {', '.join(RECIPES)} "
+        "(e.g. --recipes baseline,mxfp8; default: all)",
     )
     demo.add_argument(
         "--device", default="auto",
-        help="cpu, cuda, cuda:N, or auto (default: auto, which is cuda when available)",
+        help="cpu, cuda, cuda:N, or auto (e.g. --device cuda:1; default: auto, which is cuda "
+        "when available)",
     )
     demo.add_argument("--out", default="quant-demo",
-                      help="folder for the plot and results.json (default: ./%(default)s)")
+                      help="folder for the plot and results.json (e.g. --out /tmp/run1; "
+                      "default: ./%(default)s)")
     demo.add_argument(
-        "--no-compile", action="store_true", help="run eagerly, without torch.compile"
+        "--no-compile", action="store_true",
+        help="run eagerly, without torch.compile (e.g. to compare eager and compiled speed)",
     )
     demo.add_argument(
         "--compile-backend", default=None,
-        help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
+        help="torch.compile backend (e.g. --compile-backend inductor; default: inductor on "
+        "CUDA, aot_eager on CPU)",
     )
-    demo.add_argument("--batch", type=_positive_int, default=64,
-                      help="batch size in rows (default: %(default)s)")
+    demo.add_argument("--batch", type=_positive_int, default=None,
+                      help="batch size: rows for mlp, sequences for gpt (e.g. --batch 32; "
+                      "default: 64 for mlp, 16 on CPU and 8 on CUDA for gpt)")
     demo.add_argument("--seed", type=int, default=0,
-                      help="seed for the data and the weights (default: %(default)s)")
-    demo.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+                      help="seed for the data and the weights (e.g. --seed 1; default: "
+                      "%(default)s)")
+    demo.add_argument("--no-plot", action="store_true",
+                      help="do not write the PNG plot (e.g. on a machine without matplotlib)")
 
     sub.add_parser("doctor", help="what this machine supports: versions, backends, formats")
     return parser

@@ -1,8 +1,12 @@
-"""``quant demo``: train a small MLP of quantized ``Linear`` layers under every recipe.
+"""``quant demo``: train a small model under every recipe and compare.
 
-The task needs no download: a fixed random teacher MLP maps Gaussian inputs to targets, and the
-student learns it with mean-squared error. Every recipe sees the same data and initial weights,
-so the loss gap to the high-precision baseline measures the cost of the format.
+Two tasks, neither needs a download. ``--model mlp`` (the default): a fixed random teacher MLP
+maps Gaussian inputs to targets and a student of three quantized ``Linear`` layers learns it with
+mean-squared error. ``--model gpt``: a decoder-only transformer of plain ``torch.nn`` layers,
+quantized with :func:`quant_recipes.convert`, learns a generated character corpus
+(:mod:`.demo_gpt`); the table adds the validation loss and tokens per second. Every recipe sees
+the same data and initial weights, so the loss gap to the high-precision baseline measures the
+cost of the format.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from quant_core import DType, Float8CurrentScalingQuantizer, MXFP8Quantizer, bac
 from torch import nn
 
 from .compiling import available, dynamo
+from .module import QuantizedModule
 from .progress import Progress, fit, terminal_columns
 
 D_IN, HIDDEN, D_OUT = 64, 128, 32
@@ -82,6 +87,43 @@ class RunResult:
     ms_per_step: float | None = None  # None: no timed step (the first one compiles)
     gemm_path: str = "-"
     note: str = ""
+    val_loss: float | None = None  # tasks with a held-out set (gpt)
+    tokens_per_s: float | None = None  # tasks with tokens (gpt)
+
+
+class MLPTask:
+    """The teacher-student regression of :class:`TinyMLP` (rows of Gaussian inputs)."""
+
+    name = "mlp"
+    loss_label = "MSE loss"
+
+    def __init__(self, device: torch.device, seed: int, batch: int | None = None) -> None:
+        self.device, self.seed, self.batch = device, seed, batch or 64
+        self.teacher = _teacher(device, seed)
+        self.tokens_per_step = self.batch
+
+    def model(self, dtype: torch.dtype) -> nn.Module:
+        return TinyMLP(self.device, dtype)
+
+    def batches(self, steps: int):
+        for x in _batches(self.device, torch.bfloat16, self.batch, steps, self.seed):
+            yield x, self.teacher(x)
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), target)
+
+    def validate(self, forward) -> None:
+        return None
+
+
+def make_task(model: str, device: torch.device, seed: int, batch: int | None):
+    """The task of ``--model`` (``mlp`` or ``gpt``)."""
+    if model == "gpt":
+        from .demo_gpt import GPTTask
+
+        return GPTTask(device, seed, batch)
+    return MLPTask(device, seed, batch)
 
 
 class _CountingBackend:
@@ -115,21 +157,26 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
-    """Train a fresh model under ``recipe`` (None: high precision) and collect the figures."""
-    from . import autocast
+def train_one(name: str, recipe, args, device, progress: Progress, task=None) -> RunResult:
+    """Train a fresh model of ``task`` (default: the MLP) under ``recipe`` (None: high
+    precision) and collect the figures."""
+    from . import autocast, convert
 
+    task = task or MLPTask(device, args.seed, args.batch)
     dtype = torch.bfloat16
     torch.manual_seed(args.seed)
-    model = TinyMLP(device, dtype)
+    model = task.model(dtype)
+    if recipe is not None and not any(isinstance(m, QuantizedModule) for m in model.modules()):
+        convert(model, recipe=recipe)  # a plain model (gpt): quantize it as a user would
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    teacher = _teacher(device, args.seed)
     result = RunResult(recipe=name)
 
-    def loss_fn(x, y):
+    def forward(x):
         with autocast(enabled=recipe is not None, recipe=recipe):
-            out = model(x)
-        return nn.functional.mse_loss(out.float(), y)
+            return model(x)
+
+    def loss_fn(x, y):
+        return task.loss(forward(x), y)
 
     step_fn, counter = loss_fn, None
     if not args.no_compile:
@@ -143,8 +190,7 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
     reset_gemm_paths()
     times = []
     warmup = max(1, args.steps // 10)  # one step at least: it includes compilation
-    for i, x in enumerate(_batches(device, dtype, args.batch, args.steps, args.seed)):
-        y = teacher(x)
+    for i, (x, y) in enumerate(task.batches(args.steps)):
         start = time.perf_counter()
         try:
             loss = step_fn(x, y)
@@ -164,10 +210,13 @@ def train_one(name: str, recipe, args, device, progress: Progress) -> RunResult:
         result.losses.append(loss.item())
         progress.update(name, i + 1, result.losses[-1])
     result.ms_per_step = 1000 * sorted(times)[len(times) // 2] if times else None
+    if result.ms_per_step:
+        result.tokens_per_s = task.tokens_per_step / (result.ms_per_step / 1000)
     if counter is not None:
         result.compiles = counter.frames
         result.graph_breaks = _graph_breaks()
     result.gemm_path = _gemm_path()
+    result.val_loss = task.validate(forward)  # eagerly: no_grad would be a new graph
     return result
 
 
@@ -206,13 +255,15 @@ def _ms(value: float | None) -> str:
 
 def format_table(results: list[RunResult], columns: int | None = None) -> str:
     """The result table, each line fitted to ``columns`` (default: the terminal's width); notes
-    follow the table on lines of their own. The quant backend is printed above it (one value)."""
+    follow the table on lines of their own. The quant backend is printed above it (one value).
+    Tasks with a held-out set (gpt) show the validation loss and tokens/s instead of the
+    compile count."""
     columns = columns or terminal_columns()
     base = next((r for r in results if r.recipe == "baseline"), None)
-    header = (
-        f"{'recipe':13s} {'final loss':>10s} {'vs base':>8s} {'compiles':>8s} "
-        f"{'breaks':>6s} {'ms/step':>8s}  gemm"
-    )
+    tokens = any(r.val_loss is not None for r in results)
+    middle = f"{'val loss':>8s} {'tok/s':>8s}" if tokens else f"{'compiles':>8s}"
+    header = (f"{'recipe':13s} {'final loss':>10s} {'vs base':>8s} {middle} {'breaks':>6s} "
+              f"{'ms/step':>8s}  gemm")
     lines = [header, "-" * min(len(header) + 16, columns - 1)]
     notes = []
     for r in results:
@@ -221,13 +272,21 @@ def format_table(results: list[RunResult], columns: int | None = None) -> str:
         if base is not None and r is not base:
             ref = sum(base.losses[-5:]) / len(base.losses[-5:])
             gap = f"{100 * (final - ref) / ref:+.1f}%"
+        if tokens:
+            val = "-" if r.val_loss is None else f"{r.val_loss:.4f}"
+            tok = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}"
+            cells = f"{val:>8s} {tok:>8s}"
+        else:
+            cells = f"{r.compiles:8d}"
         lines.append(
-            f"{r.recipe:13s} {final:10.4f} {gap:>8s} {r.compiles:8d} {r.graph_breaks:6d} "
+            f"{r.recipe:13s} {final:10.4f} {gap:>8s} {cells} {r.graph_breaks:6d} "
             f"{_ms(r.ms_per_step):>8s}  {r.gemm_path}"
         )
         if r.note:
             notes.append(f"{r.recipe}: {r.note}")
     notes.append("ms/step: median after a warm-up (the first tenth); indicative only on a CPU")
+    if any("emulated" in r.gemm_path for r in results):
+        notes.append("gemm 'emulated': no tensor-core path for this format here (fp32 GEMM)")
     return "\n".join(fit(line, columns) for line in [*lines, *notes])
 
 
@@ -242,7 +301,8 @@ def _smoothed(values: list[float], window: int = 10) -> list[float]:
     return out
 
 
-def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
+def _plot(results: list[RunResult], path: pathlib.Path, title: str,
+          loss_label: str = "MSE loss") -> bool:
     """Loss curves (log scale) and, with a baseline, each recipe's loss relative to it."""
     try:
         import matplotlib
@@ -261,7 +321,7 @@ def _plot(results: list[RunResult], path: pathlib.Path, title: str) -> bool:
         (line,) = ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.recipe, lw=1.4)
         colors[r.recipe] = line.get_color()
     ax.set_yscale("log")
-    ax.set_ylabel("MSE loss")
+    ax.set_ylabel(loss_label)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -345,23 +405,28 @@ def run_demo(args) -> int:
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
     columns = terminal_columns()
-    print(fit(f"quant demo: {len(names)} recipes x {args.steps} steps on {device}", columns))
+    model_name = getattr(args, "model", "mlp")
+    print(fit(f"quant demo: {model_name}, {len(names)} recipes x {args.steps} steps on {device}",
+              columns))
     print(fit(f"torch {torch.__version__}, compile: {mode}, quant backend: {backend}", columns))
+    task = make_task(getattr(args, "model", "mlp"), device, args.seed, args.batch)
     progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
     results = []
     for name in names:
         factory = factories[name]
         results.append(train_one(name, None if factory is None else factory(), args, device,
-                                 progress))
+                                 progress, task))
     progress.close()
     table = format_table(results)
     print(table)
     (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
         {"device": str(device), "torch": torch.__version__, "compile": mode,
+         "model": model_name,
          "runs": [_jsonable(r.__dict__) for r in results]}, indent=1, allow_nan=False))
     png = out / "loss_curves.png"
     png.unlink(missing_ok=True)  # a plot left by an earlier run would not match results.json
-    if not args.no_plot and _plot(results, png, f"quant demo on {device} ({mode})"):
+    title = f"quant demo: {model_name} on {device} ({mode})"
+    if not args.no_plot and _plot(results, png, title, task.loss_label):
         print(f"plot: {png}")
     print(f"results: {out / 'results.json'}")
     return 0

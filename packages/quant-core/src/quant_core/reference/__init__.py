@@ -1,4 +1,4 @@
-"""Pure-torch reference numerics: the ground truth and the CPU path (`spec/numerics.md`).
+"""Pure-torch reference numerics: the ground truth and the CPU path (`docs/numerics.md`).
 
 Every function runs on any device, takes plain tensor and scalar arguments, and produces exactly
 the bytes of the spec. A backend (quant-kernels' ``triton``) provides the same names with the same

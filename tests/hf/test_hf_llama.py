@@ -1,0 +1,117 @@
+"""A Hugging Face ``LlamaForCausalLM`` end to end (issue 17 item 2): built from a config
+(random weights, no download), converted with ``quant_recipes.convert``, trained eagerly and
+compiled under each recipe. Runs in its own nox session (``nox -s hf``): transformers is a test
+dependency only."""
+
+from __future__ import annotations
+
+import pytest
+import quant_recipes as qr
+import torch
+
+transformers = pytest.importorskip("transformers")
+quant_dynamo = pytest.importorskip("quant_dynamo")
+
+RECIPES = {
+    "fp8_current": qr.Float8CurrentScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "fp8_block": qr.Float8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(),
+}
+VOCAB, SEQ, BATCH = 256, 16, 2  # 32 tokens: a multiple of 16 (NVFP4's RHT)
+
+
+def _llama(seed: int = 0):
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def _loss(model, ids, recipe):
+    with qr.autocast(recipe=recipe):
+        return model(input_ids=ids, labels=ids).loss
+
+
+def test_convert_quantizes_every_projection_but_the_head():
+    model = qr.convert(_llama(), recipe=qr.Float8BlockScaling())
+    converted = [fqn for fqn, m in model.named_modules() if isinstance(m, qr.Linear)]
+    assert len(converted) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.get_submodule("model.layers.0.self_attn.q_proj").name == (
+        "model.layers.0.self_attn.q_proj")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_training_reduces_the_loss(name):
+    model = qr.convert(_llama(), recipe=RECIPES[name])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = _batch()
+    losses = []
+    for _ in range(6):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, ids, RECIPES[name])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def _graph_breaks(fn, *args) -> int:
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args)
+    return explanation.graph_break_count
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+def test_convert_adds_no_graph_break(name):
+    """Counted with and without ``convert``: whatever breaks the model's own code causes, the
+    quantized layers add none."""
+    ids = _batch()
+    plain = _llama()
+    converted = qr.convert(_llama(), recipe=RECIPES[name])
+    base = _graph_breaks(lambda i: _loss(plain, i, RECIPES[name]), ids)
+    assert _graph_breaks(lambda i: _loss(converted, i, RECIPES[name]), ids) == base
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "nvfp4"])
+def test_compiled_equals_eager(name):
+    """aot_eager runs the same kernels as eager mode: loss and gradients equal bitwise."""
+    ids = _batch()
+    eager_model, compiled_model = (qr.convert(_llama(), recipe=RECIPES[name]) for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i: _loss(compiled_model, i, RECIPES[name]),
+                             backend="aot_eager")
+    torch.manual_seed(2)  # NVFP4's stochastic rounding draws from torch's generator
+    want = _loss(eager_model, ids, RECIPES[name])
+    want.backward()
+    torch.manual_seed(2)
+    got = compiled(ids)
+    got.backward()
+    assert torch.equal(got, want)
+    for (fqn, a), b in zip(compiled_model.named_parameters(), eager_model.parameters(),
+                           strict=True):
+        assert torch.equal(a.grad, b.grad), fqn
+
+
+def test_save_pretrained_round_trips(tmp_path):
+    model = qr.convert(_llama(), recipe=qr.MXFP8BlockScaling())
+    model.save_pretrained(tmp_path)
+    # .to(bf16) as _llama() does: it also casts the non-persistent rotary buffer
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(torch.bfloat16)
+    theirs = loaded.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+    qr.convert(loaded, recipe=qr.MXFP8BlockScaling())
+    ids = _batch()
+    assert torch.equal(_loss(loaded, ids, qr.MXFP8BlockScaling()),
+                       _loss(model, ids, qr.MXFP8BlockScaling()))
