@@ -260,3 +260,11 @@ def test_nvte_flags_parse_the_usual_false_spellings(monkeypatch, spelling, value
     """Issue 12 item 3: ``NVTE_*=FALSE`` (or off, no) used to mean True."""
     monkeypatch.setenv("NVTE_NVFP4_DISABLE_RHT", spelling)
     assert qr.NVFP4BlockScaling().disable_rht is value
+
+
+@pytest.mark.parametrize("fields", [{"row_scaled_activation": True}, {"nvfp4_4over6": "all"},
+                                    {"nvfp4_4over6": "weights"}])
+def test_unimplemented_nvfp4_variants_are_refused_at_construction(fields):
+    """Issue 15 item 5: they used to pass construction and fail at the first forward."""
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling: row_scaled_activation"):
+        qr.NVFP4BlockScaling(**fields)

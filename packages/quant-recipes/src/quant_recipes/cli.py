@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--batch", type=_positive_int, default=None,
                       help="batch size: rows for mlp, sequences for gpt (e.g. --batch 32; "
-                      "default: 64 for mlp, 16 on CPU and 8 on CUDA for gpt)")
+                      "default: 64 for mlp, 8 for gpt)")
     demo.add_argument("--seed", type=int, default=0,
                       help="seed for the data and the weights (e.g. --seed 1; default: "
                       "%(default)s)")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 #: (layers, d_model, heads, sequence length, batch) per device type.
-SIZES = {"cpu": (2, 128, 4, 64, 16), "cuda": (12, 2048, 16, 512, 8)}
+SIZES = {"cpu": (2, 128, 4, 32, 8), "cuda": (12, 2048, 16, 512, 8)}
 
 _SUBJECTS = ["the fox", "a dog", "the old cat", "my owl", "a small bird", "the horse"]
 _VERBS = ["jumps over", "runs past", "looks at", "sleeps near", "sings to", "follows"]
