@@ -51,3 +51,33 @@ def test_amax_reduction_two_ranks():
         assert out[rank][0] == expected
     # both ranks quantized with the global scales: rank 0's x (1.0) and w (0.5) stay exact
     assert out[0][1] == pytest.approx(32 * 1.0 * 0.5)
+
+
+def _delayed_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        m = qr.Linear(32, 32, bias=False)
+        with torch.no_grad():
+            m.weight.fill_(0.25 * (rank + 1))  # weight amax 0.25 or 0.5
+        x = torch.full((4, 32), float(rank + 1), requires_grad=True)  # input amax 1 or 2
+        with qr.autocast(recipe=qr.DelayedScaling()):
+            m(x)
+        # the region's exit ran the forward update with amaxes reduced over the default group
+        (state,) = m.delayed_states(m._qset)[0]
+        out[rank] = state.scale[:2].tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_delayed_scaling_reduces_amaxes_over_the_default_group():
+    """reduce_amax=True (the default) with no group: the history rows are reduced (MAX) over
+    the default group before the update, so every rank gets the same scales."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_delayed_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    want = [448.0 / 2.0, 448.0 / 0.5]  # the global amaxes of the input and the weight
+    assert out[0] == want and out[1] == want

@@ -1,4 +1,5 @@
-"""Delayed scaling: amax-history roll and scale update (`numerics.md` §4, TE's ``kernel_bulk``).
+"""Delayed scaling's bookkeeping: which states update when, and their amax reduction; the
+numerics (history roll, scale update) are ``quant_core.delayed_scaling``'s (`numerics.md` §4).
 
 Eager only. States register themselves for the enclosing outermost autocast region; the
 forward update runs when that region exits, the backward update in the backward of the module
@@ -8,21 +9,19 @@ that ran first in the region.
 from __future__ import annotations
 
 import torch
-from quant_core.constants import FLT_MAX
+from quant_core import delayed_scaling
+from quant_core.distributed import reduce_amax
 
 from .states import DelayedScalingRecipeState
 
 
 def _reduce(rows: torch.Tensor, group) -> torch.Tensor:
+    """MAX over ``group``, the default group when None, once torch.distributed is initialized."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return rows
-    if dist.get_world_size(group) == 1:
-        return rows
-    out = rows.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return out
+    return reduce_amax(rows, group if group is not None else dist.group.WORLD)
 
 
 def update_states(states: list[DelayedScalingRecipeState], group=None) -> None:
@@ -45,51 +44,16 @@ def update_states(states: list[DelayedScalingRecipeState], group=None) -> None:
 
 def _update_one(state: DelayedScalingRecipeState, reduced: torch.Tensor) -> None:
     recipe = state.recipe
-    hist, scale = state.amax_history, state.scale
-    fp8_max = state.fp8_max
+    common = {"fp8_max": state.fp8_max, "margin": recipe.margin,
+              "amax_compute_algo": recipe.amax_compute_algo}
     if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-        _update_unfused(state, reduced)
-        return
-    last = torch.where(reduced != 0, reduced, hist[0])
-    roll = last != 0
-    rolled = torch.cat([hist[1:], last[None]], dim=0)
-    if recipe.amax_compute_algo == "max":
-        # fmaxf from 0: NaN entries are ignored.
-        amax = torch.where(torch.isnan(rolled), torch.zeros_like(rolled), rolled).amax(dim=0)
-        amax = torch.clamp_min(amax, 0.0)
+        algo = recipe.scaling_factor_compute_algo
+        scaling = None if algo is None else (
+            lambda amax, scale: algo(amax, scale, state.fp8_max, recipe))
+        delayed_scaling.update_unfused(state.amax_history, state.scale, reduced,
+                                       scaling_factor=scaling, **common)
     else:
-        amax = last
-    new_hist = rolled.clone()
-    new_hist[0] = 0
-    hist.copy_(torch.where(roll[None], new_hist, hist))
-    scaled_max = torch.tensor(fp8_max * 2.0 ** (-recipe.margin), dtype=torch.float32,
-                              device=hist.device)
-    ok = roll & torch.isfinite(amax) & (amax > 0)
-    new_scale = scaled_max / torch.where(ok, amax, torch.ones_like(amax))
-    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale)
-    scale.copy_(torch.where(ok, new_scale, scale))
-
-
-def _update_unfused(state: DelayedScalingRecipeState, reduced: torch.Tensor) -> None:
-    """TE's unfused path for user callables: always rolls; ``(fp8_max / amax) / 2^margin``."""
-    recipe = state.recipe
-    hist, scale = state.amax_history, state.scale
-    hist[0].copy_(torch.where(reduced != 0, reduced, hist[0]))
-    if callable(recipe.amax_compute_algo):
-        amax = recipe.amax_compute_algo(hist)
-    elif recipe.amax_compute_algo == "max":
-        amax = hist.amax(dim=0)
-    else:
-        amax = hist[0].clone()
-    hist.copy_(torch.roll(hist, -1, 0))
-    hist[0].fill_(0.0)
-    if recipe.scaling_factor_compute_algo is not None:
-        new = recipe.scaling_factor_compute_algo(amax, scale, state.fp8_max, recipe)
-    else:
-        sf = (state.fp8_max / amax) / (2 ** recipe.margin)
-        sf = torch.where(amax > 0.0, sf, scale)
-        new = torch.where(torch.isfinite(amax), sf, scale)
-    scale.copy_(new)
+        delayed_scaling.update(state.amax_history, state.scale, reduced, **common)
 
 
 class Region:
