@@ -34,7 +34,7 @@ except ImportError:
 
 RECIPES = {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
            "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
-CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES]
+CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES, "fp8_current:requant", "mxfp8:requant"]
 
 
 def _fully_shard():
@@ -46,12 +46,17 @@ def _fully_shard():
 
 
 def build(name: str, d: int, layers: int, device: torch.device):
-    """``(model, forward)`` of config ``name``: ``layers`` sharded ``d x d`` layers."""
+    """``(model, forward)`` of config ``name``: ``layers`` sharded ``d x d`` layers. A quant
+    config with the suffix ``:requant`` quantizes the weight again in backward
+    (``Linear(save_weight_copy=False)``) instead of holding its copy through the step."""
     torch.manual_seed(0)
-    if name in RECIPES:
+    base, _, variant = name.partition(":")
+    if base in RECIPES:
         model = torch.nn.Sequential(*(qr.Linear(d, d, bias=False, dtype=torch.bfloat16,
-                                                device=device) for _ in range(layers)))
-        recipe = RECIPES[name]()
+                                                device=device,
+                                                save_weight_copy=variant != "requant")
+                                      for _ in range(layers)))
+        recipe = RECIPES[base]()
 
         def forward(x):
             with qr.autocast(recipe=recipe):

@@ -81,3 +81,68 @@ def test_dequantized_override_keeps_the_rowwise_forms():
     assert any(t.shape == (32, 64) and t.dtype == torch.uint8 for t in saved)  # x's data
     y.float().sum().backward()
     assert x.grad is not None and m.weight.grad is not None
+
+
+def _grads(m, x, recipe, seed=0):
+    torch.manual_seed(seed)  # NVFP4's stochastic rounding of the gradient
+    x = x.detach().clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    with qr.autocast(recipe=recipe):
+        y = m(x)
+    y.float().pow(2).sum().backward()
+    return y.detach(), x.grad, m.weight.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_weight_requantized_in_backward_saves_no_weight_copy_and_gives_the_same_bits(name):
+    """``save_weight_copy=False``: the weight itself (a parameter, no new memory) is saved
+    instead of its quantized copy, and backward's copy has the forward copy's bytes."""
+    torch.manual_seed(0)
+    saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    requant = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_weight_copy=False)
+    requant.load_state_dict(saving.state_dict())
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    _, saved = _saved_in_forward(requant, x, RECIPES[name]())
+    assert any(t is requant.weight for t in saved)
+    assert _signature([t for t in saved if t is not requant.weight]) == _expected(
+        requant, x, COLUMNWISE, which=(0,))
+    for a, b in zip(_grads(saving, x, RECIPES[name]()), _grads(requant, x, RECIPES[name]()),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def test_delayed_scaling_keeps_the_weight_copy():
+    """A delayed-scaling scale changes when the region exits, before backward: requantizing
+    would not give the forward's bytes, so the copy is saved."""
+    m = qr.Linear(64, 32, bias=False, save_weight_copy=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    _, saved = _saved_in_forward(m, x, qr.DelayedScaling())
+    assert not any(t is m.weight for t in saved)
+    assert "save_weight_copy=False" in repr(m)
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8"])
+def test_weight_requantized_in_backward_compiles_to_the_same_bits(name):
+    dynamo = pytest.importorskip("quant_dynamo")
+    if not dynamo.compile_supported():
+        pytest.skip("no opaque-object API on this torch")
+    torch.manual_seed(0)
+    m = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_weight_copy=False)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    recipe = RECIPES[name]()
+
+    def fn(t):
+        with qr.autocast(recipe=recipe):
+            return m(t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    outs = []
+    for f in (fn, compiled):
+        t = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = f(t)
+        y.float().pow(2).sum().backward()
+        outs.append((y.detach(), t.grad, m.weight.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -24,7 +24,7 @@ from .autocast import current_region
 from .compiling import compiling, dynamo
 from .delayed import update_registered
 from .gemm import HP, for_transposed_use, qgemm, quantizer_meta
-from .module import QuantizedModule, module_frame
+from .module import QuantizedModule, is_value, module_frame
 from .role import QuantizerRole
 
 
@@ -52,21 +52,34 @@ def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
     return for_transposed_use(bufs, meta) if override is None else bufs
 
 
+def _requantizable(q: Quantizer) -> bool:
+    """Whether quantizing the weight again in backward gives the forward's bytes: a value
+    quantizer without stochastic rounding (a delayed-scaling quantizer's scale changes when the
+    region exits, between forward and backward)."""
+    return is_value(q) and not getattr(q, "stochastic_rounding", False)
+
+
 class _QLinearFn(torch.autograd.Function):
     """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
 
     @staticmethod
-    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region):
+    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region, weight_bwd_q):
         m, k = x.shape
         n = w.shape[0]
         xb = quantize_buffers(x, input_q, group)
         wb = quantize_buffers(w, weight_q, group)
         xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
         y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
+        ctx.weight_bwd_q = None
         if override == "high_precision":
             ctx.save_for_backward(x, w)
             xm = wm = [HP, 0, 0, 0]
             ctx.nx = 1
+        elif weight_bwd_q is not None and override is None and ctx.needs_input_grad[0]:
+            # the weight itself (a parameter: no new memory), quantized again in backward
+            ctx.save_for_backward(*_saved(xb, xm, override, ctx.needs_input_grad[1]), w)
+            ctx.weight_bwd_q = weight_bwd_q
+            ctx.nx = len(xb)
         else:
             ctx.save_for_backward(*_saved(xb, xm, override, ctx.needs_input_grad[1]),
                                   *_saved(wb, wm, override, ctx.needs_input_grad[0]))
@@ -81,6 +94,8 @@ class _QLinearFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
         xm, wm, (m, k), (n, _), x_dtype, w_dtype = ctx.meta
+        if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
+            wb = quantize_buffers(wb[0], ctx.weight_bwd_q, ctx.group)
         gy = gy.contiguous()
         if ctx.override is None:
             gb, gm = quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q)
@@ -97,7 +112,7 @@ class _QLinearFn(torch.autograd.Function):
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         if ctx.region is not None:
             update_registered(ctx.region.backward)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class Linear(QuantizedModule):
@@ -109,10 +124,15 @@ class Linear(QuantizedModule):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None, name: str = "") -> None:
+                 device=None, dtype=None, name: str = "", save_weight_copy: bool = True) -> None:
         super().__init__(name=name)
         self.in_features = in_features
         self.out_features = out_features
+        #: Keep the weight's quantized columnwise copy from forward for the input-gradient GEMM
+        #: (default), or save the weight itself and quantize it again in backward (False): less
+        #: memory held through the step, one more weight quantize per backward, the same bytes.
+        #: False suits FSDP2, which frees the gathered weight after forward.
+        self.save_weight_copy = save_weight_copy
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
@@ -170,6 +190,10 @@ class Linear(QuantizedModule):
         weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad, **red)
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
+        weight_bwd_q = None
+        if not self.save_weight_copy and _requantizable(qset.fwd[1]):
+            weight_bwd_q = qset.variant(qset.fwd[1], rowwise_usage=False, columnwise_usage=True,
+                                        **red)
         region = None
         if not compiling():
             fwd_ds, bwd_ds = self.delayed_states(qset)
@@ -180,10 +204,11 @@ class Linear(QuantizedModule):
         lead = x.shape[:-1]
         y = _QLinearFn.apply(
             x.reshape(lead.numel(), self.in_features), self.weight, self.bias, input_q, weight_q,
-            grad_q, group, frame.recipe.backward_override, region,
+            grad_q, group, frame.recipe.backward_override, region, weight_bwd_q,
         )
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
+        extra = "" if self.save_weight_copy else ", save_weight_copy=False"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, name={self.name!r}")
+                f"bias={self.bias is not None}, name={self.name!r}{extra}")

@@ -110,7 +110,7 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
     fields = {k: v for k, v in fields.items() if hasattr(q, k)}
     if all(getattr(q, k) == v for k, v in fields.items()):
         return q
-    if _is_value(q):
+    if is_value(q):
         return q.replace(**fields)
     from quant_core import Float8Quantizer
 
@@ -123,7 +123,8 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
     return q  # a user quantizer without value semantics: used as given
 
 
-def _is_value(q: Quantizer) -> bool:
+def is_value(q: Quantizer) -> bool:
+    """Whether ``q`` has value semantics (while tracing: is a registered value quantizer)."""
     if compiling():  # only registered value quantizers compile
         return is_compiled_value(q)
     return is_value_quantizer(q)
