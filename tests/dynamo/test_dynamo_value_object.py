@@ -249,3 +249,26 @@ def test_graph_rebuild_is_validated_once_per_value_and_reused():
     with pytest.raises(ValueError, match="amax_epsilon"):
         fx_repr.rebuild_for_graph(type(Float8CurrentScalingQuantizer()),
                                   (("amax_epsilon", float("nan")),))
+
+
+def test_import_after_a_local_value_class_does_not_fail():
+    """A value class local to a function, defined before quant-dynamo is imported, made the
+    import raise (its type name cannot appear in an op schema); it is now left unregistered."""
+    import subprocess
+    import sys
+
+    code = (
+        "from quant_core import Quantizer, value_quantizer\n"
+        "def make():\n"
+        "    @value_quantizer\n"
+        "    class Local(Quantizer):\n"
+        "        storage_format = 'fp8'\n"
+        "    return Local\n"
+        "Local = make()\n"
+        "import quant_dynamo\n"
+        "assert 'Local' not in ' '.join(quant_dynamo.status()['registered'])\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -22,16 +22,12 @@ import warnings
 
 import torch
 
-from . import reference
+from . import backend_contract, reference
 
 ENTRY_POINT_GROUP = "quant_core.backends"
-#: The functions every backend provides, with the reference's signatures.
-FUNCTIONS = (
-    "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
-    "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
-    "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "swizzle_scales", "unswizzle_scales",
-    "mxfp8_gemm", "nvfp4_gemm",
-)
+#: The functions every backend provides, with the reference's signatures (the contract, one
+#: documented method each: :class:`quant_core.backend_contract.Backend`).
+FUNCTIONS = backend_contract.FUNCTIONS
 
 
 def _reference_backend() -> types.SimpleNamespace:

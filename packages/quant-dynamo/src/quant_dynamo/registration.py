@@ -113,10 +113,18 @@ def register_value_opaque_quantizer(cls: type) -> type:
 
 
 def on_registered(callback: Callable[[type], None]) -> None:
-    """Call ``callback(cls)`` for every class registered so far and from now on."""
+    """Call ``callback(cls)`` for every class registered so far and from now on. A class the
+    callback refuses (``RuntimeError``/``TypeError``: e.g. a class local to a function, whose
+    type name cannot appear in an op schema) leaves the registry, as it does when it is
+    registered later: importing quant-dynamo after defining such a class must not fail."""
     _on_registered.append(callback)
     for cls in sorted(REGISTERED_CLASSES, key=_class_name):
-        callback(cls)
+        try:
+            callback(cls)
+        except (RuntimeError, TypeError):
+            REGISTERED_CLASSES.discard(cls)
+            if not any(c.__qualname__ == cls.__qualname__ for c in REGISTERED_CLASSES):
+                REGISTERED_QUALNAMES.discard(cls.__qualname__)
 
 
 def is_value_opaque_quantizer(obj: Any) -> bool:

@@ -1,0 +1,133 @@
+"""The backend contract (DESIGN.md contract 3), one documented method per function.
+
+A backend is any object with these attributes; :mod:`quant_core.reference` is the definition
+(every backend returns its bytes; GEMMs may differ only in the order of the fp32 accumulation)
+and quant-kernels' ``TritonBackend`` the fast one. Inputs ``x`` are 2D ``[M, K]`` contiguous
+views of dtype fp32, bf16 or fp16 (the quantizers flatten and validate first). Buffers are uint8
+unless stated (FP8 data as its raw bytes), scale padding is zero, and a direction that was not
+asked for is ``None``. Sections: `docs/numerics.md`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .dtypes import DType
+
+Tensors2 = tuple[torch.Tensor | None, torch.Tensor | None]
+Tensors3 = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]
+Tensors4 = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                 torch.Tensor | None]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What ``quant_core.backends`` registers and hands out. Optional, not listed here:
+    ``preferred(device) -> bool`` (may automatic choice pick it; default ``supports``) and
+    ``capturable: bool`` (its launches can be recorded into a compiled graph)."""
+
+    name: str
+    priority: int
+
+    def supports(self, device: torch.device) -> bool:
+        """Whether it can run on ``device`` (asked for by name or chosen automatically)."""
+
+    # ---------------------------------------------------------------- per-tensor FP8 (§2-§4)
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``(1,)``: NaN-dropping ``max|x|``, 0 for an empty tensor."""
+
+    def current_scale(self, amax: torch.Tensor, *, fp8_dtype: DType, force_pow_2_scales: bool,
+                      amax_epsilon: float) -> torch.Tensor:
+        """fp32 ``(1,)``: current scaling's encode scale from ``amax`` (§3 step 3)."""
+
+    def fp8_quantize(self, x: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: DType,
+                     rowwise: bool, columnwise: bool, amax_out: torch.Tensor | None = None
+                     ) -> Tensors3:
+        """``(data [M, K], transpose [K, M], scale_inv fp32 (1,))`` of
+        ``fp8_satfinite_rne(fp32(x * scale))``; with ``amax_out`` (fp32 ``(1,)``) ``max|x|`` is
+        max-accumulated into it in place (delayed scaling)."""
+
+    def fp8_current_quantize(self, x: torch.Tensor, *, fp8_dtype: DType,
+                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                             columnwise: bool) -> Tensors3:
+        """:meth:`fp8_quantize` with :meth:`current_scale` of :meth:`amax` of ``x``, in one call
+        (a backend may fuse the steps)."""
+
+    def fp8_dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """``float(fp8(data)) * scale_inv`` rounded to ``dtype``; any shape of ``data``."""
+
+    # ------------------------------------------------------------------------ MXFP8 (§5)
+    def mxfp8_quantize(self, x: torch.Tensor, *, fp8_dtype: DType, rowwise: bool,
+                       columnwise: bool, with_2d_quantization: bool, swizzle: bool) -> Tensors4:
+        """``(row_data [M, K], row_scale, col_data [M, K], col_scale)``: E8M0 scale bytes in the
+        padded shapes of :mod:`quant_core.shapes`, GEMM-swizzled in place with ``swizzle``
+        (columnwise: the swizzle of the transposed scale matrix)."""
+
+    def mxfp8_dequantize(self, data: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: DType,
+                         columnwise: bool, swizzled: bool, dtype: torch.dtype) -> torch.Tensor:
+        """``[M, K]`` in ``dtype`` from one direction's data and scales."""
+
+    # ------------------------------------------------------------------- FP8 blocks (§6)
+    def fp8_block_quantize(self, x: torch.Tensor, *, fp8_dtype: DType, block_scaling_dim: int,
+                           force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                           columnwise: bool) -> Tensors4:
+        """``(row_data [M, K], row_scale_inv fp32, col_data [K, M], col_scale_inv fp32)`` in
+        the GEMM-ready layouts (1x128 blocks, or 128x128 with ``block_scaling_dim=2``)."""
+
+    def fp8_block_dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, *,
+                             fp8_dtype: DType, block_scaling_dim: int, columnwise: bool,
+                             dtype: torch.dtype) -> torch.Tensor:
+        """``[M, K]`` in ``dtype`` (columnwise data is transposed back)."""
+
+    # ------------------------------------------------------------------------ NVFP4 (§7)
+    def nvfp4_amax(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
+                   rht_sign_mask: int) -> Tensors2:
+        """``(amax_row (1,), amax_col (1,))``; the columnwise one after the bf16-rounded RHT
+        when ``with_rht`` (§7.6)."""
+
+    def nvfp4_quantize(self, x: torch.Tensor, amax_rowwise: torch.Tensor | None,
+                       amax_columnwise: torch.Tensor | None, *, rowwise: bool, columnwise: bool,
+                       with_rht: bool, rht_sign_mask: int, with_2d_quantization: bool,
+                       stochastic_rounding: bool, rng_seed: torch.Tensor | None, swizzle: bool
+                       ) -> Tensors4:
+        """``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)``; ``rng_seed``
+        an int64 ``(1,)`` (ignored without stochastic rounding), element ``i``'s random byte
+        ``reference.stochastic.sr_random_byte(seed, i)``, which any backend can repeat."""
+
+    def nvfp4_dequantize(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *,
+                         swizzled: bool, dtype) -> torch.Tensor:
+        """``[M, K]`` in ``dtype`` from rowwise data."""
+
+    # ------------------------------------------------------------- scale swizzle (§5)
+    def swizzle_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """The GEMM swizzle of ``s [R, C]`` (``R % 128 == 0``, ``C % 4 == 0``), same shape."""
+
+    def unswizzle_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`swizzle_scales`."""
+
+    # -------------------------------------------------------------- GEMMs (contract 6)
+    def mxfp8_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                   b_scale: torch.Tensor, *, a_dtype: DType, b_dtype: DType, a_swizzled: bool,
+                   b_swizzled: bool, bias: torch.Tensor | None, out_dtype: torch.dtype
+                   ) -> torch.Tensor:
+        """``A @ B.T (+ bias)`` of row operands ``A [M, K]``, ``B [N, K]``: exact decoded
+        elements, fp32 products and sums (any order), one rounding to ``out_dtype``."""
+
+    def nvfp4_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+                   b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor, *,
+                   a_swizzled: bool, b_swizzled: bool, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`mxfp8_gemm` for packed NVFP4 row operands with their fp32 amaxes."""
+
+
+#: The functions of the contract, in declaration order (``name``, ``priority`` and
+#: ``supports`` are checked apart).
+FUNCTIONS: tuple[str, ...] = tuple(
+    n for n, v in vars(Backend).items()
+    if callable(v) and not n.startswith("_") and n != "supports"
+)
+
+__all__ = ["Backend", "FUNCTIONS"]
