@@ -156,7 +156,27 @@ def _check_common(recipe: Recipe) -> None:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Base of every recipe; the predicates tell the kind without ``isinstance`` chains."""
+    """Base of every recipe; the predicates tell the kind without ``isinstance`` chains.
+
+    Recipes are frozen dataclasses, validated at construction (an error names the field and
+    what is allowed), equal and hashable by value. Fields most recipes share:
+
+    - ``fp8_format``: the FP8 element format, ``Format.E4M3`` everywhere or ``Format.HYBRID``
+      (E4M3 forward, E5M2 for gradients);
+    - ``margin``: delayed scaling divides its scales by ``2^margin`` (headroom against
+      overflow); the other recipes accept it for TransformerEngine parity;
+    - ``fp8_dpa`` / ``fp8_mha``: FP8 attention (accepted for TransformerEngine parity; no
+      attention module here uses them);
+    - ``backward_override``: ``None`` (backward GEMMs on the quantized columnwise copies),
+      ``"high_precision"`` (backward GEMMs in the input dtype, on the saved originals) or
+      ``"dequantized"`` (backward GEMMs on the forward's rowwise quantized operands, used
+      transposed); default from ``NVTE_BACKWARD_OVERRIDE``;
+    - ``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` / ``fp8_quant_bwd_grad`` (and NVFP4's
+      ``fp4_quant_*``): per-tensor-type :class:`QParams`, filled from the recipe's flags when
+      left ``None``;
+    - ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad``: per-GEMM :class:`MMParams`
+      (split accumulator).
+    """
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -190,9 +210,13 @@ class DelayedScaling(Recipe):
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
+    #: Length of the per-slot amax history the scale is computed from.
     amax_history_len: int = 1024
+    #: ``"max"`` over the history, ``"most_recent"``, or ``(amax_history) -> amax``.
     amax_compute_algo: str | Callable = "max"
+    #: ``None`` (``fp8_max * 2^-margin / amax``) or ``(amax, scale, fp8_max, recipe) -> scale``.
     scaling_factor_compute_algo: Callable | None = None
+    #: All-reduce (MAX) the amaxes over the default (or autocast's) group before updating.
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
@@ -232,6 +256,7 @@ class Float8CurrentScaling(Recipe):
     are what the quantizers use (TE ignores ``amax_epsilon``; with the defaults both agree).
     """
 
+    #: Round every scale down to a power of two (``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``).
     use_power_2_scales: bool = field(
         default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
     )
@@ -263,6 +288,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = field(default_factory=_env_backward_override)
+    #: 32x32 blocks for linear weights (one scale per tile, shared by both directions).
     enable_2d_quantization: bool = False
 
     def __post_init__(self) -> None:
@@ -280,11 +306,13 @@ class Float8BlockScaling(Recipe):
     ``fp8_quant_*`` default to ``QParams(power_2_scale=not use_f32_scales)``.
     """
 
+    #: Keep fp32 scales instead of powers of two (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``).
     use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
     fp8_format: Format = Format.E4M3
     fp8_quant_fwd_inp: QParams | None = None
     fp8_quant_fwd_weight: QParams | None = None
     fp8_quant_bwd_grad: QParams | None = None
+    #: Block shape per tensor type: 1 is 1x128, 2 is 128x128 (at most one of the three is 2).
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -338,14 +366,19 @@ class NVFP4BlockScaling(Recipe):
     stochastic_rounding=not disable_stochastic_rounding)``.
     """
 
+    #: No Random Hadamard Transform on the columnwise input and gradient.
     disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    #: Round gradients to nearest instead of stochastically.
     disable_stochastic_rounding: bool = field(
         default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
     )
+    #: 1x16 instead of 16x16 blocks for weights.
     disable_2d_quantization: bool = field(
         default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
     )
+    #: TransformerEngine's row-scaled NVFP4 activations: not implemented (refused).
     row_scaled_activation: bool = False
+    #: TransformerEngine's 4over6 variant, by scope: only ``"none"`` is implemented.
     nvfp4_4over6: str = "none"
     nvfp4_4over6_e4m3_use_256: str = "all"
     nvfp4_4over6_err_mode: str = "MAE"
@@ -400,11 +433,13 @@ class CustomRecipe(Recipe):
     carry the same semantic key (:func:`quantizer_factory`).
     """
 
+    #: ``role -> quantizer`` (or a :class:`DelayedScalingRequest`); ``None`` for boundary slots.
     qfactory: Callable[[Any], Any]
     fp8_format: Format = Format.HYBRID
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = field(default_factory=_env_backward_override)
+    #: Padding multiple for grouped GEMMs (> 0).
     quantization_alignment: int = 128
 
     def __post_init__(self) -> None:
