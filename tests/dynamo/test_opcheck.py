@@ -52,3 +52,26 @@ def test_quantize_outputs_do_not_require_grad(fmt):
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     for t in _op("quantize", q)(x, q):
         assert not t.requires_grad and t.grad_fn is None
+
+
+@requires_api
+@pytest.mark.parametrize("m", [32, 0])
+@pytest.mark.parametrize("fmt", ["current", "nvfp4", "nvfp4_rht"])
+def test_opcheck_amax_and_quantize_with_amax(fmt, m):
+    """The split around the amax reduction: ``amax`` then ``quantize_with_amax`` gives
+    ``quantize``'s buffers, and both ops pass opcheck."""
+    q = QUANTIZERS[fmt]
+    x = torch.randn(m, 64, dtype=torch.bfloat16)
+    amax = _op("amax", q)(x, q)
+    torch.library.opcheck(_op("amax", q), (x, q))
+    torch.library.opcheck(_op("quantize_with_amax", q), (x, amax, q))
+    split = _op("quantize_with_amax", q)(x, amax, q)
+    whole = _op("quantize", q)(x, q)
+    assert all(torch.equal(a, b) for a, b in zip(split, whole, strict=True))
+
+
+@requires_api
+def test_amax_of_a_format_without_one_is_a_clear_error():
+    q = QUANTIZERS["mxfp8"]
+    with pytest.raises(TypeError, match="MXFP8Quantizer has no amax to reduce"):
+        _op("amax", q)(torch.randn(32, 64), q)

@@ -81,3 +81,51 @@ def test_delayed_scaling_reduces_amaxes_over_the_default_group():
     mp.spawn(_delayed_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     want = [448.0 / 2.0, 448.0 / 0.5]  # the global amaxes of the input and the weight
     assert out[0] == want and out[1] == want
+
+
+def _compiled_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, recipe in (("current", qr.Float8CurrentScaling()),
+                             ("nvfp4", qr.NVFP4BlockScaling(disable_stochastic_rounding=True))):
+            torch.manual_seed(0)
+            m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+            x = (torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+                 * (rank + 1)).to(torch.bfloat16)
+
+            def fn(t, m=m, recipe=recipe):
+                with qr.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                    return m(t)
+
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+            got = []
+            for f in (fn, compiled):
+                t = x.clone().requires_grad_()
+                m.zero_grad(set_to_none=True)
+                y = f(t)
+                y.float().pow(2).sum().backward()
+                got.append((y.detach(), t.grad, m.weight.grad))
+            results[name] = all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_amax_reduction_under_torch_compile():
+    """Issue 18 item 3: ``autocast(amax_reduction_group=g)`` compiles (fullgraph): the amax
+    leaves the quantize op, a functional all-reduce combines it, and the compiled step equals
+    the eager one on every rank."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dynamo = pytest.importorskip("quant_dynamo")
+    if not dynamo.compile_supported():
+        pytest.skip("no opaque-object API on this torch")
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_compiled_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    for rank in range(2):
+        assert out[rank] == {"current": True, "nvfp4": True}

@@ -36,6 +36,9 @@ Public API
     in the storage's declaration order (:func:`buffer_names`), an absent buffer as an empty
     (``numel() == 0``) uint8 tensor; ``qdq`` returns ``q.quantize(x).dequantize(x.dtype)`` with a
     straight-through gradient.
+``amax(x, q) -> Tensor``, ``quantize_with_amax(x, amax, q) -> list[Tensor]``
+    Current scaling and NVFP4 split around their amax (``q.local_amax`` and
+    ``q.quantize_with_amax``), so compiled code can all-reduce the amax in between.
 ``buffer_names(cls_or_obj) -> tuple[str, ...]``
     The buffer order of ``quantize`` for this quantizer class.
 ``lower_to_kernels(op, body, device_of) -> bool``
@@ -55,7 +58,7 @@ from ._api import probe as _probe
 from ._specialize import install as _install_specialisation
 from .capture import lower as lower_to_kernels
 from .fx_repr import rebuild_quantizer
-from .ops import buffer_names, qdq, quantize
+from .ops import amax, buffer_names, qdq, quantize, quantize_with_amax
 from .registration import (
     check_quantizer_arg,
     compile_supported,
@@ -80,5 +83,6 @@ _install_specialisation(_is_registered_class)
 __all__ = [
     "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",
     "opaque_schema_type", "check_quantizer_arg", "flatten_quantizer", "unflatten_quantizer",
-    "quantize", "qdq", "buffer_names", "rebuild_quantizer", "DERIVES_IN_GRAPH", "lower_to_kernels",
+    "quantize", "qdq", "amax", "quantize_with_amax", "buffer_names", "rebuild_quantizer",
+    "DERIVES_IN_GRAPH", "lower_to_kernels",
 ]

@@ -12,7 +12,9 @@ Overloads:
 
 ``quantize`` returns the storage's buffers in its declaration order (:func:`buffer_names`); an
 absent buffer (a direction not produced) is an empty uint8 tensor, so positions are stable.
-``qdq`` is ``q.quantize(x).dequantize(x.dtype)`` with a straight-through gradient. Both run
+``qdq`` is ``q.quantize(x).dequantize(x.dtype)`` with a straight-through gradient. ``amax`` and
+``quantize_with_amax`` split current scaling and NVFP4 around their amax, so that compiled code
+can reduce it across ranks in between (a functional all-reduce traces). Both run
 through quant-core's backend registry; their fake implementations compute exact shapes and dtypes
 from :mod:`quant_core.shapes`.
 """
@@ -46,8 +48,20 @@ def buffer_names(cls_or_obj: Any) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- kernels
-def _quantize_impl(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    storage = check_quantizer_arg(q).quantize(x)
+def _with_amax(q: Any) -> Any:
+    """``q`` if its class splits quantization around an amax reduction (``local_amax`` and
+    ``quantize_with_amax``: current scaling, NVFP4); ``TypeError`` otherwise."""
+    q = check_quantizer_arg(q)
+    if not hasattr(q, "quantize_with_amax"):
+        raise TypeError(f"{type(q).__name__} has no amax to reduce (amax_reduction_group is for "
+                        "current scaling and NVFP4)")
+    return q
+
+
+def _quantize_impl(x: torch.Tensor, q: Any, amax: torch.Tensor | None = None
+                   ) -> list[torch.Tensor]:
+    storage = (check_quantizer_arg(q).quantize(x) if amax is None
+               else _with_amax(q).quantize_with_amax(x, amax))
     seen = {x.untyped_storage().data_ptr()} if x.numel() else set()
     out = []
     for name in storage._buffer_names:
@@ -99,6 +113,16 @@ def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     return fake.fake_buffers(x, check_quantizer_arg(q))
 
 
+def _amax_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return _with_amax(q).local_amax(x)
+
+
+def _amax_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
+    q = _with_amax(q)
+    n = 1 if q.storage_format == "fp8" else int(q.rowwise_usage) + int(q.columnwise_usage)
+    return x.new_empty((n,), dtype=torch.float32)
+
+
 def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
     check_quantizer_arg(q)
     return torch.empty_like(x)
@@ -109,11 +133,13 @@ def _qdq_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 def _quantize_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.mark_non_differentiable(*output)  # quantization is not differentiable: no grad_fn
+    outputs = output if isinstance(output, (list, tuple)) else (output,)
+    ctx.mark_non_differentiable(*outputs)  # quantization is not differentiable: no grad_fn
 
 
 def _quantize_backward(ctx: Any, *grads: Any) -> tuple:
-    raise RuntimeError("quant::quantize is not differentiable (its outputs take no gradient)")
+    raise RuntimeError("quant::quantize, quant::amax and quant::quantize_with_amax are not "
+                       "differentiable (their outputs take no gradient)")
 
 
 def _qdq_setup(n_args: int):
@@ -124,7 +150,8 @@ def _qdq_setup(n_args: int):
 
 
 def _define(overload: str, q_type: str, unpack) -> None:
-    """Define ``quantize.<overload>`` and ``qdq.<overload>``; ``unpack(*args) -> q``."""
+    """Define ``quantize``, ``qdq``, ``amax`` and ``quantize_with_amax`` as ``.<overload>``;
+    ``unpack(*args) -> q``."""
     n_args = q_type.count(",") + 1
 
     def q_impl(x, *args):
@@ -139,11 +166,25 @@ def _define(overload: str, q_type: str, unpack) -> None:
     def d_fake(x, *args):
         return _qdq_fake(x, unpack(*args))
 
-    for name, ret, impl, fake_fn in (
-        ("quantize", "Tensor[]", q_impl, q_fake),
-        ("qdq", "Tensor", d_impl, d_fake),
+    def a_impl(x, *args):
+        return _amax_impl(x, unpack(*args))
+
+    def a_fake(x, *args):
+        return _amax_fake(x, unpack(*args))
+
+    def w_impl(x, amax, *args):
+        return _quantize_impl(x, unpack(*args), amax)
+
+    def w_fake(x, amax, *args):
+        return _quantize_fake(x, unpack(*args))
+
+    for name, params, ret, impl, fake_fn in (
+        ("quantize", "Tensor x", "Tensor[]", q_impl, q_fake),
+        ("qdq", "Tensor x", "Tensor", d_impl, d_fake),
+        ("amax", "Tensor x", "Tensor", a_impl, a_fake),
+        ("quantize_with_amax", "Tensor x, Tensor amax", "Tensor[]", w_impl, w_fake),
     ):
-        _lib.define(f"{name}.{overload}(Tensor x, {q_type}) -> {ret}")
+        _lib.define(f"{name}.{overload}({params}, {q_type}) -> {ret}")
         _lib.impl(f"{name}.{overload}", impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
     for name, body in (("quantize", _quantize_lowered), ("qdq", _qdq_lowered)):
@@ -153,10 +194,11 @@ def _define(overload: str, q_type: str, unpack) -> None:
     torch.library.register_autograd(
         f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
     )
-    torch.library.register_autograd(
-        f"quant::quantize.{overload}", _quantize_backward, setup_context=_quantize_setup,
-        lib=_lib,
-    )
+    for name in ("quantize", "amax", "quantize_with_amax"):
+        torch.library.register_autograd(
+            f"quant::{name}.{overload}", _quantize_backward, setup_context=_quantize_setup,
+            lib=_lib,
+        )
 
 
 def _define_for_class(cls: type) -> None:
@@ -177,6 +219,22 @@ def quantize(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     if is_value_opaque_quantizer(q):
         return getattr(torch.ops.quant.quantize, q._quant_op_overload)(x, q)
     return torch.ops.quant.quantize.flat(x, *flatten_quantizer(q))
+
+
+def amax(x: torch.Tensor, q: Any) -> torch.Tensor:
+    """``torch.ops.quant.amax``: ``q.local_amax(x)``, this rank's amaxes (current scaling,
+    NVFP4), for a reduction across ranks before :func:`quantize_with_amax`."""
+    if is_value_opaque_quantizer(q):
+        return getattr(torch.ops.quant.amax, q._quant_op_overload)(x, q)
+    return torch.ops.quant.amax.flat(x, *flatten_quantizer(q))
+
+
+def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    """``torch.ops.quant.quantize_with_amax``: the buffers of ``q.quantize_with_amax(x, amax)``
+    in :func:`quantize`'s order."""
+    if is_value_opaque_quantizer(q):
+        return getattr(torch.ops.quant.quantize_with_amax, q._quant_op_overload)(x, amax, q)
+    return torch.ops.quant.quantize_with_amax.flat(x, amax, *flatten_quantizer(q))
 
 
 def qdq(x: torch.Tensor, q: Any) -> torch.Tensor:

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from quant_core import Quantizer
+from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
 from quant_core.storage import absent_buffer
 
@@ -33,12 +34,15 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     if quantizer_meta(q)[0] == HP:
         return [x]
     if compiling():
-        if group is not None:
-            raise RuntimeError(
-                "autocast(amax_reduction_group=...) is not supported under torch.compile yet; "
-                "run the reduction eagerly"
-            )
-        return list(dynamo().quantize(x, q))
+        ops = dynamo()
+        # with a group, Linear asks every quantizer for the reduction (with_amax_reduction), as
+        # eager code does; torch 2.10 cannot derive that variant in a graph, so it is not read
+        if group is not None and q.storage_format in ("fp8", "nvfp4"):
+            # the amax leaves the op, is all-reduced by a functional collective (it traces; the
+            # group is this call's, never part of the quantizer value), and comes back in
+            amax = reduce_amax(ops.amax(x, q), group)
+            return list(ops.quantize_with_amax(x, amax, q))
+        return list(ops.quantize(x, q))
     return q.quantize(x, amax_reduction_group=group).buffer_list(x)
 
 
@@ -56,7 +60,8 @@ def _requantizable(q: Quantizer) -> bool:
     """Whether quantizing the weight again in backward gives the forward's bytes: a value
     quantizer without stochastic rounding (a delayed-scaling quantizer's scale changes when the
     region exits, between forward and backward)."""
-    return is_value(q) and not getattr(q, "stochastic_rounding", False)
+    # an attribute test only where the field exists (an opaque value has no getattr default)
+    return is_value(q) and not (q.storage_format == "nvfp4" and q.stochastic_rounding)
 
 
 class _QLinearFn(torch.autograd.Function):

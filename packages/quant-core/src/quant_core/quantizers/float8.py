@@ -123,7 +123,17 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
             return self._make_storage(x.shape, x.dtype, {
                 "_data": data, "_transpose": transpose, "_scale_inv": scale_inv})
         group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
-        amax = reduce_amax(be.amax(x2d), group)
+        return self.quantize_with_amax(x, reduce_amax(be.amax(x2d), group), backend=backend)
+
+    def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
+        """fp32 ``(1,)``: this rank's ``max|x|``, the value an amax reduction combines."""
+        return backends.get(backend, x.device).amax(as_2d(x, *self.shape_rule()))
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, backend=None):
+        """Quantize ``x`` with the scale of ``amax`` (fp32 ``(1,)``, e.g. :meth:`local_amax`
+        reduced over the ranks): the steps of :meth:`quantize` after its reduction."""
+        x2d = as_2d(x, *self.shape_rule())
+        be = backends.get(backend, x.device)
         scale = be.current_scale(
             amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
             amax_epsilon=self.amax_epsilon,

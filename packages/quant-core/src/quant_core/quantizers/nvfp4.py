@@ -107,23 +107,47 @@ class NVFP4Quantizer(Quantizer):
                  generator: torch.Generator | None = None):
         """Quantize ``x``; stochastic rounding draws its seed from ``generator`` (default: torch's
         default generator for ``x.device``), so results are reproducible from the seed state."""
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
-        x2d = as_2d(x, *self.shape_rule())
-        m, k = x2d.shape
-        rht = self.with_rht and self.columnwise_usage
-        if rht:
-            check_rht_input(x2d)
-        be = backends.get(backend, x.device)
-        amax_r, amax_c = be.nvfp4_amax(
-            x2d, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, with_rht=rht,
-            rht_sign_mask=self.rht_matrix_random_sign_mask_t,
-        )
+        x2d, be = self._prepare(x, backend, generator)
+        amax_r, amax_c = self._amaxes(x2d, be)
         if self.with_amax_reduction:
             group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
             present = [a for a in (amax_r, amax_c) if a is not None]  # one usage: one amax
             reduced = iter(reduce_amax(torch.cat(present), group).split(1))
             amax_r, amax_c = (None if a is None else next(reduced) for a in (amax_r, amax_c))
+        return self._quantize(x, x2d, be, amax_r, amax_c, generator)
+
+    def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
+        """fp32 ``(n,)``: this rank's amaxes, rowwise then columnwise (post-RHT with RHT), one
+        per usage: the values an amax reduction combines."""
+        x2d, be = self._prepare(x, backend, None)
+        return torch.cat([a for a in self._amaxes(x2d, be) if a is not None])
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, backend=None,
+                           generator: torch.Generator | None = None):
+        """Quantize ``x`` with the amaxes ``amax`` (as :meth:`local_amax` returns them, e.g.
+        reduced over the ranks): the steps of :meth:`quantize` after its reduction."""
+        x2d, be = self._prepare(x, backend, generator)
+        parts = iter(amax.to(torch.float32).reshape(-1).split(1))
+        amax_r = next(parts).clone() if self.rowwise_usage else None  # own storage each
+        amax_c = next(parts).clone() if self.columnwise_usage else None
+        return self._quantize(x, x2d, be, amax_r, amax_c, generator)
+
+    def _prepare(self, x, backend, generator):
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+        x2d = as_2d(x, *self.shape_rule())
+        if self.with_rht and self.columnwise_usage:
+            check_rht_input(x2d)
+        return x2d, backends.get(backend, x.device)
+
+    def _amaxes(self, x2d, be):
+        return be.nvfp4_amax(
+            x2d, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+            with_rht=self.with_rht and self.columnwise_usage,
+            rht_sign_mask=self.rht_matrix_random_sign_mask_t,
+        )
+
+    def _quantize(self, x, x2d, be, amax_r, amax_c, generator):
         seed = None
         if self.stochastic_rounding:
             seed = torch.randint(
@@ -131,7 +155,8 @@ class NVFP4Quantizer(Quantizer):
             )
         rd, rs, cd, cs = be.nvfp4_quantize(
             x2d, amax_r, amax_c, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
-            with_rht=rht, rht_sign_mask=self.rht_matrix_random_sign_mask_t,
+            with_rht=self.with_rht and self.columnwise_usage,
+            rht_sign_mask=self.rht_matrix_random_sign_mask_t,
             with_2d_quantization=self.with_2d_quantization,
             stochastic_rounding=self.stochastic_rounding, rng_seed=seed,
             swizzle=self.optimize_for_gemm,
