@@ -157,12 +157,11 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def train_one(name: str, recipe, args, device, progress: Progress, task=None) -> RunResult:
-    """Train a fresh model of ``task`` (default: the MLP) under ``recipe`` (None: high
+def train_one(name: str, recipe, args, device, progress: Progress, task) -> RunResult:
+    """Train a fresh model of ``task`` (:func:`make_task`) under ``recipe`` (None: high
     precision) and collect the figures."""
     from . import autocast, convert
 
-    task = task or MLPTask(device, args.seed, args.batch)
     dtype = torch.bfloat16
     torch.manual_seed(args.seed)
     model = task.model(dtype)
@@ -405,11 +404,11 @@ def run_demo(args) -> int:
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
     columns = terminal_columns()
-    model_name = getattr(args, "model", "mlp")
+    model_name = args.model
     print(fit(f"quant demo: {model_name}, {len(names)} recipes x {args.steps} steps on {device}",
               columns))
     print(fit(f"torch {torch.__version__}, compile: {mode}, quant backend: {backend}", columns))
-    task = make_task(getattr(args, "model", "mlp"), device, args.seed, args.batch)
+    task = make_task(model_name, device, args.seed, args.batch)
     progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
     results = []
     for name in names:

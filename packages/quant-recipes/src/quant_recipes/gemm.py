@@ -171,6 +171,14 @@ def operand(bufs, meta, shape, transposed: bool, columnwise: bool):
     return _storage(bufs, meta, shape).gemm_operand(transposed)
 
 
+def _fast(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb, bias,
+          out_dtype):
+    """``(out, path)`` of the fast path for these operands, or None (see :func:`operand`)."""
+    ra = operand(a_bufs, a_meta, a_shape, transa, a_col)
+    rb = operand(b_bufs, b_meta, b_shape, not transb, b_col)
+    return fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+
+
 def qgemm_impl(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb,
                bias, out_dtype):
     """``op(A) @ op(B) (+ bias)`` with ``op`` = transpose when ``trans``; A is ``a_shape``
@@ -180,9 +188,8 @@ def qgemm_impl(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, 
         path = "high_precision"
     else:
         path = "emulated"
-        ra = operand(a_bufs, a_meta, a_shape, transa, a_col)
-        rb = operand(b_bufs, b_meta, b_shape, not transb, b_col)
-        fast = fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+        fast = _fast(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col,
+                     transb, bias, out_dtype)
         if fast is not None:
             out, path = fast
             _record(path)
@@ -222,9 +229,8 @@ def _qgemm_lowered(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col,
                    out_dtype):
     """The body recorded into a compiled graph: a fast path only (cuBLAS or the backend's GEMM
     kernel); the emulated and high-precision paths stay in the opaque op (``NotCapturable``)."""
-    ra = operand(list(a), list(a_meta), list(a_shape), transa, a_col)
-    rb = operand(list(b), list(b_meta), list(b_shape), not transb, b_col)
-    fast = fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+    fast = _fast(list(a), list(a_meta), list(a_shape), a_col, transa, list(b), list(b_meta),
+                 list(b_shape), b_col, transb, bias, out_dtype)
     if fast is None:
         raise NotCapturable("no fast GEMM path for these operands")
     return fast[0]

@@ -195,32 +195,20 @@ class Float8BlockScalingRecipeState(RecipeState):
 
 
 class NVFP4BlockScalingRecipeState(RecipeState):
-    """Role dispatch on the fp4 QParams; row scaling for forward activations only; 4over6 by
-    scope, never on gradients."""
+    """Role dispatch on the fp4 QParams (the recipe refuses row scaling and 4over6 at
+    construction, so every slot is plain NVFP4)."""
 
     def _make(self, i: int) -> Quantizer:
         r = self.recipe
         kind = self._slot_tensor_type(i)
-        grad = kind in ("grad_output", "grad_input")
-        weight = kind == "weight"
-        qp = r.fp4_quant_bwd_grad if grad else (
-            r.fp4_quant_fwd_weight if weight else r.fp4_quant_fwd_inp
+        qp = r.fp4_quant_bwd_grad if kind in ("grad_output", "grad_input") else (
+            r.fp4_quant_fwd_weight if kind == "weight" else r.fp4_quant_fwd_inp
         )
-        scope = "weights" if weight else "activations"
-        use_4over6 = not grad and r.nvfp4_4over6 in ("all", scope)
-        if use_4over6 and (qp.random_hadamard_transform or qp.stochastic_rounding):
-            raise ValueError(
-                f"NVFP4BlockScaling: 4over6 on {kind} slots cannot be combined with RHT or "
-                "stochastic rounding (set disable_rht / disable_stochastic_rounding)"
-            )
-        e4m3_max = 256 if use_4over6 and r.nvfp4_4over6_e4m3_use_256 in ("all", scope) else 448
         return NVFP4Quantizer(
             DType.E2M1, with_rht=qp.random_hadamard_transform,
             with_post_rht_amax=qp.random_hadamard_transform,
             with_2d_quantization=qp.fp4_2d_quantization,
             stochastic_rounding=qp.stochastic_rounding,
-            row_scaled_nvfp4=r.row_scaled_activation and self.forward and not weight,
-            nvfp4_use_4over6=use_4over6, nvfp4_e4m3_max=e4m3_max,
             nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode,
         )
 

@@ -123,7 +123,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
             return self._make_storage(x.shape, x.dtype, {
                 "_data": data, "_transpose": transpose, "_scale_inv": scale_inv})
         group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
-        return self.quantize_with_amax(x, reduce_amax(be.amax(x2d), group), backend=backend)
+        amax = reduce_amax(self.local_amax(x, backend=backend), group)
+        return self.quantize_with_amax(x, amax, backend=backend)
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
         """fp32 ``(1,)``: this rank's ``max|x|``, the value an amax reduction combines."""

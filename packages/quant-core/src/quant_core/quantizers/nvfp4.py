@@ -111,26 +111,34 @@ class NVFP4Quantizer(Quantizer):
         amax_r, amax_c = self._amaxes(x2d, be)
         if self.with_amax_reduction:
             group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
-            present = [a for a in (amax_r, amax_c) if a is not None]  # one usage: one amax
-            reduced = iter(reduce_amax(torch.cat(present), group).split(1))
-            amax_r, amax_c = (None if a is None else next(reduced) for a in (amax_r, amax_c))
+            amax_r, amax_c = self._split(reduce_amax(self._joined(amax_r, amax_c), group))
         return self._quantize(x, x2d, be, amax_r, amax_c, generator)
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
         """fp32 ``(n,)``: this rank's amaxes, rowwise then columnwise (post-RHT with RHT), one
         per usage: the values an amax reduction combines."""
         x2d, be = self._prepare(x, backend, None)
-        return torch.cat([a for a in self._amaxes(x2d, be) if a is not None])
+        return self._joined(*self._amaxes(x2d, be))
 
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, backend=None,
                            generator: torch.Generator | None = None):
         """Quantize ``x`` with the amaxes ``amax`` (as :meth:`local_amax` returns them, e.g.
         reduced over the ranks): the steps of :meth:`quantize` after its reduction."""
         x2d, be = self._prepare(x, backend, generator)
+        return self._quantize(x, x2d, be, *self._split(amax), generator)
+
+    @staticmethod
+    def _joined(amax_r, amax_c) -> torch.Tensor:
+        """The present amaxes (one per usage) as one tensor, for one reduction."""
+        return torch.cat([a for a in (amax_r, amax_c) if a is not None])
+
+    def _split(self, amax: torch.Tensor):
+        """``(amax_r, amax_c)`` of :meth:`_joined`'s layout, each with its own storage (they
+        become distinct storage buffers)."""
         parts = iter(amax.to(torch.float32).reshape(-1).split(1))
-        amax_r = next(parts).clone() if self.rowwise_usage else None  # own storage each
+        amax_r = next(parts).clone() if self.rowwise_usage else None
         amax_c = next(parts).clone() if self.columnwise_usage else None
-        return self._quantize(x, x2d, be, amax_r, amax_c, generator)
+        return amax_r, amax_c
 
     def _prepare(self, x, backend, generator):
         if generator is not None and not isinstance(generator, torch.Generator):
