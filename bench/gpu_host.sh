@@ -16,7 +16,8 @@ if [ "${CHECK:-1}" = 1 ]; then
     timeout 200 python3 bench/check_gpu.py ${CHECK_FORMATS:-nvfp4} > "$OUT/check.log" 2>&1
     echo "check rc=$?"; grep -E "mismatches=[1-9]|CHECKS|MISMATCH|took" "$OUT/check.log"
   fi
-  (cd tests/kernels && timeout 200 python3 -m pytest -q -p no:cacheprovider ${KTESTS:-test_nvfp4.py} 2>&1 | tail -4)
+  (cd tests/kernels && timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${KTESTS:-test_nvfp4.py} > "$OUT/ktests.log" 2>&1)
+  echo "kernel tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/ktests.log" | cut -c1-300 | head -60
   timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/recipes/test_cuda_graphs.py tests/recipes/test_lowered_linear.py > "$OUT/graphs.log" 2>&1
   echo "cuda graph tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|^E  .*(Error|assert|mismatch)" "$OUT/graphs.log" | cut -c1-300 | head -30
 fi
@@ -29,7 +30,7 @@ if [ "${KERNELS:-1}" = 1 ]; then
   echo "kernels rc=$?"; grep -v "^  " "$OUT/kernels.log" | tail -16
 fi
 if [ "${HOST:-1}" = 1 ]; then
-  timeout 300 python3 bench/host_overhead.py --profile --step --json "$OUT/host.json" > "$OUT/host.log" 2>&1
+  timeout 300 python3 bench/host_overhead.py ${HOST_ARGS:---profile --step} --json "$OUT/host.json" > "$OUT/host.log" 2>&1
   echo "host rc=$?"; sed -n '/cProfile/q;p' "$OUT/host.log" | grep -v "^$"
 fi
 if [ "${STEP:-0}" = 1 ]; then

@@ -22,6 +22,7 @@ packages/quant-recipes/src python bench/host_overhead.py [--device cuda|cpu] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import io
@@ -148,13 +149,46 @@ def floors(x: torch.Tensor, iters: int) -> dict[str, float]:
             lambda: torch.ops.quant_bench.noop(x), iters, dev)[0],
     }
     if dev.type == "cuda":
-        from quant_kernels import _amax
+        from quant_kernels import _amax, _launcher
+        from quant_kernels._common import launch
 
-        out = torch.zeros(1, dtype=torch.float32, device=dev)
+        _launcher._tables.pop(_amax._amax_kernel, None)  # the floors' launch is its only key
+        out = torch.zeros(1, dtype=torch.float32, device=dev).view(torch.int32)
         res["triton launch (amax kernel, 1 program)"] = per_call_us(
-            lambda: _amax._amax_kernel[(1,)](x, out.view(torch.int32), 1, 1, BLOCK=1024),
-            iters, dev)[0]
+            lambda: _amax._amax_kernel[(1,)](x, out, 1, 1, BLOCK=1024), iters, dev)[0]
+        res["quant_kernels launch, direct (same kernel)"] = per_call_us(
+            lambda: launch(_amax._amax_kernel, (1,), x, out, 1, 1, BLOCK=1024), iters, dev)[0]
+        res["its compiled launcher alone (args prepared)"] = per_call_us(
+            compiled_launcher_alone(_amax._amax_kernel, dev), iters, dev)[0]
     return res
+
+
+def compiled_launcher_alone(kernel, dev: torch.device):
+    """The last step of a direct launch with everything else prepared: the floor of any
+    Python-side launch path (the C launcher, argument parsing and the driver's launch call)."""
+    from quant_kernels import _launcher
+
+    run, function, packed, arrange = next(iter(_launcher._tables[kernel].values()))
+    key = next(iter(_launcher._tables[kernel]))
+    x = torch.zeros(1024, device=dev)
+    out = torch.zeros(1, dtype=torch.int32, device=dev)
+    args = arrange((x, out, 1, 1, 1024))
+    stream = _launcher._current_stream(key[0])
+    return lambda: run(1, 1, 1, stream, function, packed, None, None, None, *args)
+
+
+@contextlib.contextmanager
+def tritons_own_launcher():
+    """Every launch through ``kernel[grid](...)`` (the path before the direct launcher): the A/B
+    baseline of the same run."""
+    from quant_kernels import _launcher
+
+    direct = _launcher.launch
+    _launcher.launch = lambda kernel, grid, args, kwargs: kernel[grid](*args, **kwargs)
+    try:
+        yield
+    finally:
+        _launcher.launch = direct
 
 
 def gemm_call(x: torch.Tensor, device: torch.device):
@@ -203,13 +237,21 @@ def main() -> None:
         results["floors"][tag] = floors(x, args.iters)
         for name, us in results["floors"][tag].items():
             print(f"floor  {tag} {name:40s} {us:8.1f} us")
-        print(f"\n| format ({tag} bf16) | host us / quantize | gpu us / quantize |")
-        print("| --- | --- | --- |")
+        ab = dev.type == "cuda"
+        print(f"\n| format ({tag} bf16) | host us / quantize | gpu us / quantize |"
+              + (" host us, Triton's launcher (same run) |" if ab else ""))
+        print("| --- | --- | --- |" + (" --- |" if ab else ""))
         for name, q in QUANTIZERS.items():
             call = functools.partial(q.quantize, x)
             host, gpu = per_call_us(call, args.iters, dev)
-            results["quantize"].setdefault(name, {})[tag] = {"host_us": host, "gpu_us": gpu}
-            print(f"| {name} | {host:.1f} | {'-' if gpu is None else f'{gpu:.1f}'} |")
+            row = {"host_us": host, "gpu_us": gpu}
+            line = f"| {name} | {host:.1f} | {'-' if gpu is None else f'{gpu:.1f}'} |"
+            if ab:
+                with tritons_own_launcher():
+                    row["host_us_tritons_launcher"] = per_call_us(call, args.iters, dev)[0]
+                line += f" {row['host_us_tritons_launcher']:.1f} |"
+            results["quantize"].setdefault(name, {})[tag] = row
+            print(line)
             if args.profile and last:
                 results["profiles"][name] = profile_table(call, args.iters)
         if dev.type == "cuda":

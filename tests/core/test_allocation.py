@@ -73,3 +73,30 @@ def test_make_empty_dequantizes_to_zeros():
     out = MXFP8Quantizer().make_empty((32, 64), dtype=torch.float32).dequantize()
     # E8M0 byte 0 is 2^-127 and the data bytes are +0: every element dequantizes to +0.
     assert torch.equal(out, torch.zeros(32, 64))
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
+def test_symbolic_shapes_build_storages_without_the_spec_cache(name):
+    """Traced code (dynamic shapes) builds storages over SymInt shapes: the per-shape spec cache
+    of value quantizers cannot hash them and must step aside, not fail."""
+    from quant_core import quantizer as quantizer_module
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    x = mode.from_tensor(torch.zeros(64, 128), symbolic_context=context,
+                         source=ConstantSource("x"))
+    q = QUANTIZERS[name]
+    cached = len(quantizer_module._SPECS)
+    with mode:
+        storage = q.make_empty(x.shape, dtype=torch.bfloat16)
+    assert storage.shape == x.shape
+    assert len(quantizer_module._SPECS) == cached
+    want = q.make_empty((64, 128), dtype=torch.bfloat16).buffers()
+    for buf_name, buf in storage.buffers().items():
+        assert (buf is None) == (want[buf_name] is None), buf_name

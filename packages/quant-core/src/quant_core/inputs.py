@@ -24,9 +24,10 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
     if x.dtype not in INPUT_DTYPES:
         allowed = ", ".join(str(d) for d in INPUT_DTYPES)
         raise TypeError(f"{fmt}: input dtype must be one of {allowed}; got {x.dtype}")
-    check_shape(x.shape, fmt, k_multiple)
-    k = x.shape[-1]
-    return x.detach().contiguous().reshape(x.shape[:-1].numel(), k)
+    shape = x.shape
+    check_shape(shape, fmt, k_multiple)
+    x = x.detach().contiguous()
+    return x if len(shape) == 2 else x.reshape(shape[:-1].numel(), shape[-1])
 
 
 def check_dense(x: torch.Tensor, what: str) -> None:

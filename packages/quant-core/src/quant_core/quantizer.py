@@ -112,10 +112,11 @@ class Quantizer(metaclass=QuantizerMeta):
                 "@value_quantizer to opt in)"
             )
         self._check_value_has_no_process_group()
-        return (
-            type(self).__qualname__,
-            tuple((n, _key_value(getattr(self, n))) for n in names),
-        )
+        key = self.__dict__.get("_value_key_cache")
+        if key is None:  # fields never change after construction: compute once
+            key = (type(self).__qualname__, tuple((n, _key_value(getattr(self, n))) for n in names))
+            object.__setattr__(self, "_value_key_cache", key)
+        return key
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -195,14 +196,35 @@ class Quantizer(metaclass=QuantizerMeta):
         """The storage's non-tensor tags (format dtype, layout flags)."""
         return {}
 
+    def _cached_specs(self, shape: torch.Size):
+        """:meth:`inner_tensor_specs` of a value quantizer, computed once per (quantizer, shape);
+        ``None`` for an identity quantizer or a symbolic shape (traced code), never cached."""
+        if self._value_fields() is None:
+            return None
+        try:
+            key = (self, tuple(shape))
+            specs = _SPECS.get(key)
+        except TypeError:  # a SymInt dim is unhashable
+            return None
+        if specs is None:
+            if len(_SPECS) >= _MAX_CACHED_SPECS:
+                _SPECS.clear()
+            specs = _SPECS[key] = self.inner_tensor_specs(shape)
+        return specs
+
     def _make_storage(self, shape, dtype: torch.dtype, buffers: dict[str, torch.Tensor]):
         """The storage for an input of ``shape``/``dtype``; each buffer of
-        :meth:`inner_tensor_specs` is taken from ``buffers`` and viewed in its spec shape."""
-        shape = torch.Size(shape)
-        present = {
-            name: buffers[name].view(spec_shape)
-            for name, (spec_shape, _) in self.inner_tensor_specs(shape).items()
-        }
+        :meth:`inner_tensor_specs` is taken from ``buffers``, viewed in its spec shape."""
+        shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        specs = self._cached_specs(shape)
+        if specs is None:
+            present = {name: buffers[name].view(spec_shape)
+                       for name, (spec_shape, _) in self.inner_tensor_specs(shape).items()}
+        else:  # concrete shapes: a buffer already in its spec shape needs no view
+            present = {}
+            for name, (spec_shape, _) in specs.items():
+                buf = buffers[name]
+                present[name] = buf if buf.shape == spec_shape else buf.view(spec_shape)
         return self._storage_class(
             shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
         )
@@ -314,6 +336,11 @@ def _field_repr(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     return repr(value)
+
+
+#: ``{(value quantizer, shape): inner_tensor_specs}``; cleared when it reaches the bound.
+_SPECS: dict[tuple, dict] = {}
+_MAX_CACHED_SPECS = 4096
 
 
 def _key_value(value: Any) -> Any:

@@ -34,7 +34,7 @@ class QuantizedStorage:
     _tag_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, shape, dtype: torch.dtype, quantizer, **kwargs: Any) -> None:
-        self.shape = torch.Size(shape)
+        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
         self._dtype = dtype
         self.quantizer = quantizer
         for name in self._buffer_names + self._tag_names:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant_core.shapes import ceil_div
 
 from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, tile_args
 from ._rounding import abs_for_max, f32_bits
@@ -60,7 +61,7 @@ def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     if n == 0:
         return
     cfg = config("amax")
-    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    n_tiles = ceil_div(n, cfg["BLOCK"])
     grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
     launch(_amax_kernel, (grid,), x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
            **launch_kwargs(cfg))
@@ -71,7 +72,7 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
     atomics: the consumer takes the max of all of them)."""
     n = x.numel()
     cfg = config("amax_partials")
-    n_tiles = triton.cdiv(n, cfg["BLOCK"])
+    n_tiles = ceil_div(n, cfg["BLOCK"])
     grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
     parts = torch.empty(grid, dtype=torch.float32, device=x.device)
     launch(_amax_partials_kernel, (grid,), x, parts, n, n_tiles, **tile_args(cfg),

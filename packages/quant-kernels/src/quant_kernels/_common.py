@@ -8,10 +8,16 @@ import os
 import torch
 from quant_core.kernel_capture import capturing
 
+from . import _launcher
+
+#: Triton decides at ``@triton.jit`` time (this package's import) whether a kernel is interpreted.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True when this package's kernels run through Triton's CPU interpreter
+    (``TRITON_INTERPRET=1`` when it was imported: Triton fixes that at ``@triton.jit`` time)."""
+    return _INTERPRETING
 
 
 #: Native hardware casts on real GPUs (never under the interpreter, whose fp8 cast rounds wrongly:
@@ -53,15 +59,18 @@ def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``; inside ``quant_core.kernel_capture.capture()`` the launch
+    """``kernel[grid](*args, **kwargs)``. Inside ``quant_core.kernel_capture.capture()`` the launch
     is recorded into the graph being traced (``torch.library.wrap_triton``) instead, so compiled
-    code launches the same kernel with the same constants."""
+    code launches the same kernel with the same constants. On a GPU, a launch whose argument key
+    was seen before goes straight to the compiled kernel (:mod:`._launcher`)."""
     if capturing():
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **kwargs)
-        return
-    kernel[grid](*args, **kwargs)
+    elif _INTERPRETING:
+        kernel[grid](*args, **kwargs)
+    else:
+        _launcher.launch(kernel, grid, args, kwargs)
 
 
 def tile_args(cfg: dict[str, int]) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant_core.shapes import ceil_div
 
 from ._layout import swizzle_offset
 from ._rounding import to_out
@@ -67,7 +68,7 @@ def store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS: tl.cons
 
 
 def grid(m: int, n: int, cfg: dict[str, int]) -> tuple[int]:
-    return (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    return (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]),)
 
 
 def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

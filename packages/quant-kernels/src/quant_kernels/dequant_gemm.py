@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
+from quant_core.shapes import ceil_div
 
 from . import mxfp8, nvfp4
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
@@ -91,7 +92,7 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None) -> tor
         return out
     cfg = config("gemm_epilogue")
     launch(
-        _epilogue_kernel, (triton.cdiv(acc.numel(), cfg["BLOCK"]),),
+        _epilogue_kernel, (ceil_div(acc.numel(), cfg["BLOCK"]),),
         acc, out, bias if bias is not None else acc,
         amax_a.to(torch.float32).reshape(1) if has_alpha else acc,
         amax_b.to(torch.float32).reshape(1) if has_alpha else acc, acc.numel(), acc.shape[1],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant_core.shapes import ceil_div
 
 from ._common import interpreting, launch
 from ._rounding import (
@@ -73,6 +74,6 @@ def encode(v: torch.Tensor, rule: str) -> torch.Tensor:
     if n:
         block = 4096 if interpreting() else 2048
         kw = {} if interpreting() else {"num_warps": 8}
-        launch(_encode_kernel, (triton.cdiv(n, block),), v, out, n, RULE=RULES.index(rule),
+        launch(_encode_kernel, (ceil_div(n, block),), v, out, n, RULE=RULES.index(rule),
                BLOCK=block, **kw)
     return out

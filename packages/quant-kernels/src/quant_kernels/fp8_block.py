@@ -10,6 +10,7 @@ import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_block_scaling_dim
+from quant_core.shapes import ceil_div
 
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code
 from ._rounding import (
@@ -145,7 +146,7 @@ def fp8_block_quantize(
                  "fp8_block_2d" if block_scaling_dim == 2 else "fp8_block_col")
     bm = cfg["BM_ROW"] if row_only else BLOCK
     slab = bm if row_only else cfg["SLAB"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(k, BLOCK))
+    grid = (ceil_div(m, bm), ceil_div(k, BLOCK))
     dummy = rd if rd is not None else cd
     dummy_s = rs if rs is not None else cs
     launch(
@@ -202,7 +203,7 @@ def fp8_block_dequantize(
     if m == 0 or k == 0:
         return out
     cfg = config("fp8_block_dequant")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     launch(
         _fp8_block_dequant_kernel, grid,
         data.contiguous().view(torch.uint8), scale_inv.to(torch.float32).contiguous(), out, m, k,

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
+from quant_core.shapes import ceil_div
 
 from ._amax import amax, amax_partials
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
@@ -91,7 +92,7 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
     trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     cfg = config("fp8_cast")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     n_parts = scale_or_parts.numel() if current else 0
     dummy = scale_inv
     launch(
@@ -101,7 +102,7 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
         float(current["amax_epsilon"]) if current else 0.0,
         ROW=rowwise, COL=columnwise, AMAX=amax_out is not None,
         IS_E4M3=fp8_dtype == DType.E4M3,
-        PARTS=triton.next_power_of_2(max(n_parts, 16)) if current else 0,
+        PARTS=1 << (max(n_parts, 16) - 1).bit_length() if current else 0,  # next power of 2
         FP8_MAX=fp8_dtype.max, POW2=bool(current and current["force_pow_2_scales"]),
         **tile_args(cfg), **launch_kwargs(cfg),
     )
@@ -179,7 +180,7 @@ def fp8_dequantize(
     if n:
         cfg = config("fp8_dequant")
         launch(
-            _fp8_dequant_kernel, (triton.cdiv(n, cfg["BLOCK"]),),
+            _fp8_dequant_kernel, (ceil_div(n, cfg["BLOCK"]),),
             data.view(torch.uint8), scale_inv.to(torch.float32).reshape(1).contiguous(), out, n,
             IS_E4M3=fp8_dtype == DType.E4M3, OUT=out_code(dtype), **tile_args(cfg),
             **launch_kwargs(cfg),

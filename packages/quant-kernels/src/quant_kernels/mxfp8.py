@@ -10,6 +10,7 @@ import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_k_multiple
+from quant_core.shapes import ceil_div
 
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
 from ._layout import scale_offset
@@ -165,7 +166,7 @@ def mxfp8_quantize(
         cfg = config("mxfp8_fused")
     else:
         cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     dummy = rd if rd is not None else cd
     launch(
         _mxfp8_kernel, grid,
@@ -227,7 +228,7 @@ def mxfp8_dequantize(
     cfg = config("mxfp8_dequant")
     if columnwise and 32 % cfg["BM"]:
         raise ValueError(f"mxfp8_dequant config: BM must divide 32, got {cfg['BM']}")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     launch(
         _mxfp8_dequant_kernel, grid,
         data.contiguous().view(torch.uint8), scale.contiguous(), out, m, k, scale.shape[1],

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
+from quant_core.shapes import ceil_div
 
 from . import _gemm, dequant_gemm
 from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, out_code, tile_args
@@ -96,7 +97,7 @@ def _mxfp8_gemm_kernel(
 def _scale_args(scale: torch.Tensor, swizzled: bool, k: int) -> tuple[int, int, int]:
     """(stride over rows, stride over K blocks, padded K-block count for the swizzle)."""
     if swizzled:
-        return 0, 0, triton.cdiv(triton.cdiv(k, 32), 4) * 4
+        return 0, 0, ceil_div(ceil_div(k, 32), 4) * 4
     return scale.stride(0), scale.stride(1), 0
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_input
+from quant_core.shapes import ceil_div
 
 from ._amax import amax_into
 from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
@@ -328,7 +329,7 @@ def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _col_grid(m: int, k: int, cfg: dict) -> tuple[int, int]:
-    return (triton.cdiv(m, 16 * cfg["G"]), triton.cdiv(k, cfg["BK"]))
+    return (ceil_div(m, 16 * cfg["G"]), ceil_div(k, cfg["BK"]))
 
 
 def nvfp4_amax(
@@ -391,7 +392,7 @@ def nvfp4_quantize(
         rs = torch.zeros(shapes.nvfp4_rowwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
             cfg = config("nvfp4_row")
-            grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+            grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
             xp, dt = _pairs(x)
             launch(
                 _nvfp4_row_kernel, grid,
@@ -402,7 +403,7 @@ def nvfp4_quantize(
     if columnwise:
         cd_shape = shapes.nvfp4_columnwise_data_shape(m, k)
         # rows padded to whole int64 words (8 bytes = one 16-row group), cut back below
-        mhw = triton.cdiv(cd_shape[1], 8)
+        mhw = ceil_div(cd_shape[1], 8)
         cdw = torch.empty((cd_shape[0], mhw * 8), dtype=torch.uint8, device=dev)
         cs = torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
@@ -449,7 +450,7 @@ def nvfp4_dequantize(
     if m == 0 or k == 0:
         return out
     cfg = config("nvfp4_dequant")
-    grid = (triton.cdiv(m, cfg["BM"]), triton.cdiv(k, cfg["BK"]))
+    grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     launch(
         _nvfp4_dequant_kernel, grid,
         data.contiguous(), scale.contiguous(), amax.to(torch.float32).reshape(1), out, m, k,
