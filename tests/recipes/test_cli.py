@@ -233,3 +233,26 @@ def test_plot_adds_a_panel_relative_to_the_baseline(tmp_path):
     height_two = matplotlib.image.imread(two).shape[0]
     height_one = matplotlib.image.imread(one).shape[0]
     assert height_two == 2 * height_one  # two panels of the same height
+
+
+def test_demo_gemm_column_names_the_paths_of_lowered_gemms_too(monkeypatch):
+    """A GEMM lowered into a compiled graph runs no Python per call; its path, recorded when the
+    graph was traced, still reaches the table's gemm column."""
+    from quant_recipes import demo, gemm
+
+    gemm.reset_gemm_paths()
+    assert demo._gemm_path() == "-"
+    monkeypatch.setitem(gemm._COMPILED, "scaled_mm", 3)
+    monkeypatch.setitem(gemm._PATHS, "emulated", 1)
+    assert demo._gemm_path() == "scaled_mm,emulated"
+    gemm.reset_gemm_paths()
+    assert gemm.compiled_gemm_paths() == {} and demo._gemm_path() == "-"
+
+
+def test_demo_warns_when_a_gpu_run_quantizes_on_the_reference():
+    import torch
+    from quant_recipes import demo
+
+    assert "quant-kernels" in demo._backend_note(torch.device("cuda"), "reference")
+    assert demo._backend_note(torch.device("cuda"), "triton") is None
+    assert demo._backend_note(torch.device("cpu"), "reference") is None

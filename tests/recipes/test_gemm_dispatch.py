@@ -98,6 +98,21 @@ def test_triton_backend_takes_the_kernel_path_with_the_reference_bits(monkeypatc
 
 @pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
                     reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
+def test_a_lowered_gemm_records_its_path_when_traced(monkeypatch):
+    """The body recorded into a compiled graph counts its path in ``compiled_gemm_paths`` (the
+    graph's later calls run no Python), not in ``gemm_paths``."""
+    args = _wgrad_args(MXFP8Quantizer(DType.E4M3))
+    want = G.qgemm_impl(*args, None, torch.float32)
+    monkeypatch.setenv("QUANT_BACKEND", "triton")
+    G.reset_gemm_paths()
+    got = G._qgemm_lowered(*args, None, torch.float32)
+    assert G.compiled_gemm_paths() == {"triton_mxfp8": 1}
+    assert G.gemm_paths() == {}
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+                    reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
 def test_linear_step_on_the_triton_gemms_matches_the_reference_backend(monkeypatch):
     """A whole MXFP8 Linear step (fprop, dgrad, wgrad) on the kernel path equals the reference
     backend's within the accumulation-order bound of its fp32 sums."""

@@ -7,7 +7,7 @@ are used when installed (quant-dynamo is imported with the package: :mod:`.compi
 from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
 from .autocast import Frame, autocast, current_frame, default_recipe
 from .convert import convert, unconvert
-from .gemm import gemm_paths, last_gemm_path, reset_gemm_paths
+from .gemm import compiled_gemm_paths, gemm_paths, last_gemm_path, reset_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
 from .linear import Linear
 from .module import QuantizedModule, intern
@@ -46,6 +46,7 @@ __all__ = [
     "MXFP8BlockScalingRecipeState", "Float8BlockScalingRecipeState",
     "NVFP4BlockScalingRecipeState", "CustomRecipeState", "IdentityQuantizer",
     "HighPrecisionStorage", "autocast", "Frame", "current_frame", "default_recipe",
-    "QuantizedModule", "Linear", "intern", "gemm_paths", "last_gemm_path", "reset_gemm_paths",
+    "QuantizedModule", "Linear", "intern", "gemm_paths", "compiled_gemm_paths", "last_gemm_path",
+    "reset_gemm_paths",
     "convert", "unconvert",
 ]

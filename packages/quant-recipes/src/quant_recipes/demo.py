@@ -11,6 +11,7 @@ cost of the format.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import pathlib
@@ -225,16 +226,26 @@ def _fullgraph_supported() -> bool:
     return dynamo().status()["mode"] != "none"
 
 
+def _backend_note(device: torch.device, backend: str) -> str | None:
+    """A warning when a GPU run quantizes on the pure-torch reference (quant-kernels absent)."""
+    if device.type == "cuda" and backend == "reference":
+        return ("note: quant-kernels (the Triton backend) is not installed, so quantization "
+                "runs on the reference, far slower than its kernels: pip install "
+                "./packages/quant-kernels")
+    return None
+
+
 def _default_backend(device: torch.device) -> str:
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
 def _gemm_path() -> str:
-    """The GEMM paths taken since the last reset, most used first."""
-    from .gemm import gemm_paths
+    """The GEMM paths taken since the last reset, most used first: those run through Python
+    and those lowered into the compiled graph (decided when it was traced)."""
+    from .gemm import compiled_gemm_paths, gemm_paths
 
-    paths = sorted(gemm_paths().items(), key=lambda kv: -kv[1])
-    return ",".join(name for name, _ in paths) if paths else "-"
+    counts = collections.Counter(gemm_paths()) + collections.Counter(compiled_gemm_paths())
+    return ",".join(name for name, _ in counts.most_common()) or "-"
 
 
 def _jsonable(value):
@@ -408,6 +419,9 @@ def run_demo(args) -> int:
     print(fit(f"quant demo: {model_name}, {len(names)} recipes x {args.steps} steps on {device}",
               columns))
     print(fit(f"torch {torch.__version__}, compile: {mode}, quant backend: {backend}", columns))
+    note = _backend_note(device, backend)
+    if note:
+        print(fit(note, columns))
     task = make_task(model_name, device, args.seed, args.batch)
     progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
     results = []

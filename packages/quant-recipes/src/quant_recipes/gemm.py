@@ -34,6 +34,7 @@ HP, FP8, MXFP8, FP8_BLOCK, NVFP4 = range(5)
 _FORMAT_NAMES = ("high_precision", "fp8", "mxfp8", "fp8_block", "nvfp4")
 
 _PATHS: collections.Counter = collections.Counter()
+_COMPILED: collections.Counter = collections.Counter()
 _LAST: list[str] = []
 
 
@@ -45,10 +46,16 @@ def gemm_paths() -> dict[str, int]:
     (``torch.cuda.graph``). A graph replay runs the captured kernels without Python and counts
     nothing: the capture's count says which paths every replay takes. Likewise a fast-path GEMM
     lowered into a compiled graph (CUDA under Inductor, :func:`quant_dynamo.lower_to_kernels`)
-    runs no Python per call and is not counted: an eager step shows the paths it takes, decided
-    by the same code.
+    runs no Python per call and is not counted here: :func:`compiled_gemm_paths` has those.
     """
     return dict(_PATHS)
+
+
+def compiled_gemm_paths() -> dict[str, int]:
+    """The paths of the GEMMs lowered into compiled graphs since the last
+    :func:`reset_gemm_paths`: one count per GEMM of a graph, recorded when the graph was traced
+    (where the path is decided); every later call of that graph takes the same paths."""
+    return dict(_COMPILED)
 
 
 def last_gemm_path() -> str | None:
@@ -56,7 +63,9 @@ def last_gemm_path() -> str | None:
 
 
 def reset_gemm_paths() -> None:
+    """Forget the paths of :func:`gemm_paths` and :func:`compiled_gemm_paths`."""
     _PATHS.clear()
+    _COMPILED.clear()
     _LAST.clear()
 
 
@@ -233,6 +242,7 @@ def _qgemm_lowered(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col,
                  list(b_shape), b_col, transb, bias, out_dtype)
     if fast is None:
         raise NotCapturable("no fast GEMM path for these operands")
+    _COMPILED[fast[1]] += 1
     return fast[0]
 
 
