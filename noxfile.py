@@ -30,6 +30,21 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "hf", "compat"]
 
+
+def _skip_uv_probe() -> None:
+    """These sessions use virtualenv. Without uv on PATH, nox still probes for it at the first
+    session and logs "uv binary not found." on every run; say there is none before it looks
+    (nox reads these module attributes, computed lazily, before probing)."""
+    if shutil.which(os.environ.get("UV") or "uv") is not None:
+        return
+    import nox.virtualenv
+    from packaging.version import Version
+
+    nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
+
+
+_skip_uv_probe()
+
 #: torch for the main suite: the CPU build that lies on this machine's disk.
 TEST_TORCH = "2.13.0"
 #: Triton as on the H200 GPU machine, so interpreter and hardware see the same compiler.

@@ -39,11 +39,30 @@ def _load_noxfile(monkeypatch):
     fake.Session = object
     fake.session = lambda *a, **k: (lambda f: f)
     fake.parametrize = lambda *a, **k: (lambda f: f)
+    fake.virtualenv = types.ModuleType("nox.virtualenv")
     monkeypatch.setitem(sys.modules, "nox", fake)
+    monkeypatch.setitem(sys.modules, "nox.virtualenv", fake.virtualenv)
     spec = importlib.util.spec_from_file_location("_noxfile", README.parent / "noxfile.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("uv_on_path", [False, True])
+def test_nox_is_told_there_is_no_uv_instead_of_probing(monkeypatch, uv_on_path):
+    """Issue 16 item 7: every nox run logged "uv binary not found." (nox probes for uv even for
+    virtualenv sessions); without uv the noxfile now answers nox's lazy probe up front."""
+    import shutil
+
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/uv" if uv_on_path and name == "uv"
+                        else None if name == "uv" else which(name))
+    noxfile = _load_noxfile(monkeypatch)
+    probed = noxfile.nox.virtualenv.__dict__
+    if uv_on_path:
+        assert "HAS_UV" not in probed
+    else:
+        assert probed["HAS_UV"] is False and str(probed["UV_VERSION"]) == "0"
 
 
 def test_sessions_that_compile_stop_with_one_line_without_a_cxx_compiler(monkeypatch, tmp_path):
