@@ -16,10 +16,12 @@ import torch
 import triton
 from quant_core import reference as ref
 from quant_core.dtypes import DType
-from quant_core.reference._rounding import fp8_encode
-from quant_core.reference.fp8_tensor import compute_scale_from_amax
-from quant_core.reference.mxfp8 import e8m0_roundup
-from quant_core.reference.nvfp4 import e2m1_encode
+from quant_core.reference._rounding import (
+    compute_scale_from_amax,
+    e2m1_encode,
+    e8m0_roundup,
+    fp8_encode,
+)
 from quant_kernels._common import native_bf16, native_fp8
 from quant_kernels.backend import BACKEND as B
 from quant_kernels.encoders import encode

@@ -15,7 +15,7 @@ from quant_core.reference import (
     swizzle_scales,
     unswizzle_scales,
 )
-from quant_core.reference.mxfp8 import e8m0_roundup
+from quant_core.reference._rounding import e8m0_roundup
 
 E4M3, E5M2 = DType.E4M3, DType.E5M2
 NAN, INF = math.nan, math.inf

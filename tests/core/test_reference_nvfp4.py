@@ -17,7 +17,8 @@ import torch
 from _oracles import assert_same_values, bits_to_f32, f32, random_byte
 from quant_core import shapes
 from quant_core.reference import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
-from quant_core.reference.nvfp4 import e2m1_encode, pack_e2m1
+from quant_core.reference._rounding import e2m1_encode
+from quant_core.reference.nvfp4 import pack_e2m1
 from quant_core.reference.rht import DEFAULT_SIGNS
 
 INF, NAN = math.inf, math.nan

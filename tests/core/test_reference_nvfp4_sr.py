@@ -6,7 +6,7 @@ import pytest
 import torch
 from _oracles import random_byte
 from quant_core.reference import nvfp4_dequantize, nvfp4_quantize
-from quant_core.reference.stochastic import sr_random_byte, sr_round_e2m1
+from quant_core.reference._rounding import sr_random_byte, sr_round_e2m1
 
 
 @pytest.mark.parametrize("seed", [0, 1, -1, 12345, 2**62 + 7, -(2**40)])

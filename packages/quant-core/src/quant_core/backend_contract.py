@@ -95,7 +95,7 @@ class Backend(Protocol):
                        ) -> Tensors4:
         """``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)``; ``rng_seed``
         an int64 ``(1,)`` (ignored without stochastic rounding), element ``i``'s random byte
-        ``reference.stochastic.sr_random_byte(seed, i)``, which any backend can repeat."""
+        ``reference._rounding.sr_random_byte(seed, i)``, which any backend can repeat."""
 
     def nvfp4_dequantize(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *,
                          swizzled: bool, dtype) -> torch.Tensor:

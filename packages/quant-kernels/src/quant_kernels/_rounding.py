@@ -388,7 +388,7 @@ def sr_seed_state(seed_ptr):
 @triton.jit
 def sr_random_byte(state, index):
     """Random byte (int32 0..255) of int64 element ``index`` >= 0 given ``sr_seed_state``;
-    repeats ``quant_core.reference.stochastic.sr_random_byte`` exactly."""
+    repeats ``quant_core.reference._rounding.sr_random_byte`` exactly."""
     i_lo = (index & 0xFFFFFFFF).to(tl.uint32)
     i_hi = ((index >> 32) & 0xFFFFFFFF).to(tl.uint32)
     h = lowbias32(state ^ i_hi)

@@ -4,9 +4,10 @@ Every function runs on any device, takes plain tensor and scalar arguments, and 
 the bytes of the spec. The functions and what each takes and returns are the backend contract,
 one documented method each in :class:`quant_core.backend_contract.Backend`; a backend
 (quant-kernels' ``triton``) provides the same names with the same signatures and must return
-the same bytes (GEMMs: the same products and fp32 sums, in any order). The shared rounding rules
-are :mod:`._rounding`'s; the GEMM definitions :mod:`.gemm`'s; the RHT :mod:`.rht`'s; the
-stochastic-rounding bytes :mod:`.stochastic`'s; the scale swizzle :mod:`.swizzle`'s.
+the same bytes (GEMMs: the same products and fp32 sums, in any order). The rounding rules
+(stochastic rounding and its random bytes included) are :mod:`._rounding`'s; the block tiling
+:mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s; the RHT :mod:`.rht`'s; the scale swizzle
+:mod:`.swizzle`'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""FP8 block scaling: 1x128 and 128x128 blocks (`numerics.md` §6, §8, §10).
-
-Also home of the block-tiling helpers ``block_amax`` and ``expand_blocks``, shared with MXFP8.
-"""
+"""FP8 block scaling: 1x128 and 128x128 blocks (`numerics.md` §6, §8, §10)."""
 
 from __future__ import annotations
 
@@ -10,29 +7,11 @@ import torch
 from .. import shapes
 from ..dtypes import DType, check_fp8
 from ..inputs import check_block_scaling_dim
+from ._blocks import block_amax, expand_blocks
 from ._pad import zero_pad
-from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
-from .fp8_tensor import compute_scale_from_amax, div_rn
+from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode
 
 BLOCK = shapes.FP8_BLOCK
-
-
-def block_amax(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
-    """NaN-dropping ``max|x|`` per ``block_rows x block_cols`` block of ``x [M, K]``, fp32
-    ``[ceil(M/block_rows), ceil(K/block_cols)]``; partial edge blocks see only valid elements."""
-    m, k = x.shape
-    a = nan_to_zero_abs(x)  # >= 0, so zero padding never wins the max
-    a = zero_pad(a, shapes.roundup(m, block_rows), shapes.roundup(k, block_cols))
-    n_rows, n_cols = a.shape[0] // block_rows, a.shape[1] // block_cols
-    return a.reshape(n_rows, block_rows, n_cols, block_cols).amax(dim=(1, 3))
-
-
-def expand_blocks(
-    per_block: torch.Tensor, block_rows: int, block_cols: int, m: int, k: int
-) -> torch.Tensor:
-    """Broadcast ``per_block [ceil(M/br), ceil(K/bc)]`` to one value per element, ``[m, k]``."""
-    full = per_block.repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)
-    return full[:m, :k]
 
 
 def _pad_cols(s: torch.Tensor, cols: int) -> torch.Tensor:

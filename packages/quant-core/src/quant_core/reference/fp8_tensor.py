@@ -1,8 +1,4 @@
-"""Per-tensor FP8: current and delayed scaling (`numerics.md` §2–§4, §8, §10).
-
-Also home of ``compute_scale_from_amax`` (§3 step 3), shared with FP8 block scaling (§6), and of
-``div_rn``, the correctly rounded fp32 division both recipes need.
-"""
+"""Per-tensor FP8: current and delayed scaling (`numerics.md` §2–§4, §8, §10)."""
 
 from __future__ import annotations
 
@@ -10,51 +6,19 @@ import torch
 
 from ..constants import FLT_MAX  # the value_for_inf of current scaling (also imported from here)
 from ..dtypes import DType, check_fp8
-from ._rounding import f32_bits, f32_from_bits, fp8_decode, fp8_encode, nan_to_zero_abs
-
-#: ``bits(scale) & POW2_MASK`` floors a positive fp32 to a power of two (keeps sign and exponent).
-POW2_MASK = 0xFF800000
-
-
-def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``fp32(a / b)``, correctly rounded, for fp32 tensors (``__fdiv_rn``).
-
-    Computed as an fp64 division rounded once to fp32: exact for division because 53 >= 2*24 + 2
-    makes the double rounding innocuous. This keeps the result correct where fp32 division is not
-    (Triton's and so Inductor's fp32 ``/`` is approximate on CUDA). Never write ``c / tensor``
-    with a Python ``c``: torch evaluates it as ``reciprocal(tensor) * c``, two roundings.
-    """
-    return (a.to(torch.float64) / b.to(torch.float64)).to(torch.float32)
+from ._rounding import (
+    compute_scale_from_amax,
+    div_rn,
+    fp8_decode,
+    fp8_encode,
+    nan_to_zero_abs,
+)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of the whole tensor as fp32 ``(1,)``; NaN dropped, 0 for an empty tensor."""
     a = nan_to_zero_abs(x).reshape(-1)
     return torch.cat([a, a.new_zeros(1)]).amax().reshape(1)
-
-
-def compute_scale_from_amax(
-    amax_: torch.Tensor,
-    fp8_max: float,
-    *,
-    force_pow_2_scales: bool,
-    amax_epsilon: float,
-    value_for_inf: float,
-) -> torch.Tensor:
-    """TE's ``compute_scale_from_amax`` (§3 step 3), elementwise over an fp32 amax tensor.
-
-    ``amax < eps`` becomes ``eps``; Inf, 0 or NaN give 1.0; else ``fp32(fp8_max / amax)``, Inf
-    replaced by ``value_for_inf``, then floored to a power of two (mask 0xFF800000) if asked.
-    """
-    a = amax_.to(torch.float32)
-    eps = torch.full_like(a, amax_epsilon)  # the fp32 epsilon, as TE's float parameter
-    a = torch.where(a < eps, eps, a)
-    scale = div_rn(torch.full_like(a, fp8_max), a)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
-    if force_pow_2_scales:
-        scale = f32_from_bits(f32_bits(scale) & POW2_MASK)
-    unscalable = torch.isinf(a) | (a == 0) | torch.isnan(a)
-    return torch.where(unscalable, torch.ones_like(scale), scale)
 
 
 def current_scale(

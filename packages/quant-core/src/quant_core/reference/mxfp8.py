@@ -5,56 +5,23 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import POW2_MINUS_127_BITS, RCP_E4M3, RCP_E5M2
+from ..constants import RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
 from ..inputs import check_k_multiple
+from ._blocks import block_amax, expand_blocks
 from ._pad import zero_pad
-from ._rounding import f32_bits, f32_from_bits, fp8_decode, fp8_encode
-from .fp8_block import block_amax, expand_blocks
+from ._rounding import (
+    e8m0_roundup,
+    e8m0_to_encode_multiplier,
+    e8m0_to_scale,
+    fp8_decode,
+    fp8_encode,
+)
 from .swizzle import swizzle_scales, unswizzle_scales
 
 BLOCK = shapes.MXFP8_BLOCK
-E8M0_NAN = 255
 #: ``fp32(1 / fp8_max)`` per FP8 format (exact as Python floats).
 _RCP = {DType.E4M3: RCP_E4M3, DType.E5M2: RCP_E5M2}
-
-
-def e8m0_roundup(v: torch.Tensor) -> torch.Tensor:
-    """E8M0 byte of fp32 ``v >= 0``, rounding UP with satfinite (``cvt.rp.satfinite.ue8m0``).
-
-    NaN -> 255, Inf -> 254, 0 -> 0; else the biased exponent ``E`` plus one when the mantissa is
-    non-zero, except at ``E == 254`` (saturate) and for subnormals ``<= 2^-127`` (byte 0).
-    Built from the bits: torch's e8m0 cast rounds to nearest.
-    """
-    bits = f32_bits(v.to(torch.float32)) & 0x7FFFFFFF
-    exponent, mantissa = bits >> 23, bits & 0x7FFFFF
-    bump = (mantissa > 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
-    e = exponent + bump.to(torch.int64)
-    e = torch.where(v == 0, torch.zeros_like(e), e)
-    e = torch.where(torch.isinf(v), torch.full_like(e, 254), e)
-    e = torch.where(torch.isnan(v), torch.full_like(e, E8M0_NAN), e)
-    return e.to(torch.uint8)
-
-
-def _pow2(biased: torch.Tensor) -> torch.Tensor:
-    """fp32 ``2^(biased - 127)`` for int64 ``biased`` in ``[0, 254]``, from exponent bits;
-    ``biased == 0`` is the subnormal 2^-127 (the plain ``biased << 23`` would give 0)."""
-    bits = torch.where(biased >= 1, biased << 23, torch.full_like(biased, POW2_MINUS_127_BITS))
-    return f32_from_bits(bits)
-
-
-def e8m0_to_encode_multiplier(e: torch.Tensor) -> torch.Tensor:
-    """``s_inv = 2^(127 - e)``: 0 -> 2^127, 254 -> 2^-127 (subnormal), 255 -> NaN."""
-    e = e.to(torch.int64)
-    s_inv = _pow2((254 - e).clamp(min=0))
-    return torch.where(e == E8M0_NAN, torch.full_like(s_inv, float("nan")), s_inv)
-
-
-def e8m0_to_scale(e: torch.Tensor) -> torch.Tensor:
-    """Decode scale ``2^(e - 127)``: 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    e = e.to(torch.int64)
-    scale = _pow2(e.clamp(max=254))
-    return torch.where(e == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
 
 
 def _pad_to(s: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -19,45 +19,22 @@ from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ..inputs import check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
-from ._rounding import fp8_decode, fp8_encode, nan_to_zero_abs
+from ._rounding import (
+    e2m1_decode,
+    e2m1_encode,
+    fp8_decode,
+    fp8_encode,
+    nan_to_zero_abs,
+    sr_random_byte,
+    sr_round_e2m1,
+)
 from .rht import rht_columnwise
-from .stochastic import sr_random_byte, sr_round_e2m1
 
 BLOCK = shapes.NVFP4_BLOCK
-#: E2M1 magnitudes of codes 0..7, then the negative codes 8..15 (bit 3 is the sign).
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _f32(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
-
-
-def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 RNE satfinite codes (int64 0..15) of fp32 ``v`` (§7.4).
-
-    Interval table of the ties-to-even rule: ``[0, 0.25]``→0, ``(0.25, 0.75)``→0.5,
-    ``[0.75, 1.25]``→1, ``(1.25, 1.75)``→1.5, ``[1.75, 2.5]``→2, ``(2.5, 3.5)``→3, ``[3.5, 5]``→4,
-    ``(5, ∞]``→6. Bit 3 is the sign bit of ``v`` (-0.0 gives 0x8); NaN gives +6 (0x7).
-    """
-    a = v.abs()
-    mag = (
-        (a > 0.25).to(torch.int64)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
-    code = mag + torch.signbit(v).to(torch.int64) * 8
-    return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values of E2M1 codes 0..15 (integer tensor)."""
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    table = torch.cat([table, -table])
-    return table[codes.to(torch.int64)]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
