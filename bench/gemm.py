@@ -21,6 +21,7 @@ python bench/gemm.py [MxKxN ...] [--json out.json]``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from quant_core import backends
-from quant_kernels import _common, mxfp8_gemm, nvfp4_gemm
+from quant_kernels import configs, mxfp8_gemm, nvfp4_gemm
 from quant_kernels.backend import BACKEND
 from quant_recipes import gemm as G
 from quant_recipes.recipes import (
@@ -221,19 +222,20 @@ def speed(m: int, k: int, n: int) -> None:
                 sweeps += [("fused", "nvfp4_gemm", c) for c in SWEEP["nvfp4_gemm"]]
             for item in sweeps:
                 label = f"{name} {role} {path}"
+                tiles = contextlib.nullcontext()
                 if item is not None:
                     mode, key, cfg = item
                     module = mxfp8_gemm if name == "mxfp8" else nvfp4_gemm
-                    saved = dict(_common.CONFIGS[key]["gpu"])
-                    _common.CONFIGS[key]["gpu"] = cfg
+                    tiles = configs.overridden(key, cfg)
                     module.MODE = mode
                     label += f" {mode} " + ",".join(f"{k_}={v}" for k_, v in cfg.items())
-                try:
-                    report(label, ms(lambda args=args: G.qgemm_impl(*args, None, torch.bfloat16)))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                with tiles:
+                    try:
+                        report(label,
+                               ms(lambda args=args: G.qgemm_impl(*args, None, torch.bfloat16)))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 if item is not None:
-                    _common.CONFIGS[key]["gpu"] = saved
                     module.MODE = None
         del qs
         torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ words (and skips the compiled peers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ import time
 import torch
 import triton
 from quant_core.dtypes import DType
-from quant_kernels import _common
+from quant_kernels import configs
 from quant_kernels.backend import BACKEND as B
 
 _MX = [dict(BM=32, BK=128, num_warps=4), dict(BM=32, BK=256, num_warps=8),
@@ -64,27 +65,27 @@ def bench(fn) -> float:
 
 def best(cfg_names: tuple[str, ...], fn) -> tuple[float, str]:
     """Median ms of ``fn`` at the best combination, swept one kernel config at a time: the
-    package default first, then the other ``SWEEP`` entries."""
+    package default first, then the other ``SWEEP`` entries. The package defaults are restored
+    on return."""
     chosen = []
     t_best = None
-    defaults = {name: _common.CONFIGS[name]["gpu"] for name in cfg_names}
-    for name in cfg_names:
-        default = defaults[name]
-        t_name, c_name = None, None
-        for cfg in [default] + [c for c in SWEEP[name] if c != default]:
-            _common.CONFIGS[name]["gpu"] = dict(cfg)
-            try:
-                t = bench(fn)
-            except Exception as e:  # a config that does not compile is skipped
-                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            if t_name is None or t < t_name:
-                t_name, c_name = t, cfg
-        _common.CONFIGS[name]["gpu"] = dict(c_name)  # the next config sweeps with this best
-        chosen.append(f"{name}={c_name}")
-        t_best = t_name
-    for name, default in defaults.items():
-        _common.CONFIGS[name]["gpu"] = dict(default)
+    with contextlib.ExitStack() as keep:
+        for name in cfg_names:
+            default = configs.TABLE[name]["gpu"]
+            t_name, c_name = None, None
+            for cfg in [default] + [c for c in SWEEP[name] if c != default]:
+                try:
+                    with configs.overridden(name, cfg):
+                        t = bench(fn)
+                except Exception as e:  # a config that does not compile is skipped
+                    print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if t_name is None or t < t_name:
+                    t_name, c_name = t, cfg
+            # the next config sweeps with this best
+            keep.enter_context(configs.overridden(name, c_name))
+            chosen.append(f"{name}={c_name}")
+            t_best = t_name
     return t_best, "; ".join(chosen)
 
 

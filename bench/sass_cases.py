@@ -7,6 +7,7 @@ from quant_kernels import fp8_block as B
 from quant_kernels import fp8_tensor as F
 from quant_kernels import mxfp8 as X
 from quant_kernels import nvfp4 as N
+from quant_kernels.configs import TABLE
 
 BF = "*bf16"
 _MX = dict(x_ptr=BF, rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", M="i32", K="i32",
@@ -32,9 +33,9 @@ def _mx(row, col, cfg):
 CASES = [
     ("fp8_cast row+col", F._fp8_cast_kernel, _CAST,
      dict(ROW=True, COL=True, AMAX=False, IS_E4M3=True, BM=32, BK=128), 4, 32 * 128),
-    _mx(True, False, X.CONFIGS["mxfp8"]["gpu"]),
-    _mx(False, True, X.CONFIGS["mxfp8_col"]["gpu"]),
-    _mx(True, True, X.CONFIGS["mxfp8_col"]["gpu"]),
+    _mx(True, False, TABLE["mxfp8"]["gpu"]),
+    _mx(False, True, TABLE["mxfp8_col"]["gpu"]),
+    _mx(True, True, TABLE["mxfp8_col"]["gpu"]),
     ("fp8_block 1x128 row", B._fp8_block_kernel, _BLK,
      dict(_BLKC, ROW=True, COL=False, TWO_D=False, BM=64, SLAB=64), 8, 64 * 128),
     ("fp8_block 1x128 row+col", B._fp8_block_kernel, _BLK,

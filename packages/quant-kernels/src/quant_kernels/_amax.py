@@ -9,15 +9,9 @@ import triton
 import triton.language as tl
 from quant_core.shapes import ceil_div
 
-from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, tile_args
+from ._common import interpreting, launch
 from ._rounding import abs_for_max, f32_bits
-
-#: amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
-CONFIGS["amax"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
-                   "interp": {"BLOCK": 4096, "per_sm": 1}}
-#: current scaling's amax: fewer programs, whose partial maxima every cast program reads.
-CONFIGS["amax_partials"] = {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 4},
-                            "interp": {"BLOCK": 4096, "per_sm": 1}}
+from .configs import config, launch_kwargs, tile_args
 
 
 @triton.jit
@@ -34,11 +28,27 @@ def _program_max(x_ptr, n, n_tiles, BLOCK: tl.constexpr):
 
 @triton.jit
 def _amax_kernel(x_ptr, out_bits_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    """One atomic max of this program's ``max|x|`` into the amax (:func:`amax_into`).
+
+    x_ptr: input x, ``n`` contiguous elements (fp32, bf16 or fp16).
+    out_bits_ptr: the fp32 amax ``(1,)`` viewed as int32 (non-negative floats order as ints).
+    n: element count of x.
+    n_tiles: ``ceil(n / BLOCK)``, the tiles the persistent grid's programs share.
+    BLOCK: elements per tile.
+    """
     tl.atomic_max(out_bits_ptr, f32_bits(_program_max(x_ptr, n, n_tiles, BLOCK)))
 
 
 @triton.jit
 def _amax_partials_kernel(x_ptr, parts_ptr, n, n_tiles, BLOCK: tl.constexpr):
+    """This program's ``max|x|`` into its partial (:func:`amax_partials`).
+
+    x_ptr: input x, ``n`` contiguous elements (fp32, bf16 or fp16).
+    parts_ptr: fp32 partials ``[grid]``, one per program.
+    n: element count of x.
+    n_tiles: ``ceil(n / BLOCK)``, the tiles the persistent grid's programs share.
+    BLOCK: elements per tile.
+    """
     tl.store(parts_ptr + tl.program_id(0), _program_max(x_ptr, n, n_tiles, BLOCK))
 
 

@@ -1,5 +1,5 @@
-"""Launch plumbing shared by the kernel modules: interpreter detection, tile configs, output dtype
-codes and :func:`launch` (direct, or recorded into a compiled graph)."""
+"""Launch plumbing shared by the kernel modules: interpreter detection, output dtype codes and
+:func:`launch` (direct, or recorded into a compiled graph). Tile configs: :mod:`.configs`."""
 
 from __future__ import annotations
 
@@ -41,23 +41,6 @@ def native_bf16() -> bool:
     return NATIVE_BF16_CASTS and not interpreting()
 
 
-#: Tile configs per kernel: ``{name: {"gpu": {...}, "interp": {...}}}``; the benchmark may edit the
-#: "gpu" entries in place to sweep them. Interpreter tiles are large to keep the grid small.
-CONFIGS: dict[str, dict[str, dict[str, int]]] = {}
-
-
-def config(name: str) -> dict[str, int]:
-    """The tile config of kernel ``name`` for the current mode (a copy)."""
-    return dict(CONFIGS[name]["interp" if interpreting() else "gpu"])
-
-
-def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
-    """``num_warps`` / ``num_stages`` / ``maxnreg`` of a config, dropped in interpreter mode."""
-    if interpreting():
-        return {}
-    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
-
-
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``. Inside ``quant_core.kernel_capture.capture()`` the launch
     is recorded into the graph being traced (``torch.library.wrap_triton``) instead, so compiled
@@ -71,11 +54,6 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
     else:
         _launcher.launch(kernel, grid, args, kwargs)
-
-
-def tile_args(cfg: dict[str, int]) -> dict[str, int]:
-    """The constexpr tile sizes of a config (upper-case keys)."""
-    return {k: v for k, v in cfg.items() if k.isupper()}
 
 
 #: Output dtype codes of ``_rounding.to_out`` (a plain int constexpr, see there).

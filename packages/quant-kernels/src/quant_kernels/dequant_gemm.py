@@ -21,11 +21,10 @@ from quant_core.dtypes import DType
 from quant_core.shapes import ceil_div
 
 from . import mxfp8, nvfp4
-from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
+from ._common import launch, out_code
 from ._rounding import RCP_2688, separately_rounded, to_out
+from .configs import config, launch_kwargs, tile_args
 
-CONFIGS["gemm_epilogue"] = {"gpu": {"BLOCK": 4096, "num_warps": 8},
-                            "interp": {"BLOCK": 4096}}
 #: E4M3 block scales decode exactly when the NVFP4 dequantizer's per-tensor factor is
 #: ``fp32(2688 * fp32(1/2688))``: ``e4m3 * 2688`` is exact and the product rounds back to
 #: ``e4m3`` for all 256 codes (checked exhaustively in tests/kernels/test_gemm.py).
@@ -71,6 +70,20 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, N,
                      HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      BLOCK: tl.constexpr):
+    """``BLOCK`` elements of ``cast((acc * alpha_a) * alpha_b + bias)`` (:func:`_finish`).
+
+    acc_ptr: fp32 GEMM result ``[M, N]``, contiguous.
+    out_ptr: output ``[M, N]`` of the dtype ``OUT`` codes, contiguous.
+    bias_ptr: bias ``[N]`` when ``HAS_BIAS`` (else a dummy).
+    amax_a_ptr: fp32 NVFP4 global amax of A ``(1,)`` when ``HAS_ALPHA`` (else a dummy).
+    amax_b_ptr: fp32 NVFP4 global amax of B ``(1,)`` when ``HAS_ALPHA`` (else a dummy).
+    total: element count ``M * N``.
+    N: columns (the bias index of element i is ``i % N``).
+    HAS_ALPHA: multiply by NVFP4's per-tensor factors ``amax / 2688`` of A, then B.
+    HAS_BIAS: add ``bias`` before the cast.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BLOCK: elements per program.
+    """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     v = tl.load(acc_ptr + offs, mask=mask, other=0.0)

@@ -35,6 +35,14 @@ RULES = ("e4m3", "e5m2", "e8m0", "e2m1", "div_rn", "bf16", "e4m3_native", "e5m2_
 
 @triton.jit
 def _encode_kernel(v_ptr, out_ptr, n, RULE: tl.constexpr, BLOCK: tl.constexpr):
+    """``BLOCK`` codes of :func:`encode`.
+
+    v_ptr: fp32 input, ``n`` contiguous elements.
+    out_ptr: int32 codes, ``n`` contiguous elements.
+    n: element count.
+    RULE: index of the rule in ``RULES``.
+    BLOCK: elements per program.
+    """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)

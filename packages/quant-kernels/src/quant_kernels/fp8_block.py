@@ -12,7 +12,7 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_block_scaling_dim
 from quant_core.shapes import ceil_div
 
-from ._common import CONFIGS, config, launch, launch_kwargs, out_code
+from ._common import launch, out_code
 from ._rounding import (
     abs_for_max,
     fp8_decode,
@@ -24,20 +24,9 @@ from ._rounding import (
     to_out,
     widen,
 )
+from .configs import config, launch_kwargs
 
 BLOCK = shapes.FP8_BLOCK
-CONFIGS["fp8_block"] = {
-    "gpu": {"BM_ROW": 32, "num_warps": 4},  # BM_ROW: tile height of the rowwise-only 1D path
-    "interp": {"BM_ROW": 128},
-}
-#: 128x128 tiles (columnwise or 2D), processed in SLAB-row slabs
-#: (winners of the 2026-11-29 run 4 sweep: 1D row+col SLAB 32 / 4 warps, 2D SLAB 128 / 8 warps)
-CONFIGS["fp8_block_col"] = {"gpu": {"SLAB": 32, "num_warps": 4}, "interp": {"SLAB": 64}}
-CONFIGS["fp8_block_2d"] = {"gpu": {"SLAB": 128, "num_warps": 8}, "interp": {"SLAB": 64}}
-CONFIGS["fp8_block_dequant"] = {
-    "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
-    "interp": {"BM": 128, "BK": 128},
-}
 _DTYPE_MAX = {torch.float32: 3.4028234663852886e38, torch.bfloat16: 3.3895313892515355e38,
               torch.float16: 65504.0}
 
@@ -51,7 +40,29 @@ def _fp8_block_kernel(
 ):
     """A ``[BM, BK]`` tile in ``SLAB``-row slabs (few registers, no spills). Column (1D) or tile
     (2D) amaxes need the whole tile first: pass 1 keeps an elementwise running max over the
-    slabs, pass 2 reloads each slab (from cache) and quantizes it."""
+    slabs, pass 2 reloads each slab (from cache) and quantizes it.
+
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
+    rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
+    rs_ptr: fp32 rowwise scale_inv ``[ceil(K/128), RS_C]`` (1D) or ``[ceil(M/128), RS_C]`` (2D).
+    cd_ptr: uint8 FP8 columnwise data ``[K, M]`` (transposed), written when ``COL``.
+    cs_ptr: fp32 columnwise scale_inv ``[ceil(M/128), CS_C]`` (1D) or ``[ceil(K/128), CS_C]`` (2D).
+    M: rows of x.
+    K: columns of x.
+    RS_C: dim 1 of the rowwise scales: M (1D) or ceil(K/128) (2D), rounded up to a multiple of 4.
+    CS_C: dim 1 of the columnwise scales: K (1D) or ceil(M/128) (2D), rounded up to a multiple of 4.
+    eps: ``amax_epsilon``, the floor of each block amax.
+    ROW: write the rowwise data and scales.
+    COL: write the columnwise data and scales.
+    TWO_D: 128x128 blocks (one scale per tile), else 1x128 rowwise / 128x1 columnwise.
+    IS_E4M3: E4M3 data, else E5M2.
+    FP8_MAX: largest finite value of the FP8 format.
+    POW2: scales floored to powers of two (``force_pow_2_scales``).
+    VINF: the scale when ``FP8_MAX / amax`` overflows: the largest finite value of x's dtype.
+    BM: tile rows (128, or ``BM_ROW`` on the rowwise-only 1D path).
+    BK: tile columns (128, one block).
+    SLAB: rows per slab (``BM`` on the rowwise-only 1D path).
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rk = pid_k * BK + tl.arange(0, BK)
@@ -166,6 +177,21 @@ def _fp8_block_dequant_kernel(
     COLWISE: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """One ``[BM, BK]`` tile of ``fp8(data) * scale_inv`` per block (:func:`fp8_block_dequantize`).
+
+    d_ptr: uint8 FP8 data ``[M, K]``, or ``[K, M]`` (transposed) when ``COLWISE``; contiguous.
+    s_ptr: fp32 scale_inv buffer of the quantizer's layout, row length ``S_C``, contiguous.
+    out_ptr: output ``[M, K]`` of the dtype ``OUT`` codes.
+    M: rows of the output.
+    K: columns of the output.
+    S_C: dim 1 of the scale buffer.
+    COLWISE: columnwise data and scales (128x1 blocks in 1D), else rowwise (1x128).
+    TWO_D: 128x128 blocks.
+    IS_E4M3: E4M3 data, else E5M2.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BM: tile rows.
+    BK: tile columns.
+    """
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)

@@ -11,7 +11,7 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.shapes import ceil_div
 
 from ._amax import amax, amax_partials
-from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
+from ._common import launch, out_code
 from ._rounding import (
     FLT_MAX,
     abs_for_max,
@@ -24,16 +24,19 @@ from ._rounding import (
     to_out,
     widen,
 )
-
-CONFIGS["fp8_cast"] = {
-    "gpu": {"BM": 32, "BK": 256, "num_warps": 8},
-    "interp": {"BM": 64, "BK": 64},
-}
-CONFIGS["fp8_dequant"] = {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}}
+from .configs import config, launch_kwargs, tile_args
 
 
 @triton.jit
 def _current_scale_kernel(amax_ptr, out_ptr, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """The current-scaling encode scale of an amax (:func:`current_scale`).
+
+    amax_ptr: fp32 amax ``(1,)``.
+    out_ptr: fp32 encode scale ``(1,)``, written.
+    eps: ``amax_epsilon``, the floor of the amax.
+    FP8_MAX: largest finite value of the FP8 format (448 for E4M3, 57344 for E5M2).
+    POW2: floor the scale to a power of two (``force_pow_2_scales``).
+    """
     tl.store(out_ptr, scale_from_amax(tl.load(amax_ptr), eps, FP8_MAX, POW2, FLT_MAX))
 
 
@@ -56,6 +59,28 @@ def _fp8_cast_kernel(
     PARTS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """One ``[BM, BK]`` tile of the per-tensor cast (:func:`_cast`).
+
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
+    scale_ptr: fp32 encode scale ``(1,)``; with ``PARTS > 0`` the ``n_parts`` fp32 amax partials.
+    data_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
+    t_ptr: uint8 FP8 transposed data ``[K, M]``, written when ``COL`` (else a dummy).
+    scale_inv_ptr: fp32 ``(1,)``, ``div_rn(1, scale)``, written by program (0, 0).
+    amax_bits_ptr: fp32 amax ``(1,)`` as int32, atomic max of ``max|x|`` when ``AMAX``.
+    M: rows of x.
+    K: columns of x.
+    n_parts: number of amax partials at ``scale_ptr`` (0 without current scaling).
+    eps: ``amax_epsilon`` of current scaling (0.0 otherwise).
+    ROW: write the rowwise data.
+    COL: write the transposed data.
+    AMAX: accumulate the delayed-scaling amax into ``amax_bits_ptr``.
+    IS_E4M3: E4M3 data, else E5M2.
+    PARTS: power of two >= ``n_parts`` (the partials' load width); 0: ``scale_ptr`` is the scale.
+    FP8_MAX: largest finite value of the FP8 format, for the derived scale.
+    POW2: derived scale floored to a power of two (``force_pow_2_scales``).
+    BM: tile rows.
+    BK: tile columns.
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -162,6 +187,16 @@ def _fp8_dequant_kernel(
     d_ptr, scale_inv_ptr, out_ptr, n, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """``BLOCK`` elements of ``fp8(data) * scale_inv`` (:func:`fp8_dequantize`).
+
+    d_ptr: uint8 FP8 data, ``n`` contiguous elements (any shape).
+    scale_inv_ptr: fp32 decode scale ``(1,)``.
+    out_ptr: output, ``n`` contiguous elements of the dtype ``OUT`` codes.
+    n: element count.
+    IS_E4M3: E4M3 data, else E5M2.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BLOCK: elements per program.
+    """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     b = tl.load(d_ptr + offs, mask=mask, other=0)

@@ -12,7 +12,7 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_k_multiple
 from quant_core.shapes import ceil_div
 
-from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
+from ._common import launch, out_code
 from ._layout import scale_offset
 from ._rounding import (
     RCP_E4M3,
@@ -27,23 +27,7 @@ from ._rounding import (
     to_out,
     widen,
 )
-
-#: Tile configs (winners of the 2026-11-29 sweeps at 16384^2): rowwise-only, and columnwise
-#: (alone or 2D). One warp per 32x128 slab keeps every 32-row column block inside a thread pair:
-#: no shared-memory reduction (ncu: 60M bank conflicts with four warps).
-CONFIGS["mxfp8"] = {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}}
-CONFIGS["mxfp8_col"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 1},
-                        "interp": {"BM": 64, "BK": 64}}
-#: rowwise + columnwise 1D from one read: two warps (fewer registers per thread than one, worth
-#: the cross-warp column reduction; 79.7% vs 76% of copy in the 2026-11-29 sweep)
-CONFIGS["mxfp8_fused"] = {"gpu": {"BM": 32, "BK": 128, "num_warps": 2},
-                          "interp": {"BM": 64, "BK": 64}}
-#: dequantization: 16x256 tiles, 4 warps (the 2026-11-30 H200 sweep through the dequant GEMM:
-#: 3.52 / 3.47 / 3.35 ms for fprop / dgrad / wgrad at 16384x8192x8192, against 3.95 / 3.63 / 3.21)
-CONFIGS["mxfp8_dequant"] = {
-    "gpu": {"BM": 16, "BK": 256, "num_warps": 4},
-    "interp": {"BM": 32, "BK": 64},
-}
+from .configs import config, launch_kwargs, tile_args
 
 
 @triton.jit
@@ -60,6 +44,26 @@ def _mxfp8_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
     IS_E4M3: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """One ``[BM, BK]`` tile of :func:`mxfp8_quantize`, both directions from one read.
+
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
+    rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
+    rs_ptr: uint8 E8M0 rowwise scales ``[roundup(M, 128), RS_C]``, zero-initialised.
+    cd_ptr: uint8 FP8 columnwise data ``[M, K]`` (not transposed), written when ``COL``.
+    cs_ptr: uint8 E8M0 columnwise scales ``[CS_SW_C, CS_C]``, zero-initialised.
+    M: rows of x.
+    K: columns of x (a multiple of 32).
+    RS_C: dim 1 of the rowwise scales, ``roundup(K/32, 4)``.
+    CS_C: dim 1 of the columnwise scales, ``roundup(K, 128)``.
+    CS_SW_C: dim 0 of the columnwise scales, ``roundup(ceil(M/32), 4)``: the swizzle's columns.
+    ROW: write the rowwise data and scales (1x32 blocks).
+    COL: write the columnwise data and scales (32x1 blocks).
+    TWO_D: 32x32 blocks, one scale for both directions.
+    SWIZZLE: scales in the GEMM swizzle (columnwise: that of the transposed scale matrix).
+    IS_E4M3: E4M3 data, else E5M2.
+    BM: tile rows (a multiple of 32).
+    BK: tile columns (a multiple of 32).
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rk = pid_k * BK + tl.arange(0, BK)
@@ -186,7 +190,22 @@ def _mxfp8_dequant_kernel(
 ):
     """One scale load per block, not per element (per-element byte gathers held the kernel at
     30% of copy bandwidth, MIO-throttled: ncu, 2026-11-30). Columnwise tiles have ``32 % BM == 0``
-    rows, all in one 32-row block: one scale row serves the tile."""
+    rows, all in one 32-row block: one scale row serves the tile.
+
+    d_ptr: uint8 FP8 data ``[M, K]`` (rowwise or columnwise, neither transposed), contiguous.
+    s_ptr: uint8 E8M0 scales ``[S_SW_C, S_C]`` of that direction, contiguous.
+    out_ptr: output ``[M, K]`` of the dtype ``OUT`` codes.
+    M: rows of the data.
+    K: columns of the data (a multiple of 32).
+    S_C: dim 1 of the scale matrix.
+    S_SW_C: dim 0 of the scale matrix (the columns of its transpose, which columnwise swizzles).
+    COLWISE: 32x1 block scales, else 1x32.
+    SWIZZLE: scales in the GEMM swizzle (columnwise: that of the transposed scale matrix).
+    IS_E4M3: E4M3 data, else E5M2.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BM: tile rows (columnwise: a divisor of 32).
+    BK: tile columns (a multiple of 32).
+    """
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)

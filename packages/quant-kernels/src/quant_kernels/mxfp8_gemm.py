@@ -27,18 +27,10 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.shapes import ceil_div
 
 from . import _gemm, dequant_gemm
-from ._common import CONFIGS, config, interpreting, launch, launch_kwargs, out_code, tile_args
+from ._common import interpreting, launch, out_code
 from ._rounding import NATIVE_FP8, e8m0_decode, fp8_decode
+from .configs import config, launch_kwargs, tile_args
 
-#: Tile configs of the fused mainloops (winners of the 2026-11-30 H200 sweep, bench/RESULTS.md).
-CONFIGS["mxfp8_gemm_fp8"] = {
-    "gpu": {"BM": 128, "BN": 128, "BK": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
-    "interp": {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 1},
-}
-CONFIGS["mxfp8_gemm_bf16"] = {
-    "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-    "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
-}
 MODES = ("dequant", "bf16", "fp8")
 
 
@@ -65,6 +57,42 @@ def _mxfp8_gemm_kernel(
     FP8_MMA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """One ``[BM, BN]`` output tile of ``dequant(A) @ dequant(B).T (+ bias)`` (:func:`mxfp8_gemm`).
+
+    a_ptr: uint8 FP8 row operand A ``[M, K]``, strides ``s_am``, ``s_ak``.
+    b_ptr: uint8 FP8 row operand B ``[N, K]``, strides ``s_bn``, ``s_bk``.
+    sa_ptr: uint8 E8M0 scales of A, (row, K block): strided, or swizzled when ``A_SWZ``.
+    sb_ptr: uint8 E8M0 scales of B, (row, K block): strided, or swizzled when ``B_SWZ``.
+    bias_ptr: bias ``[N]`` when ``HAS_BIAS`` (else a dummy).
+    c_ptr: output ``[M, N]`` of the dtype ``OUT`` codes, strides ``s_cm``, ``s_cn``.
+    M: rows of A and of the output.
+    N: rows of B, columns of the output.
+    K: the contraction length (a multiple of 32).
+    s_am: A's stride over rows (elements).
+    s_ak: A's stride over K.
+    s_bn: B's stride over rows.
+    s_bk: B's stride over K.
+    t_am: stride of A's scales over rows (0 when swizzled).
+    t_ak: stride of A's scales over K blocks (0 when swizzled).
+    t_bn: stride of B's scales over rows (0 when swizzled).
+    t_bk: stride of B's scales over K blocks (0 when swizzled).
+    SA_C: columns of A's swizzled scale matrix, ``roundup(K/32, 4)`` (0 unswizzled).
+    SB_C: columns of B's swizzled scale matrix, ``roundup(K/32, 4)`` (0 unswizzled).
+    s_cm: the output's stride over rows.
+    s_cn: the output's stride over columns.
+    A_SWZ: A's scales in the GEMM swizzle.
+    B_SWZ: B's scales in the GEMM swizzle.
+    A_E4M3: A is E4M3, else E5M2.
+    B_E4M3: B is E4M3, else E5M2.
+    FP8_MMA: FP8 tensor-core products per 32-wide K block (mode "fp8", ``BK == 32``), else the
+        tiles dequantized exactly to bf16 (fp32 under the interpreter).
+    HAS_BIAS: add ``bias`` before the cast.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BM: tile rows.
+    BN: tile columns.
+    BK: K elements per mainloop step (a multiple of 32).
+    GROUP_M: row tiles per group of the tile order (``_gemm.tile_ids``).
+    """
     rm, rn, rm_l, rn_l = _gemm.tile_rows(M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):

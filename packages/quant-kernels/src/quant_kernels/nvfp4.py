@@ -14,7 +14,7 @@ from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_inp
 from quant_core.shapes import ceil_div
 
 from ._amax import amax_into
-from ._common import CONFIGS, config, launch, launch_kwargs, out_code, tile_args
+from ._common import launch, out_code
 from ._layout import scale_offset
 from ._rounding import (
     FLT_MAX,
@@ -35,16 +35,7 @@ from ._rounding import (
     to_out,
     widen,
 )
-
-CONFIGS["nvfp4_row"] = {
-    "gpu": {"BM": 32, "BK": 256, "num_warps": 4},
-    "interp": {"BM": 64, "BK": 64},
-}
-CONFIGS["nvfp4_col"] = {"gpu": {"G": 4, "BK": 64, "num_warps": 4}, "interp": {"G": 4, "BK": 64}}
-CONFIGS["nvfp4_dequant"] = {
-    "gpu": {"BM": 32, "BK": 64, "num_warps": 4},
-    "interp": {"BM": 64, "BK": 32},
-}
+from .configs import config, launch_kwargs, tile_args
 
 
 @triton.jit
@@ -96,7 +87,23 @@ def _nvfp4_row_kernel(
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """Rowwise: the input is read as pair words, so the even and odd elements of each packed
-    byte come out in the same layout (no split / join)."""
+    byte come out in the same layout (no split / join).
+
+    xp_ptr: input x ``[M, K]`` as pair words ``[M, K/2]``: int64 (fp32) or int32 (bf16, fp16).
+    amax_ptr: fp32 rowwise global amax ``(1,)``.
+    seed_ptr: int64 stochastic-rounding seed ``(1,)`` (read only when ``SR``).
+    d_ptr: uint8 packed E2M1 data ``[M, K/2]``, low nibble first.
+    s_ptr: uint8 E4M3 scales ``[roundup(M, 128), S_C]``, zero-initialised.
+    M: rows of x.
+    K: columns of x (a multiple of 16).
+    S_C: dim 1 of the scales, ``roundup(K/16, 4)``.
+    DT: dtype of x's pair words (``_unpair``: 0 fp32, 1 bf16, 2 fp16).
+    SR: stochastic rounding, else RNE.
+    TWO_D: 16x16 blocks, else 1x16.
+    SWIZZLE: scales in the GEMM swizzle.
+    BM: tile rows (a multiple of 16 with ``TWO_D``).
+    BK: tile columns in elements (a multiple of 16).
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -263,6 +270,16 @@ def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 @triton.jit
 def _rht_amax_kernel(x_ptr, out_bits_ptr, M, K, MASK: tl.constexpr, G: tl.constexpr,
                      BK: tl.constexpr):
+    """Atomic max of ``max|RHT(x)|`` over a ``[16G, BK]`` tile (:func:`nvfp4_amax`).
+
+    x_ptr: bf16 input x ``[M, K]``, contiguous.
+    out_bits_ptr: fp32 columnwise amax ``(1,)`` as int32, zero-initialised.
+    M: rows of x.
+    K: columns of x (a multiple of 16).
+    MASK: the RHT's 16-bit sign mask (bit i set: row i of each 16-row group negated).
+    G: 16-row groups per tile.
+    BK: tile columns.
+    """
     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _col_values(
         x_ptr, tl.program_id(0), tl.program_id(1), M, K, True, MASK, G, BK)
     a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
@@ -285,7 +302,25 @@ def _nvfp4_col_kernel(
 ):
     """Columnwise: 16 row loads per group, elementwise block math on [G, BK], the 8 packed bytes
     of a group gathered into one int64 word; only the words are transposed for the
-    ``[K, ceil(M/2)]`` store (``d_ptr`` is the int64 view, ``MHW`` words per row)."""
+    ``[K, ceil(M/2)]`` store (``d_ptr`` is the int64 view, ``MHW`` words per row).
+
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16; bf16 with ``RHT``).
+    amax_ptr: fp32 columnwise global amax ``(1,)``.
+    seed_ptr: int64 stochastic-rounding seed ``(1,)`` (read only when ``SR``).
+    d_ptr: packed E2M1 data of x transposed, ``[K, ceil(M/2)]`` bytes padded to ``[K, MHW]`` int64.
+    s_ptr: uint8 E4M3 scales ``[roundup(K, 128), S_C]``, zero-initialised.
+    M: rows of x.
+    K: columns of x (a multiple of 16).
+    MHW: int64 words per data row, ``ceil(ceil(M/2) / 8)``.
+    S_C: dim 1 of the scales, ``roundup(ceil(M/16), 4)``.
+    RHT: quantize the 16x16 RHT of each 16-row group, else x itself.
+    MASK: the RHT's 16-bit sign mask (bit i set: row i of each 16-row group negated).
+    SR: stochastic rounding, else RNE.
+    TWO_D: 16x16 blocks, else 16x1.
+    SWIZZLE: scales in the GEMM swizzle.
+    G: 16-row groups per tile.
+    BK: tile columns.
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _col_values(
@@ -424,6 +459,20 @@ def _nvfp4_dequant_kernel(
     d_ptr, s_ptr, amax_ptr, out_ptr, M, K, S_C, SWIZZLE: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """One ``[BM, BK]`` tile of :func:`nvfp4_dequantize`.
+
+    d_ptr: uint8 packed E2M1 rowwise data ``[M, K/2]``, low nibble first, contiguous.
+    s_ptr: uint8 E4M3 scales, row length ``S_C``, contiguous.
+    amax_ptr: fp32 global amax ``(1,)``.
+    out_ptr: output ``[M, K]`` of the dtype ``OUT`` codes.
+    M: rows.
+    K: columns in elements (twice the data's bytes per row).
+    S_C: dim 1 of the scales.
+    SWIZZLE: scales in the GEMM swizzle.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BM: tile rows.
+    BK: tile columns in elements (a multiple of 16).
+    """
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rb = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     b = tl.load(d_ptr + rm[:, None].to(tl.int64) * (K // 2) + rb[None, :],

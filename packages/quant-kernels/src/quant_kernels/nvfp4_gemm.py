@@ -22,25 +22,13 @@ import triton
 import triton.language as tl
 
 from . import _gemm, dequant_gemm
-from ._common import (
-    CONFIGS,
-    config,
-    interpreting,
-    launch,
-    launch_kwargs,
-    out_code,
-    tile_args,
-)
+from ._common import interpreting, launch, out_code
 from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
+from .configs import config, launch_kwargs, tile_args
 
 MODES = ("dequant", "fused")
 #: The implementation of every call: None picks "dequant" on GPUs, "fused" under the interpreter.
 MODE: str | None = None
-
-CONFIGS["nvfp4_gemm"] = {
-    "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
-}
 
 
 @triton.jit
@@ -72,6 +60,34 @@ def _nvfp4_gemm_kernel(
     A_SWZ: tl.constexpr, B_SWZ: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """One ``[BM, BN]`` output tile of ``A @ B.T (+ bias)``, the fused mode of :func:`nvfp4_gemm`.
+
+    a_ptr: uint8 packed E2M1 row operand A ``[M, K/2]``, row stride ``s_am``, K-contiguous.
+    b_ptr: uint8 packed E2M1 row operand B ``[N, K/2]``, row stride ``s_bn``, K-contiguous.
+    sa_ptr: uint8 E4M3 scales of A ``[roundup(M, 128), SA_C]``, contiguous; swizzled when ``A_SWZ``.
+    sb_ptr: uint8 E4M3 scales of B ``[roundup(N, 128), SB_C]``, contiguous; swizzled when ``B_SWZ``.
+    amax_a_ptr: fp32 global amax of A ``(1,)``.
+    amax_b_ptr: fp32 global amax of B ``(1,)``.
+    bias_ptr: bias ``[N]`` when ``HAS_BIAS`` (else a dummy).
+    c_ptr: output ``[M, N]`` of the dtype ``OUT`` codes, strides ``s_cm``, ``s_cn``.
+    M: rows of A and of the output.
+    N: rows of B, columns of the output.
+    K: the contraction length in elements (two per byte).
+    s_am: A's row stride in bytes.
+    s_bn: B's row stride in bytes.
+    SA_C: columns of A's scale matrix, ``roundup(K/16, 4)``.
+    SB_C: columns of B's scale matrix, ``roundup(K/16, 4)``.
+    s_cm: the output's stride over rows.
+    s_cn: the output's stride over columns.
+    A_SWZ: A's scales in the GEMM swizzle.
+    B_SWZ: B's scales in the GEMM swizzle.
+    HAS_BIAS: add ``bias`` after the per-tensor scales, before the cast.
+    OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    BM: tile rows.
+    BN: tile columns.
+    BK: K elements per mainloop step (a multiple of 16).
+    GROUP_M: row tiles per group of the tile order (``_gemm.tile_ids``).
+    """
     rm, rn, rm_l, rn_l = _gemm.tile_rows(M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):

@@ -1,0 +1,119 @@
+"""The tile configs of every kernel launch, in one table.
+
+``TABLE[name]`` holds two configs of the kernel launch ``name``: ``"gpu"`` for real GPUs and
+``"interp"`` for Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose tiles are large to keep
+the grid small. The keys of a config:
+
+- upper-case keys (``BM``, ``BK``, ``BLOCK``, ``SLAB``, ...) are ``tl.constexpr`` tile sizes of
+  the kernel, passed by name (:func:`tile_args`);
+- ``num_warps``, ``num_stages`` and ``maxnreg`` are Triton launch options, dropped under the
+  interpreter (:func:`launch_kwargs`);
+- other lower-case keys (``per_sm``) are host-side parameters the wrapper reads itself.
+
+Kernels read their entry through :func:`config`. Benchmarks sweep the ``"gpu"`` entries with
+:func:`overridden`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ._common import interpreting
+
+TABLE: dict[str, dict[str, dict[str, int]]] = {
+    # _amax.py
+    # amax: persistent grid of ``PER_SM`` programs per SM, each looping over ``BLOCK`` tiles.
+    "amax": {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
+             "interp": {"BLOCK": 4096, "per_sm": 1}},
+    # current scaling's amax: fewer programs, whose partial maxima every cast program reads.
+    "amax_partials": {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 4},
+                      "interp": {"BLOCK": 4096, "per_sm": 1}},
+    # fp8_tensor.py
+    "fp8_cast": {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}},
+    "fp8_dequant": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
+    # fp8_block.py
+    "fp8_block": {
+        "gpu": {"BM_ROW": 32, "num_warps": 4},  # BM_ROW: tile height of the rowwise-only 1D path
+        "interp": {"BM_ROW": 128},
+    },
+    # 128x128 tiles (columnwise or 2D), processed in SLAB-row slabs
+    # (winners of the 2026-11-29 run 4 sweep: 1D row+col SLAB 32 / 4 warps, 2D SLAB 128 / 8 warps)
+    "fp8_block_col": {"gpu": {"SLAB": 32, "num_warps": 4}, "interp": {"SLAB": 64}},
+    "fp8_block_2d": {"gpu": {"SLAB": 128, "num_warps": 8}, "interp": {"SLAB": 64}},
+    "fp8_block_dequant": {
+        "gpu": {"BM": 64, "BK": 128, "num_warps": 8},
+        "interp": {"BM": 128, "BK": 128},
+    },
+    # mxfp8.py
+    # Tile configs (winners of the 2026-11-29 sweeps at 16384^2): rowwise-only, and columnwise
+    # (alone or 2D). One warp per 32x128 slab keeps every 32-row column block inside a thread pair:
+    # no shared-memory reduction (ncu: 60M bank conflicts with four warps).
+    "mxfp8": {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}},
+    "mxfp8_col": {"gpu": {"BM": 32, "BK": 128, "num_warps": 1}, "interp": {"BM": 64, "BK": 64}},
+    # rowwise + columnwise 1D from one read: two warps (fewer registers per thread than one, worth
+    # the cross-warp column reduction; 79.7% vs 76% of copy in the 2026-11-29 sweep)
+    "mxfp8_fused": {"gpu": {"BM": 32, "BK": 128, "num_warps": 2}, "interp": {"BM": 64, "BK": 64}},
+    # dequantization: 16x256 tiles, 4 warps (the 2026-11-30 H200 sweep through the dequant
+    # GEMM: 3.52 / 3.47 / 3.35 ms for fprop / dgrad / wgrad at 16384x8192x8192, against
+    # 3.95 / 3.63 / 3.21)
+    "mxfp8_dequant": {"gpu": {"BM": 16, "BK": 256, "num_warps": 4}, "interp": {"BM": 32, "BK": 64}},
+    # nvfp4.py
+    "nvfp4_row": {"gpu": {"BM": 32, "BK": 256, "num_warps": 4}, "interp": {"BM": 64, "BK": 64}},
+    "nvfp4_col": {"gpu": {"G": 4, "BK": 64, "num_warps": 4}, "interp": {"G": 4, "BK": 64}},
+    "nvfp4_dequant": {"gpu": {"BM": 32, "BK": 64, "num_warps": 4}, "interp": {"BM": 64, "BK": 32}},
+    # mxfp8_gemm.py
+    # Tile configs of the fused mainloops (winners of the 2026-11-30 H200 sweep, bench/RESULTS.md).
+    "mxfp8_gemm_fp8": {
+        "gpu": {"BM": 128, "BN": 128, "BK": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
+        "interp": {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 1},
+    },
+    "mxfp8_gemm_bf16": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
+        "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
+    },
+    # nvfp4_gemm.py
+    "nvfp4_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
+    },
+    # dequant_gemm.py
+    "gemm_epilogue": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
+}
+
+
+def _entry(name: str) -> dict[str, dict[str, int]]:
+    if name not in TABLE:
+        raise KeyError(f"no tile config {name!r}; known: {', '.join(sorted(TABLE))}")
+    return TABLE[name]
+
+
+def config(name: str) -> dict[str, int]:
+    """The tile config of kernel ``name`` for the current mode (a copy)."""
+    return dict(_entry(name)["interp" if interpreting() else "gpu"])
+
+
+@contextlib.contextmanager
+def overridden(name: str, gpu_config: dict[str, int]) -> Iterator[None]:
+    """Within the block, ``name``'s ``"gpu"`` config is (a copy of) ``gpu_config``; the previous
+    one is restored on exit, also on an exception. For benchmarks: the ``"interp"`` config (what
+    :func:`config` returns under the interpreter) is untouched."""
+    entry = _entry(name)
+    saved = entry["gpu"]
+    entry["gpu"] = dict(gpu_config)
+    try:
+        yield
+    finally:
+        entry["gpu"] = saved
+
+
+def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
+    """``num_warps`` / ``num_stages`` / ``maxnreg`` of a config, dropped in interpreter mode."""
+    if interpreting():
+        return {}
+    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
+
+
+def tile_args(cfg: dict[str, int]) -> dict[str, int]:
+    """The constexpr tile sizes of a config (upper-case keys)."""
+    return {k: v for k, v in cfg.items() if k.isupper()}
