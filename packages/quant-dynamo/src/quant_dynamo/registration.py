@@ -43,7 +43,9 @@ _READ_ONLY_MEMBERS = (
     "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
     "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
 )
-#: Overload names of the ``quant`` ops already taken.
+#: Overload names of the ``quant`` ops already taken. They are allocated here, not in ``ops``
+#: (which defines the overloads): ``_quant_op_overload`` is one of the members torch records at
+#: registration, so the class must carry its name before ``api.register`` runs.
 _overload_names: set[str] = {"flat", "default"}
 
 
