@@ -68,11 +68,30 @@ _BAD_CALLS = [
 ]
 
 
+_X64 = torch.zeros(16, 32, dtype=torch.float64)
+_FP8 = dict(fp8_dtype=DType.E4M3, rowwise=True, columnwise=True)
+_BAD_CALLS += [  # a float64 x: the same TypeError from every backend (a KeyError from Triton's)
+    (name, (_X64, *more), kwargs, f"{name}: input dtype must be one of")
+    for name, more, kwargs in [
+        ("amax", (), {}),
+        ("fp8_quantize", (torch.ones(1),), _FP8),
+        ("fp8_current_quantize", (), dict(_FP8, force_pow_2_scales=False, amax_epsilon=0.0)),
+        ("mxfp8_quantize", (), dict(_FP8, with_2d_quantization=False, swizzle=False)),
+        ("fp8_block_quantize", (), dict(_FP8, block_scaling_dim=1, force_pow_2_scales=True,
+                                        amax_epsilon=0.0)),
+        ("nvfp4_amax", (), dict(rowwise=True, columnwise=True, with_rht=False,
+                                rht_sign_mask=0xD7E8)),
+        ("nvfp4_quantize", (torch.ones(1), torch.ones(1)), dict(_NV, with_rht=False)),
+    ]
+]
+
+
 @pytest.mark.parametrize("name, args, kwargs, message", _BAD_CALLS)
 def test_bad_arguments_refused_like_the_reference(monkeypatch, name, args, kwargs, message):
     """The reference and the Triton backend refuse the same bad arguments with the same message
     (one rule each in ``quant_core.inputs``), before any kernel runs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    error = TypeError if "input dtype" in message else ValueError
     for impl in (reference, _backend()):
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(error, match=re.escape(message)):
             getattr(impl, name)(*args, **kwargs)

@@ -6,6 +6,12 @@ and quant-kernels' ``TritonBackend`` the fast one. Inputs ``x`` are 2D ``[M, K]`
 views of dtype fp32, bf16 or fp16 (the quantizers flatten and validate first). Buffers are uint8
 unless stated (FP8 data as its raw bytes), scale padding is zero, and a direction that was not
 asked for is ``None``. Sections: `docs/numerics.md`.
+
+Validation: the quantizers validate the input tensor (type, layout, dtype, shape rule) once.
+Every backend validates again what it is handed (``x``'s dtype, the format's K multiple, the
+FP8 dtype, mode combinations), each rule through the one helper of :mod:`quant_core.inputs`,
+so a direct backend call is refused alike, with the same message, by every backend
+(tests/kernels/test_backend.py runs the same bad calls against the reference and Triton).
 """
 
 from __future__ import annotations

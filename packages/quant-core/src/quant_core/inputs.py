@@ -21,13 +21,20 @@ def as_2d(x: torch.Tensor, fmt: str, k_multiple: int = 1) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fmt}: expected a torch.Tensor, got {type(x).__name__}")
     check_dense(x, fmt)
-    if x.dtype not in INPUT_DTYPES:
-        allowed = ", ".join(str(d) for d in INPUT_DTYPES)
-        raise TypeError(f"{fmt}: input dtype must be one of {allowed}; got {x.dtype}")
+    check_input_dtype(x, fmt)
     shape = x.shape
     check_shape(shape, fmt, k_multiple)
     x = x.detach().contiguous()
     return x if len(shape) == 2 else x.reshape(shape[:-1].numel(), shape[-1])
+
+
+def check_input_dtype(x: torch.Tensor, what: str) -> None:
+    """``TypeError`` unless ``x`` is fp32, bf16 or fp16: the quantizers check it once, and every
+    backend's functions that take a high-precision ``x`` check it again with this same rule, so a
+    direct backend call is refused alike by every backend (backend_contract.py)."""
+    if x.dtype not in INPUT_DTYPES:
+        allowed = ", ".join(str(d) for d in INPUT_DTYPES)
+        raise TypeError(f"{what}: input dtype must be one of {allowed}; got {x.dtype}")
 
 
 def check_dense(x: torch.Tensor, what: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant_core.inputs import check_input_dtype
 from quant_core.shapes import ceil_div
 
 from ._common import interpreting, launch
@@ -92,6 +93,7 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as fp32 ``(1,)``, NaN dropped, 0 for an empty tensor (one atomic-max pass)."""
+    check_input_dtype(x, "amax")
     out = torch.zeros(1, dtype=torch.float32, device=x.device)
     amax_into(x.reshape(-1), out)
     return out

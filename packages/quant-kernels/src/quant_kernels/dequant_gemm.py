@@ -79,7 +79,7 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     amax_b_ptr: fp32 NVFP4 global amax of B ``(1,)`` when ``HAS_ALPHA`` (else a dummy).
     total: element count ``M * N``.
     N: columns (the bias index of element i is ``i % N``).
-    HAS_ALPHA: multiply by NVFP4's per-tensor factors ``amax / 2688`` of A, then B.
+    HAS_ALPHA: multiply by NVFP4's per-tensor factors ``amax * fp32(1/2688)`` of A, then B.
     HAS_BIAS: add ``bias`` before the cast.
     OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
     BLOCK: elements per program.

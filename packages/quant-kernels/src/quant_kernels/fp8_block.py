@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_block_scaling_dim
+from quant_core.inputs import check_block_scaling_dim, check_input_dtype
 from quant_core.shapes import ceil_div
 
 from ._common import launch, out_code
@@ -137,6 +137,7 @@ def fp8_block_quantize(
     """One pass over ``[BM, 128]`` tiles (``BM = 128`` when columnwise or 2D) writing
     ``row_data [M, K]``, ``col_data [K, M]`` (transposed) and fp32 ``scale_inv`` buffers in the
     GEMM-ready layouts. Mirrors ``reference.fp8_block_quantize``."""
+    check_input_dtype(x, "fp8_block_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     check_block_scaling_dim(block_scaling_dim)
     m, k = x.shape

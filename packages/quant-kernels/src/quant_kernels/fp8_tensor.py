@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
+from quant_core.inputs import check_input_dtype
 from quant_core.shapes import ceil_div
 
 from ._amax import amax, amax_partials
@@ -146,6 +147,7 @@ def fp8_quantize(
     """One pass: ``fp8_satfinite_rne(fp32(x * scale))`` into ``data [M, K]`` and/or the byte
     transpose ``[K, M]``, ``scale_inv = div_rn(1, scale)``, and (delayed scaling) an atomic max of
     ``max|x|`` into ``amax_out`` on its fp32 bits. Mirrors ``reference.fp8_quantize``."""
+    check_input_dtype(x, "fp8_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
     scale = scale.to(torch.float32).reshape(1).contiguous()
@@ -171,6 +173,7 @@ def fp8_current_quantize(
     programs takes the max of the partials and derives the scale itself (§3 step 3), instead of
     zeroing an amax, an atomic amax pass, a scale launch and the cast. Mirrors
     ``reference.fp8_current_quantize``."""
+    check_input_dtype(x, "fp8_current_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     if x.numel() == 0:  # amax 0 -> scale 1 (§3): the unfused steps, nothing to read
         scale = current_scale(amax(x), fp8_dtype=fp8_dtype,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_k_multiple
+from quant_core.inputs import check_input_dtype, check_k_multiple
 from quant_core.shapes import ceil_div
 
 from ._common import launch, out_code
@@ -151,6 +151,7 @@ def mxfp8_quantize(
     ``[M, K]`` (columnwise not transposed) and E8M0 scales in the zero-padded shapes of
     ``quant_core.shapes``, swizzled in place when ``swizzle`` (columnwise: the swizzle of the
     transposed scale matrix). Mirrors ``reference.mxfp8_quantize``."""
+    check_input_dtype(x, "mxfp8_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
     check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")

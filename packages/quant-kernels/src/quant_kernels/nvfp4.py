@@ -10,7 +10,12 @@ import torch
 import triton
 import triton.language as tl
 from quant_core import shapes
-from quant_core.inputs import check_k_multiple, check_nvfp4_modes, check_rht_input
+from quant_core.inputs import (
+    check_input_dtype,
+    check_k_multiple,
+    check_nvfp4_modes,
+    check_rht_input,
+)
 from quant_core.shapes import ceil_div
 
 from ._amax import amax_into
@@ -373,6 +378,7 @@ def nvfp4_amax(
     """NaN-dropping amaxes (atomic max on fp32 bits); with RHT the columnwise one is taken over
     the bf16-rounded RHT computed in-kernel (never materialised). Mirrors
     ``reference.nvfp4_amax``."""
+    check_input_dtype(x, "nvfp4_amax")
     m, k = x.shape
     check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
     dev = x.device
@@ -413,6 +419,7 @@ def nvfp4_quantize(
     """One kernel per direction: rowwise ``[M, K/2]`` from ``[BM, BK]`` tiles; columnwise
     ``[K, ceil(M/2)]`` from ``[16G, BK]`` tiles (RHT fused). Scales E4M3 bytes, zero-padded,
     swizzled in place when asked. Mirrors ``reference.nvfp4_quantize``."""
+    check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
     check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
     check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)

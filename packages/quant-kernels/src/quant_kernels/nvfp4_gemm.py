@@ -7,8 +7,9 @@ H200) decodes both operands into bf16 and multiplies with cuBLAS
 (:mod:`quant_kernels.dequant_gemm`); ``"fused"`` (the default under the interpreter) decodes in
 the mainloop of a Triton GEMM. Either way each element becomes ``e2m1 * e4m3`` (at most 2 x 4
 significant bits, exact in bf16), products accumulate in fp32, and the per-tensor scales are
-applied once to the result, ``(acc * fp32(amax_a / 2688)) * fp32(amax_b / 2688)`` (TE's GEMM
-alpha, §8). In the fused kernel the two nibbles of a byte are two K elements: the low nibbles of A
+applied once to the result, ``(acc * (amax_a * R)) * (amax_b * R)`` with ``R = fp32(1/2688)``
+(TE's GEMM alpha, §8; each factor is one fp32 product, as in the reference).
+In the fused kernel the two nibbles of a byte are two K elements: the low nibbles of A
 meet the low nibbles of B in one product and the high nibbles in another, so no interleaving is
 needed (the contraction order is free). Columnwise operands in the RHT basis work as they are:
 both wgrad operands carry the same orthogonal transform, which cancels in the product. Under

@@ -6,7 +6,7 @@ import torch
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
-from ..inputs import check_block_scaling_dim
+from ..inputs import check_block_scaling_dim, check_input_dtype
 from ._blocks import block_amax, expand_blocks
 from ._pad import zero_pad
 from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode
@@ -57,6 +57,7 @@ def fp8_block_quantize(
     (1D: transposed, inner dim padded to 4; 2D: the column scales are the transposed row scales);
     padding is 0. ``value_for_inf`` is the max finite value of ``x.dtype``.
     """
+    check_input_dtype(x, "fp8_block_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     check_block_scaling_dim(block_scaling_dim)
     m, k = x.shape

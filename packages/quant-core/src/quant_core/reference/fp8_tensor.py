@@ -6,6 +6,7 @@ import torch
 
 from ..constants import FLT_MAX  # the value_for_inf of current scaling (also imported from here)
 from ..dtypes import DType, check_fp8
+from ..inputs import check_input_dtype
 from ._rounding import (
     compute_scale_from_amax,
     div_rn,
@@ -17,6 +18,7 @@ from ._rounding import (
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of the whole tensor as fp32 ``(1,)``; NaN dropped, 0 for an empty tensor."""
+    check_input_dtype(x, "amax")
     a = nan_to_zero_abs(x).reshape(-1)
     return torch.cat([a, a.new_zeros(1)]).amax().reshape(1)
 
@@ -51,6 +53,7 @@ def fp8_quantize(
     ``scale_inv = fp32(1 / scale)``. When ``amax_out`` (fp32 ``(1,)``) is given, ``max|x|`` is
     max-accumulated into it in place (delayed scaling).
     """
+    check_input_dtype(x, "fp8_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     scale = scale.to(torch.float32).reshape(1)
     data = fp8_encode(x.to(torch.float32) * scale, fp8_dtype)
@@ -73,6 +76,7 @@ def fp8_current_quantize(
     """Current scaling in one call (§3, §4): ``amax(x)``, its :func:`current_scale`, then
     :func:`fp8_quantize` with that scale; returns what :func:`fp8_quantize` returns. A backend may
     fuse the steps (the Triton one needs two launches instead of four)."""
+    check_input_dtype(x, "fp8_current_quantize")
     scale = current_scale(amax(x), fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
                           amax_epsilon=amax_epsilon)
     return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise)

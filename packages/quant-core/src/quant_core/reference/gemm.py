@@ -8,7 +8,8 @@ only in the order of the fp32 accumulation.
 
 - MXFP8: element ``float(fp8) * 2^(e - 127)`` (§8).
 - NVFP4: element ``e2m1 * float(e4m3_block)`` (exact: at most 6 significant bits); the per-tensor
-  scales are applied to the fp32 product, ``(P * fp32(amax_a / 2688)) * fp32(amax_b / 2688)``,
+  scales are applied to the fp32 product, ``(P * (amax_a * R)) * (amax_b * R)`` with
+  ``R = fp32(1/2688)`` (each factor one fp32 product, not a correctly rounded division),
   which is TransformerEngine's GEMM alpha (§8 "NVFP4 GEMM alpha") rather than a dequantization
   of each element (that would round every element's scale to fp32 first).
 """

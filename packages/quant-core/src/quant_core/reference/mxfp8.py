@@ -7,7 +7,7 @@ import torch
 from .. import shapes
 from ..constants import RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
-from ..inputs import check_k_multiple
+from ..inputs import check_input_dtype, check_k_multiple
 from ._blocks import block_amax, expand_blocks
 from ._pad import zero_pad
 from ._rounding import (
@@ -53,6 +53,7 @@ def mxfp8_quantize(
     bytes in the same shape (columnwise: the swizzle of the transposed scale matrix). In 2D mode
     one scale per 32x32 tile serves its 32 rows and its 32 columns; both data buffers are equal.
     """
+    check_input_dtype(x, "mxfp8_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = x.shape
     check_k_multiple(k, BLOCK, "MXFP8")

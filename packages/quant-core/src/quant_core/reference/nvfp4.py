@@ -17,7 +17,7 @@ import torch
 from .. import shapes
 from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
-from ..inputs import check_k_multiple, check_nvfp4_modes
+from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
 from ._rounding import (
     e2m1_decode,
@@ -115,6 +115,7 @@ def nvfp4_amax(
     Without RHT both directions get ``max|x|``; with RHT the columnwise amax is taken over the
     bf16-rounded RHT of ``xᵀ``. A direction not asked for is ``None``.
     """
+    check_input_dtype(x, "nvfp4_amax")
     check_k_multiple(x.shape[1], BLOCK, "NVFP4")
 
     def amax_of(t: torch.Tensor) -> torch.Tensor:
@@ -151,6 +152,7 @@ def nvfp4_quantize(
     ``xᵀ``. 2D mode uses one block scale per 16x16 tile for both directions (exclusive with RHT).
     With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
     """
+    check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
     check_k_multiple(k, BLOCK, "NVFP4")
     check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
