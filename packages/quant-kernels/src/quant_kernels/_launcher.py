@@ -17,7 +17,9 @@ compiled kernels:
 - the current CUDA device (a compiled function handle belongs to one device).
 
 Unhashable arguments and launch hooks that would run (``triton.knobs.runtime.launch_enter_hook``,
-added by profilers such as proton) take Triton's own path every time.
+added by profilers such as proton) take Triton's own path every time. The direct path skips
+Triton's check that the globals a kernel read have not changed since it was compiled: this
+package's kernels read module constants only.
 """
 
 from __future__ import annotations
