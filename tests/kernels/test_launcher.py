@@ -73,16 +73,24 @@ def test_second_launch_of_a_key_goes_straight_to_the_compiled_kernel(kernel):
                                 None, None, None, *args, 128, 2)
 
 
-def test_a_float_value_keeps_the_key_but_reaches_the_kernel(kernel):
+def test_a_float_reaches_the_kernel_in_place(kernel):
     x = torch.empty(64)
-    for eps in (0.0, 0.5):
-        _launcher.launch(kernel, (1,), *_args(x, eps=eps))
+    for _ in range(2):
+        _launcher.launch(kernel, (1,), *_args(x, eps=0.5))
     assert _kinds(kernel) == ["triton", "direct"]
     assert kernel.log[1][1][9 + 3] == 0.5
 
 
-@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "bool", "option", "constexpr",
-                                    "none"])
+def test_a_float_and_an_int_of_equal_value_are_apart(kernel):
+    """0.0 == 0 in Python, but Triton compiles an fp32 and an i32 parameter apart."""
+    x = torch.empty(64)
+    for eps in (0.0, 0):
+        _launcher.launch(kernel, (1,), *_args(x, eps=eps))
+    assert _kinds(kernel) == ["triton", "triton"]
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "float", "bool", "option",
+                                    "constexpr", "none"])
 def test_what_triton_specialises_on_makes_a_new_key(kernel, change):
     base = torch.zeros(64, dtype=torch.uint8)
     args, kwargs = _args(base)
@@ -93,6 +101,8 @@ def test_what_triton_specialises_on_makes_a_new_key(kernel, change):
         args = (base.view(torch.int8),) + args[1:]
     elif change == "int":  # == 1 and % 16 are specialised; any value change is a new key
         args = args[:2] + (1,) + args[3:]
+    elif change == "float":  # by value: a constexpr may be passed by position
+        args = args[:3] + (0.5,) + args[4:]
     elif change == "bool":  # an int 1 and True: equal in Python, apart in Triton
         args, _ = _args(base, n=1)
         _launcher.launch(kernel, (1,), args, kwargs)

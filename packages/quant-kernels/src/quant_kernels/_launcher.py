@@ -10,8 +10,8 @@ compiled kernels:
 
 - a tensor by ``(dtype, data_ptr % 16 == 0)`` (pointers are specialised on 16-byte alignment);
 - an ``int`` by its value (Triton specialises on ``== 1``, ``% 16 == 0`` and the i32/i64 range);
-- a ``bool`` by type and value (``True == 1`` in Python, not to Triton);
-- a ``float`` by its type (passed as fp32, never specialised);
+- a ``bool`` or ``float`` by type and value (``True == 1 == 1.0`` in Python, three types to
+  Triton; the value also covers a constexpr passed by position);
 - anything else (``None``, constexpr values) by value;
 - keyword arguments (constexprs, launch options such as ``num_warps``) by name and value;
 - the current CUDA device (a compiled function handle belongs to one device).
@@ -42,10 +42,9 @@ _runtime_knobs = None
 def _arg_key(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, not a.data_ptr() & 15
-    if type(a) is float:
-        return float
-    if type(a) is bool:  # True == 1 and hash alike, but Triton types them apart (u1 / int)
-        return bool, a
+    t = type(a)
+    if t is float or t is bool:  # 0.0 == 0 == False and hash alike; Triton types them apart
+        return t, a
     return a
 
 
