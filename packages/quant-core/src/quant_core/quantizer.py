@@ -217,14 +217,11 @@ class Quantizer(metaclass=QuantizerMeta):
         :meth:`inner_tensor_specs` is taken from ``buffers``, viewed in its spec shape."""
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
         specs = self._cached_specs(shape)
-        if specs is None:
-            present = {name: buffers[name].view(spec_shape)
-                       for name, (spec_shape, _) in self.inner_tensor_specs(shape).items()}
-        else:  # concrete shapes: a buffer already in its spec shape needs no view
-            present = {}
-            for name, (spec_shape, _) in specs.items():
-                buf = buffers[name]
-                present[name] = buf if buf.shape == spec_shape else buf.view(spec_shape)
+        concrete = specs is not None  # then a buffer already in its spec shape needs no view
+        present = {}
+        for name, (spec_shape, _) in (specs or self.inner_tensor_specs(shape)).items():
+            buf = buffers[name]
+            present[name] = buf if concrete and buf.shape == spec_shape else buf.view(spec_shape)
         return self._storage_class(
             shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
         )
