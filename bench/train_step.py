@@ -98,12 +98,16 @@ def _stack(make, layers: int) -> torch.nn.Module:
 def build(name: str, w: torch.Tensor, compile_: bool, mode: str = "default", layers: int = 1):
     """``(module, compiled forward, eager forward)`` of config ``name`` (``mode``: torch.compile's
     mode, ``"default"`` or ``"reduce-overhead"``); ``layers > 1`` stacks that many layers, each
-    with weight ``w`` (square)."""
+    with weight ``w`` (square). ``<ours>:requant`` quantizes the weight again in backward
+    (``Linear(save_weight_copy=False)``) instead of saving its copy."""
+    name, _, kind = name.partition(":")
     if name in OURS:
         n, k = w.shape
+        save_weight_copy = kind != "requant"
 
         def make():
-            layer = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
+            layer = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device,
+                              save_weight_copy=save_weight_copy)
             with torch.no_grad():
                 layer.weight.copy_(w)
             return layer
@@ -227,8 +231,9 @@ def make_step(name, x, w, g, compile_: bool = True, mode: str = "default", layer
 
 #: ``<ours>:<variant>`` runs one of OURS differently, for an A/B inside one process: "opaque"
 #: keeps the quant ops opaque (QUANT_LOWERING=0), "static" has Inductor launch the recorded
-#: Triton kernels with its C launcher (static_launch_user_defined_triton_kernels).
-VARIANTS = ("opaque", "static")
+#: Triton kernels with its C launcher (static_launch_user_defined_triton_kernels), "requant"
+#: quantizes the weight again in backward instead of saving its quantized copy.
+VARIANTS = ("opaque", "static", "requant")
 
 
 @contextlib.contextmanager
@@ -261,8 +266,7 @@ def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int
 
 def _run_config(name, x, w, g, compile_: bool, mode: str, layers: int) -> dict:
     res: dict = {"config": name, "mode": mode}
-    step, clear, eager, params = make_step(name.partition(":")[0], x, w, g, compile_, mode,
-                                           layers)
+    step, clear, eager, params = make_step(name, x, w, g, compile_, mode, layers)
     if name.partition(":")[0] in OURS:  # paths from one eager step (a compiled one need not count)
         qr.reset_gemm_paths()
         clear()
