@@ -39,12 +39,22 @@ def _operands(q, x, w, ta, tb):
     return xs.gemm_operand(ta), ws.gemm_operand(tb)
 
 
-MX_MODES = ["bf16", "dequant"] + (["fp8"] if DEVICE == "cuda" else [])
+MX_MODES = ["bf16", "dequant", "dequant_blocks"] + (["fp8"] if DEVICE == "cuda" else [])
+#: "dequant_blocks": the dequant mode with its fp32 product in blocks of 10-20 output rows (the
+#: last one ragged), as a large GEMM runs it.
+_SMALL_PRODUCT_BYTES = 5000
+
+
+def _mode(request, monkeypatch) -> str:
+    if request.param == "dequant_blocks":
+        monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", _SMALL_PRODUCT_BYTES)
+        return "dequant"
+    return request.param
 
 
 @pytest.fixture
-def mx_mode(request):
-    yield request.param
+def mx_mode(request, monkeypatch):
+    yield _mode(request, monkeypatch)
     mxfp8_gemm.MODE = None
 
 
@@ -81,7 +91,7 @@ def test_mxfp8_gemm_matches_reference(mx_mode, ta, tb, shape, swizzle):
                 assert _within_bound(got, ref, av.abs(), bv.abs(), k), (mx_mode, out_dtype)
 
 
-@pytest.mark.parametrize("mx_mode", MX_MODES[:2], indirect=True)
+@pytest.mark.parametrize("mx_mode", MX_MODES[:3], indirect=True)
 def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(mx_mode):
     mxfp8_gemm.MODE = mx_mode
     x, w = _x(32, 64, 3, True), _x(48, 64, 4, True)
@@ -104,12 +114,12 @@ def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(mx_mode):
 
 
 @pytest.fixture
-def nv_mode(request):
-    yield request.param
+def nv_mode(request, monkeypatch):
+    yield _mode(request, monkeypatch)
     nvfp4_gemm.MODE = None
 
 
-@pytest.mark.parametrize("nv_mode", ["fused", "dequant"], indirect=True)
+@pytest.mark.parametrize("nv_mode", ["fused", "dequant", "dequant_blocks"], indirect=True)
 @pytest.mark.parametrize("rht", [False, True])
 @pytest.mark.parametrize("swizzle", [False, True])
 def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
@@ -139,6 +149,44 @@ def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
                 alpha = float(ra.amax) * float(rb.amax) / 2688**2
                 assert _within_bound(got, ref, av.abs() * alpha, bv.abs(), k), (nv_mode,
                                                                                out_dtype)
+
+
+@pytest.mark.parametrize("fmt, out_dtype, blocks", [
+    ("nvfp4", torch.bfloat16, 5),  # 72 rows in blocks of 15 (ragged last block)
+    ("nvfp4", torch.float32, 5),   # the per-tensor factors need the epilogue too
+    ("mxfp8", torch.bfloat16, 5),
+    ("mxfp8", torch.float32, 1),   # fp32 without epilogue: the product is the output itself
+])
+def test_dequant_gemm_holds_the_fp32_product_in_row_blocks(monkeypatch, fmt, out_dtype, blocks):
+    """Issue 14: the dequant path never holds the whole fp32 product of a larger output; each
+    block is an fp32 product of at most ``MAX_FP32_PRODUCT_BYTES``, and the result is the
+    reference's bytes on exact operands."""
+    monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * 80 * 15)
+    sizes = []
+    real = dequant_gemm._mm_fp32
+
+    def counted(a, b):
+        out = real(a, b)
+        sizes.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(dequant_gemm, "_mm_fp32", counted)
+    q = NVFP4Quantizer(DType.E2M1) if fmt == "nvfp4" else MXFP8Quantizer(DType.E4M3)
+    ra, rb = _operands(q, _x(72, 64, 7, True), _x(80, 64, 8, True), False, False)
+    bias = torch.arange(80.0, device=DEVICE).bfloat16() if out_dtype != torch.float32 else None
+    if fmt == "nvfp4":
+        args = (ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax)
+        kw = dict(a_swizzled=False, b_swizzled=False, bias=bias, out_dtype=out_dtype)
+        got, ref = dequant_gemm.nvfp4_gemm_dequant(*args, **kw), reference.nvfp4_gemm(*args, **kw)
+    else:
+        args = (ra.data, ra.scale, rb.data, rb.scale)
+        kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
+                  bias=bias, out_dtype=out_dtype)
+        got, ref = dequant_gemm.mxfp8_gemm_dequant(*args, **kw), reference.mxfp8_gemm(*args, **kw)
+    assert len(sizes) == blocks
+    if blocks > 1:
+        assert max(sizes) <= dequant_gemm.MAX_FP32_PRODUCT_BYTES
+    assert torch.equal(got, ref)
 
 
 def test_unit_amax_decodes_every_e4m3_scale_exactly():

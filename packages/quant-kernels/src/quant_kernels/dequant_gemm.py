@@ -8,7 +8,10 @@ pass writes both operands in bf16, ``torch.mm`` multiplies them with fp32 accumu
 output (``aten::mm.dtype``, so no reduced-precision split-K reduction can round a partial sum), and
 one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts once. Each operand is
 dequantized in its stored memory order; a transposed row operand is handed to cuBLAS as a
-transposed view, never copied.
+transposed view, never copied. The fp32 product is never held whole when the output is of
+another dtype: it is computed and finished in blocks of output rows of at most
+:data:`MAX_FP32_PRODUCT_BYTES` (each output element is still one fp32 accumulation of the same
+exact products, so the blocks change nothing but cuBLAS's choice of order).
 """
 
 from __future__ import annotations
@@ -95,12 +98,15 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
 
 
-def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
-    """``cast((acc * alpha_a) * alpha_b + bias)`` in one pass (alphas only for NVFP4)."""
+def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cast((acc * alpha_a) * alpha_b + bias)`` in one pass (alphas only for NVFP4), into
+    ``out`` (contiguous, ``acc``'s shape) when given."""
     has_alpha = amax_a is not None
-    if out_dtype == torch.float32 and bias is None and not has_alpha:
+    if out is None and out_dtype == torch.float32 and bias is None and not has_alpha:
         return acc
-    out = torch.empty_like(acc, dtype=out_dtype)
+    if out is None:
+        out = torch.empty_like(acc, dtype=out_dtype)
     if acc.numel() == 0:
         return out
     cfg = config("gemm_epilogue")
@@ -115,12 +121,40 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None) -> tor
     return out
 
 
+#: The most bytes of fp32 product a dequantized GEMM with a non-fp32 (or biased, or NVFP4-scaled)
+#: output holds at once; a larger product is computed and finished in blocks of output rows.
+MAX_FP32_PRODUCT_BYTES = 64 * 2**20
+
+
+def _rows_per_block(m, n) -> int | None:
+    """Output rows per block of the product (``None``: one block; also for symbolic shapes,
+    where a Python loop over the rows would specialise the graph on ``m``)."""
+    if not (isinstance(m, int) and isinstance(n, int)) or m * n * 4 <= MAX_FP32_PRODUCT_BYTES:
+        return None
+    return max(1, MAX_FP32_PRODUCT_BYTES // (4 * n))
+
+
+def _product(av, bv, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
+    """``cast(alpha * (av @ bvᵀ) + bias)`` with fp32 accumulation; the fp32 product in blocks
+    of :func:`_rows_per_block` rows when the output needs an epilogue."""
+    m, n = av.shape[0], bv.shape[0]
+    rows = _rows_per_block(m, n)
+    direct = out_dtype == torch.float32 and bias is None and amax_a is None
+    if rows is None or direct:  # an fp32 output without epilogue is the product itself
+        return _finish(_mm_fp32(av, bv), bias, out_dtype, amax_a, amax_b)
+    out = torch.empty((m, n), dtype=out_dtype, device=av.device)
+    for r0 in range(0, m, rows):  # a row slice of a transposed view stays a strided view
+        _finish(_mm_fp32(av[r0:r0 + rows], bv), bias, out_dtype, amax_a, amax_b,
+                out=out[r0:r0 + rows])
+    return out
+
+
 def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled,
                        bias, out_dtype) -> torch.Tensor:
     """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
     av = _mxfp8_bf16(a, a_scale, a_dtype, a_swizzled)
     bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)
-    return _finish(_mm_fp32(av, bv), bias, out_dtype)
+    return _product(av, bv, bias, out_dtype)
 
 
 def nvfp4_gemm_dequant(a, a_scale, a_amax, b, b_scale, b_amax, *, a_swizzled, b_swizzled, bias,
@@ -128,4 +162,4 @@ def nvfp4_gemm_dequant(a, a_scale, a_amax, b, b_scale, b_amax, *, a_swizzled, b_
     """``quant_core.reference.nvfp4_gemm`` through bf16 dequantization and cuBLAS."""
     av = _nvfp4_bf16(a, a_scale, a_swizzled)
     bv = _nvfp4_bf16(b, b_scale, b_swizzled)
-    return _finish(_mm_fp32(av, bv), bias, out_dtype, a_amax, b_amax)
+    return _product(av, bv, bias, out_dtype, a_amax, b_amax)
