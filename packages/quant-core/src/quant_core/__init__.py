@@ -5,7 +5,7 @@ every format quantizes and dequantizes on any device through :mod:`quant_core.re
 packages register faster backends through the ``quant_core.backends`` entry-point group.
 """
 
-from . import backends, reference, shapes
+from . import backends, reference, shapes, tensor
 from .dtypes import DType
 from .operand import GemmOperand
 from .quantizer import (
@@ -30,6 +30,13 @@ from .storage import (
     NVFP4TensorStorage,
     QuantizedStorage,
 )
+from .tensor import (
+    Float8BlockwiseQTensor,
+    Float8Tensor,
+    MXFP8Tensor,
+    NVFP4Tensor,
+    QuantizedTensor,
+)
 
 __version__ = "0.1.0"
 
@@ -38,5 +45,6 @@ __all__ = [
     "value_classes", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
     "Float8BlockQuantizer", "NVFP4Quantizer", "DEFAULT_RHT_SIGN_MASK", "QuantizedStorage",
     "Float8TensorStorage", "MXFP8TensorStorage", "Float8BlockwiseQTensorStorage",
-    "NVFP4TensorStorage", "GemmOperand", "backends", "reference", "shapes",
+    "NVFP4TensorStorage", "GemmOperand", "QuantizedTensor", "Float8Tensor", "MXFP8Tensor",
+    "Float8BlockwiseQTensor", "NVFP4Tensor", "backends", "reference", "shapes", "tensor",
 ]

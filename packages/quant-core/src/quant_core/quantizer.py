@@ -36,7 +36,12 @@ class Quantizer(metaclass=QuantizerMeta):
     Fields (constructor keywords carry the same names):
         rowwise_usage: produce the rowwise representation (forward GEMM layout).
         columnwise_usage: produce the columnwise representation (wgrad/dgrad layout).
-        internal: kept for TransformerEngine parity; ``quantize`` always returns a storage object.
+        internal: what ``quantize`` and ``make_empty`` return, as in TransformerEngine: False
+            (the default) a quantized tensor, the ``torch.Tensor`` subclass of the format
+            (``quant_core.tensor``: ``Float8Tensor``, ``MXFP8Tensor``, ``Float8BlockwiseQTensor``,
+            ``NVFP4Tensor``, each also its storage); True the plain storage object, with no
+            wrapper to build (what the quantized modules use). A format without a tensor class
+            always returns its storage.
         optimize_for_gemm: the result only feeds a GEMM; MXFP8/NVFP4 scales are then swizzled.
     """
 
@@ -222,8 +227,12 @@ class Quantizer(metaclass=QuantizerMeta):
         for name, (spec_shape, _) in (specs or self.inner_tensor_specs(shape)).items():
             buf = buffers[name]
             present[name] = buf if concrete and buf.shape == spec_shape else buf.view(spec_shape)
-        return self._storage_class(
-            shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
+        if self.internal or self._storage_class not in _tensor_classes():
+            return self._storage_class(
+                shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
+            )
+        return _tensor_classes()[self._storage_class](
+            shape, dtype, quantizer=self, buffers=present, tags=self._storage_tags()
         )
 
     def alloc_tensors(self, shape, device=None) -> dict[str, torch.Tensor]:
@@ -238,15 +247,16 @@ class Quantizer(metaclass=QuantizerMeta):
         return type(self).__name__, 1
 
     def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None):
-        """A storage with exactly the buffers, shapes and dtypes ``quantize`` would produce for an
-        input of ``shape`` and ``dtype``; every byte (padding included) is zero. Shapes that
+        """What ``quantize`` returns (a quantized tensor, or with ``internal=True`` a storage) with
+        exactly the buffers, shapes and dtypes it would produce for an input of ``shape`` and
+        ``dtype``; every byte (padding included) is zero. Shapes that
         ``quantize`` refuses are refused here too, with the same message."""
         check_shape(shape, *self.shape_rule())
         return self._make_storage(shape, dtype, self.alloc_tensors(shape, device))
 
     # ------------------------------------------------------------------ the work
     def quantize(self, x: torch.Tensor, *, amax_reduction_group=None, backend: str | None = None):
-        """Quantize ``x`` and return the format's storage object."""
+        """Quantize ``x``: the format's quantized tensor, or with ``internal=True`` its storage."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, **kwargs: Any):
@@ -333,6 +343,13 @@ def _field_repr(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     return repr(value)
+
+
+def _tensor_classes() -> dict[type, type]:
+    """``quant_core.tensor.TENSOR_CLASSES`` (imported late: that module imports the storages)."""
+    from .tensor import TENSOR_CLASSES
+
+    return TENSOR_CLASSES
 
 
 #: ``{(value quantizer, shape): inner_tensor_specs}``; cleared when it reaches the bound.

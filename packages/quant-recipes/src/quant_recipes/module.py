@@ -118,6 +118,7 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
         return Float8Quantizer(
             q.scale, q.amax, q.dtype,
             **{"rowwise_usage": q.rowwise_usage, "columnwise_usage": q.columnwise_usage,
+               "internal": q.internal,
                **{k: v for k, v in fields.items() if k not in ("scale", "amax", "dtype")}},
         )
     return q  # a user quantizer without value semantics: used as given

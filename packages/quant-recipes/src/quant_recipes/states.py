@@ -1,8 +1,10 @@
 """Recipe states: a recipe turned into one quantizer per slot (`behaviour.md` §5, §9).
 
-Slot layout: forward ``[input, weight, output]`` per GEMM, backward ``[grad_output,
-grad_input]`` per GEMM. ``roles`` (one per slot, entries may be ``None``) select the quantizer of
-a slot; without a known ``tensor_type`` the slot's position decides.
+Every quantizer built here has ``internal=True``: the modules read buffers, so ``quantize``
+returns the plain storage and pays for no tensor wrapper. Slot layout: forward ``[input, weight,
+output]`` per GEMM, backward ``[grad_output, grad_input]`` per GEMM. ``roles`` (one per slot,
+entries may be ``None``) select the quantizer of a slot; without a known ``tensor_type`` the
+slot's position decides.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class DelayedScalingRecipeState(RecipeState):
         return self.dtype.max
 
     def _make(self, i: int) -> Quantizer:
-        return Float8Quantizer(self.scale[i], self.amax_history[0][i].view(1), self.dtype)
+        return Float8Quantizer(self.scale[i], self.amax_history[0][i].view(1), self.dtype,
+                               internal=True)
 
 
 class Float8CurrentScalingRecipeState(RecipeState):
@@ -156,7 +159,7 @@ class Float8CurrentScalingRecipeState(RecipeState):
             qp = r.fp8_quant_bwd_grad
         return Float8CurrentScalingQuantizer(
             _dtype(r.fp8_format, self.forward), force_pow_2_scales=qp.power_2_scale,
-            amax_epsilon=qp.amax_epsilon,
+            amax_epsilon=qp.amax_epsilon, internal=True,
         )
 
 
@@ -172,7 +175,8 @@ class MXFP8BlockScalingRecipeState(RecipeState):
             and role.module_type in ("linear", "grouped_linear")
             and role.tensor_type == "weight"
         )
-        return MXFP8Quantizer(_dtype(r.fp8_format, self.forward), with_2d_quantization=two_d)
+        return MXFP8Quantizer(_dtype(r.fp8_format, self.forward), with_2d_quantization=two_d,
+                              internal=True)
 
 
 class Float8BlockScalingRecipeState(RecipeState):
@@ -190,7 +194,7 @@ class Float8BlockScalingRecipeState(RecipeState):
             qp, dim, fwd = r.fp8_quant_fwd_inp, r.x_block_scaling_dim, True
         return Float8BlockQuantizer(
             _dtype(r.fp8_format, fwd), block_scaling_dim=dim, amax_epsilon=qp.amax_epsilon,
-            force_pow_2_scales=qp.power_2_scale,
+            force_pow_2_scales=qp.power_2_scale, internal=True,
         )
 
 
@@ -209,7 +213,7 @@ class NVFP4BlockScalingRecipeState(RecipeState):
             with_post_rht_amax=qp.random_hadamard_transform,
             with_2d_quantization=qp.fp4_2d_quantization,
             stochastic_rounding=qp.stochastic_rounding,
-            nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode,
+            nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode, internal=True,
         )
 
 
