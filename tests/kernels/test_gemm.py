@@ -13,7 +13,7 @@ import pytest
 import torch
 from _kernels_util import DEVICE
 from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer, reference
-from quant_kernels import dequant_gemm, mxfp8_gemm, nvfp4_gemm
+from quant_kernels import dequant_gemm, mxfp8, mxfp8_gemm, nvfp4_gemm
 from quant_kernels.backend import BACKEND
 
 
@@ -151,41 +151,60 @@ def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
                                                                                out_dtype)
 
 
-@pytest.mark.parametrize("fmt, out_dtype, blocks", [
-    ("nvfp4", torch.bfloat16, 5),  # 72 rows in blocks of 15 (ragged last block)
-    ("nvfp4", torch.float32, 5),   # the per-tensor factors need the epilogue too
-    ("mxfp8", torch.bfloat16, 5),
-    ("mxfp8", torch.float32, 1),   # fp32 without epilogue: the product is the output itself
+@pytest.mark.parametrize("fmt, ta, out_dtype, blocks", [
+    ("nvfp4", False, torch.bfloat16, 3),   # 320 rows in blocks of 128 (the last one 64)
+    ("nvfp4", False, torch.float32, 3),    # the per-tensor factors need the epilogue too
+    ("nvfp4", True, torch.bfloat16, 3),    # A from columnwise (stored-transposed) data
+    ("mxfp8", False, torch.bfloat16, 3),
+    ("mxfp8", True, torch.bfloat16, 3),    # A a transposed view: dequantized whole, sliced
+    ("mxfp8", False, torch.float32, 1),    # fp32 without epilogue: the product is the output
 ])
-def test_dequant_gemm_holds_the_fp32_product_in_row_blocks(monkeypatch, fmt, out_dtype, blocks):
-    """Issue 14: the dequant path never holds the whole fp32 product of a larger output; each
-    block is an fp32 product of at most ``MAX_FP32_PRODUCT_BYTES``, and the result is the
-    reference's bytes on exact operands."""
-    monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * 80 * 15)
-    sizes = []
-    real = dequant_gemm._mm_fp32
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_dequant_gemm_works_in_row_blocks(monkeypatch, fmt, ta, out_dtype, blocks, swizzle):
+    """Issue 14: the dequant path never holds the whole fp32 product of a larger output (nor a
+    contiguous A's whole bf16 copy): each block's fp32 product is at most
+    ``MAX_FP32_PRODUCT_BYTES``, and the result is the reference's bytes on exact operands."""
+    m, n, k = 320, 80, 64
+    monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * n * 128)
+    sizes, a_rows = [], []
+    real_mm, real_nv, real_mx = (dequant_gemm._mm_fp32, dequant_gemm._nvfp4_bf16,
+                                 mxfp8.mxfp8_dequantize)
 
     def counted(a, b):
-        out = real(a, b)
+        out = real_mm(a, b)
         sizes.append(out.numel() * out.element_size())
         return out
 
+    def nv_rows(data, scale, swz):
+        a_rows.append(data.shape[0])
+        return real_nv(data, scale, swz)
+
+    def mx_rows(data, scale, **kw):
+        a_rows.append(data.shape[0])
+        return real_mx(data, scale, **kw)
+
     monkeypatch.setattr(dequant_gemm, "_mm_fp32", counted)
-    q = NVFP4Quantizer(DType.E2M1) if fmt == "nvfp4" else MXFP8Quantizer(DType.E4M3)
-    ra, rb = _operands(q, _x(72, 64, 7, True), _x(80, 64, 8, True), False, False)
+    monkeypatch.setattr(dequant_gemm, "_nvfp4_bf16", nv_rows)
+    monkeypatch.setattr(mxfp8, "mxfp8_dequantize", mx_rows)
+    q = (NVFP4Quantizer(DType.E2M1, optimize_for_gemm=swizzle) if fmt == "nvfp4"
+         else MXFP8Quantizer(DType.E4M3, optimize_for_gemm=swizzle))
+    x = _x(k, m, 7, True) if ta else _x(m, k, 7, True)
+    ra, rb = _operands(q, x, _x(n, k, 8, True), ta, False)
     bias = torch.arange(80.0, device=DEVICE).bfloat16() if out_dtype != torch.float32 else None
     if fmt == "nvfp4":
         args = (ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax)
-        kw = dict(a_swizzled=False, b_swizzled=False, bias=bias, out_dtype=out_dtype)
+        kw = dict(a_swizzled=swizzle, b_swizzled=swizzle, bias=bias, out_dtype=out_dtype)
         got, ref = dequant_gemm.nvfp4_gemm_dequant(*args, **kw), reference.nvfp4_gemm(*args, **kw)
     else:
         args = (ra.data, ra.scale, rb.data, rb.scale)
-        kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
-                  bias=bias, out_dtype=out_dtype)
+        kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=swizzle,
+                  b_swizzled=swizzle, bias=bias, out_dtype=out_dtype)
         got, ref = dequant_gemm.mxfp8_gemm_dequant(*args, **kw), reference.mxfp8_gemm(*args, **kw)
     assert len(sizes) == blocks
-    if blocks > 1:
-        assert max(sizes) <= dequant_gemm.MAX_FP32_PRODUCT_BYTES
+    assert max(sizes) <= (dequant_gemm.MAX_FP32_PRODUCT_BYTES if blocks > 1 else 4 * m * n)
+    whole_a = fmt == "mxfp8" and ta
+    assert a_rows[0] == n  # B, dequantized whole, first
+    assert a_rows[1:] == ([k] if whole_a else [m] if blocks == 1 else [128, 128, 64])
     assert torch.equal(got, ref)
 
 

@@ -8,10 +8,11 @@ pass writes both operands in bf16, ``torch.mm`` multiplies them with fp32 accumu
 output (``aten::mm.dtype``, so no reduced-precision split-K reduction can round a partial sum), and
 one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts once. Each operand is
 dequantized in its stored memory order; a transposed row operand is handed to cuBLAS as a
-transposed view, never copied. The fp32 product is never held whole when the output is of
-another dtype: it is computed and finished in blocks of output rows of at most
-:data:`MAX_FP32_PRODUCT_BYTES` (each output element is still one fp32 accumulation of the same
-exact products, so the blocks change nothing but cuBLAS's choice of order).
+transposed view, never copied. When the output needs an epilogue, the fp32 product is never held
+whole: it is computed and finished in blocks of output rows of at most
+:data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized block by block too.
+Each output element is still one fp32 accumulation of the same exact products, so the blocks
+change nothing but cuBLAS's choice of order.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None,
 #: The most bytes of fp32 product a dequantized GEMM with a non-fp32 (or biased, or NVFP4-scaled)
 #: output holds at once; a larger product is computed and finished in blocks of output rows.
 MAX_FP32_PRODUCT_BYTES = 64 * 2**20
+#: Swizzled scales come in tiles of 128 rows, so a block of rows starts at a multiple of 128.
+_ROW_TILE = 128
 
 
 def _rows_per_block(m, n) -> int | None:
@@ -131,35 +134,58 @@ def _rows_per_block(m, n) -> int | None:
     where a Python loop over the rows would specialise the graph on ``m``)."""
     if not (isinstance(m, int) and isinstance(n, int)) or m * n * 4 <= MAX_FP32_PRODUCT_BYTES:
         return None
-    return max(1, MAX_FP32_PRODUCT_BYTES // (4 * n))
+    return max(_ROW_TILE, MAX_FP32_PRODUCT_BYTES // (4 * n) // _ROW_TILE * _ROW_TILE)
 
 
-def _product(av, bv, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
-    """``cast(alpha * (av @ bvᵀ) + bias)`` with fp32 accumulation; the fp32 product in blocks
-    of :func:`_rows_per_block` rows when the output needs an epilogue."""
-    m, n = av.shape[0], bv.shape[0]
-    rows = _rows_per_block(m, n)
+def _product(a_rows, m: int, bv, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
+    """``cast(alpha * (A @ bvᵀ) + bias)`` with fp32 accumulation, where ``a_rows(r0, r1)`` is
+    bf16 ``A[r0:r1]``; block by block (:func:`_rows_per_block`) when the output needs an
+    epilogue, so neither the fp32 product nor (for a contiguous A) A's bf16 copy is held whole."""
+    rows = _rows_per_block(m, bv.shape[0])
     direct = out_dtype == torch.float32 and bias is None and amax_a is None
     if rows is None or direct:  # an fp32 output without epilogue is the product itself
-        return _finish(_mm_fp32(av, bv), bias, out_dtype, amax_a, amax_b)
-    out = torch.empty((m, n), dtype=out_dtype, device=av.device)
-    for r0 in range(0, m, rows):  # a row slice of a transposed view stays a strided view
-        _finish(_mm_fp32(av[r0:r0 + rows], bv), bias, out_dtype, amax_a, amax_b,
-                out=out[r0:r0 + rows])
+        return _finish(_mm_fp32(a_rows(0, m), bv), bias, out_dtype, amax_a, amax_b)
+    out = torch.empty((m, bv.shape[0]), dtype=out_dtype, device=bv.device)
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        _finish(_mm_fp32(a_rows(r0, r1), bv), bias, out_dtype, amax_a, amax_b, out=out[r0:r1])
     return out
+
+
+def _whole(av: torch.Tensor):
+    """``a_rows`` of an operand dequantized whole (a row slice of a transposed view is a view)."""
+    return lambda r0, r1: av[r0:r1]
+
+
+def _mxfp8_rows(data, scale, fp8_dtype: DType, swizzled: bool):
+    """``a_rows`` of an MXFP8 row operand: contiguous rowwise data is dequantized per block of
+    rows (its scales from the block's first row on: ``r0`` is a multiple of 128, where a swizzled
+    tile starts, so the slice is that block's swizzled scales), other data whole."""
+    if not data.is_contiguous():
+        return _whole(_mxfp8_bf16(data, scale, fp8_dtype, swizzled))
+    return lambda r0, r1: mxfp8.mxfp8_dequantize(
+        data[r0:r1], scale[r0:], fp8_dtype=fp8_dtype, columnwise=False, swizzled=swizzled,
+        dtype=torch.bfloat16)
+
+
+def _nvfp4_rows(data, scale, swizzled: bool):
+    """``a_rows`` of a packed NVFP4 row operand (rowwise or stored-transposed columnwise data are
+    both ``[rows, K/2]``), dequantized per block of rows as :func:`_mxfp8_rows` does."""
+    data = data.contiguous()
+    return lambda r0, r1: _nvfp4_bf16(data[r0:r1], scale[r0:], swizzled)
 
 
 def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled,
                        bias, out_dtype) -> torch.Tensor:
     """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
-    av = _mxfp8_bf16(a, a_scale, a_dtype, a_swizzled)
     bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)
-    return _product(av, bv, bias, out_dtype)
+    return _product(_mxfp8_rows(a, a_scale, a_dtype, a_swizzled), a.shape[0], bv, bias,
+                    out_dtype)
 
 
 def nvfp4_gemm_dequant(a, a_scale, a_amax, b, b_scale, b_amax, *, a_swizzled, b_swizzled, bias,
                        out_dtype) -> torch.Tensor:
     """``quant_core.reference.nvfp4_gemm`` through bf16 dequantization and cuBLAS."""
-    av = _nvfp4_bf16(a, a_scale, a_swizzled)
     bv = _nvfp4_bf16(b, b_scale, b_swizzled)
-    return _product(av, bv, bias, out_dtype, a_amax, b_amax)
+    return _product(_nvfp4_rows(a, a_scale, a_swizzled), a.shape[0], bv, bias, out_dtype,
+                    a_amax, b_amax)
