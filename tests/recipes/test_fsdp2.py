@@ -1,17 +1,32 @@
-"""quant's Linear under FSDP2 (``fully_shard``) on 2 gloo ranks: it trains, and quantizing the
-weight again in backward (``save_weight_copy=False``, the FSDP2-friendly mode: the gathered
-weight is freed after forward) gives the same sharded gradients as keeping the copy."""
+"""quant's Linear under FSDP2 (``fully_shard``) on 2 ranks.
+
+The bf16 all-gather: it trains, and quantizing the weight again in backward
+(``save_weight_copy=False``, the FSDP2-friendly mode: the gathered weight is freed after forward)
+gives the same sharded gradients as keeping the copy.
+
+The weight all-gather in the quantized format (``enable_fsdp_quantized_all_gather``): per recipe,
+each rank's loss and its shard of every gradient equal, bit for bit, the single-process run of
+the unsharded model (the GEMMs are the reference emulation on CPU, so equal operands give equal
+bits), and the bytes all-gathered are the quantized ones (counted at FSDP2's collective,
+``torch.distributed.all_gather_single`` / ``all_gather_into_tensor``).
+
+``QUANT_DIST_BACKEND=nccl`` runs the same on one GPU per rank (bench/gpu_fsdp2.sh); the default
+is gloo on the CPU.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+import warnings
 
 import pytest
 import quant_recipes as qr
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+BACKEND = os.environ.get("QUANT_DIST_BACKEND", "gloo")
 
 
 def _free_port() -> int:
@@ -30,17 +45,18 @@ def _fully_shard():
 
 def _worker(rank: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group(BACKEND, rank=rank, world_size=2)
+    device = _device(rank)
     try:
         grads = {}
         for save in (True, False):
             torch.manual_seed(0)
-            model = torch.nn.Sequential(*(qr.Linear(64, 64, bias=False, save_weight_copy=save)
-                                          for _ in range(2)))
+            model = torch.nn.Sequential(*(qr.Linear(64, 64, bias=False, save_weight_copy=save,
+                                                    device=device) for _ in range(2)))
             for layer in model:
                 _fully_shard()(layer)
             _fully_shard()(model)
-            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank)).to(device)
             with qr.autocast(recipe=qr.Float8CurrentScaling()):
                 model(x).pow(2).sum().backward()
             grads[save] = [p.grad.to_local().clone() for p in model.parameters()]
@@ -50,15 +66,181 @@ def _worker(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(180)
-def test_fsdp2_requantized_weight_gives_the_same_gradients():
+def _device(rank: int) -> torch.device:
+    if BACKEND != "nccl":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device(f"cuda:{rank}")
+
+
+def _spawn(worker, *args):
+    """Run ``worker(rank, port, *args, out)`` on 2 ranks; returns ``out`` (rank -> result)."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     try:
         _fully_shard()
     except ImportError:
         pytest.skip("this torch has no FSDP2")
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("QUANT_DIST_BACKEND=nccl needs 2 GPUs")
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(worker, args=(_free_port(), *args, out), nprocs=2, join=True)
+    return dict(out)
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_requantized_weight_gives_the_same_gradients():
+    out = _spawn(_worker)
     assert out[0] and out[1]
+
+
+D_IN, D_OUT, TOKENS = 64, 256, 32  # 128 weight rows per rank: every block format shards
+
+
+def _up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+#: recipe -> (factory, bytes one all-gather of an [M, K] weight moves: data and scales as the
+#: format lays them out, numerics.md)
+RECIPES = {
+    "fp8_current": (qr.Float8CurrentScaling, lambda m, k: m * k),
+    "fp8_block": (qr.Float8BlockScaling,
+                  lambda m, k: m * k + 4 * (m // 128) * _up(-(-k // 128), 4)),
+    # 1x32 blocks: the columnwise copy (32x1 blocks) differs and is gathered too
+    "mxfp8": (qr.MXFP8BlockScaling,
+              lambda m, k: 2 * m * k + m * _up(k // 32, 4) + _up(m // 32, 4) * _up(k, 128)),
+    "mxfp8_2d": (lambda: qr.MXFP8BlockScaling(enable_2d_quantization=True),
+                 lambda m, k: m * k + m * _up(k // 32, 4)),
+    "nvfp4": (qr.NVFP4BlockScaling, lambda m, k: m * k // 2 + m * _up(k // 16, 4)),
+}
+
+
+def _model(shapes, device, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(qr.Linear(k, m, bias=False, device=device, dtype=dtype)
+                                  for m, k in shapes))
+    with torch.no_grad():  # rank 0's shard holds the tensor amax, far from rank 1's
+        for layer in model:
+            layer.weight[:4] *= 8
+    return model
+
+
+def _step(model, recipe, x, seed):
+    torch.manual_seed(seed)  # NVFP4 gradients round stochastically: the same draws in both runs
+    with qr.autocast(recipe=recipe):
+        loss = model(x).float().pow(2).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _count_all_gathers(counted: list[int]) -> dict:
+    """Patch FSDP2's all-gather collective (``all_gather_single`` on newer torch, else
+    ``all_gather_into_tensor``) to record each output's bytes; returns the originals."""
+    originals = {n: getattr(dist, n) for n in ("all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, n)}
+    depth = [0]
+
+    def patch(orig):
+        def counting(output_tensor, input_tensor, *args, **kwargs):
+            if not depth[0]:  # the outer call only (one may call the other)
+                counted.append(output_tensor.numel() * output_tensor.element_size())
+            depth[0] += 1
+            try:
+                return orig(output_tensor, input_tensor, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counting
+
+    for n, orig in originals.items():
+        setattr(dist, n, patch(orig))
+    return originals
+
+
+def _quantized_worker(rank: int, port: int, cases: list[tuple[str, list]], out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(BACKEND, rank=rank, world_size=2)
+    device = _device(rank)
+    dtype = torch.bfloat16  # NVFP4's RHT (inputs, gradients) takes bf16
+    try:
+        results = {}
+        for name, shapes in cases:
+            make, _ = RECIPES[name]
+            recipe = make()
+            xs = [torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(r))
+                  .to(device, dtype) for r in range(2)]
+            # the reference: the unsharded model on one process, each rank's batch in turn
+            ref = _model(shapes, device, dtype)
+            ref_losses, ref_grads = [], []
+            for r in range(2):
+                ref.zero_grad(set_to_none=True)
+                ref_losses.append(_step(ref, recipe, xs[r], seed=10 + r))
+                ref_grads.append([p.grad for p in ref.parameters()])
+            # FSDP2 averages the ranks' gradients in their dtype: one rounding of the sum, /2 exact
+            mean = [(a + b) / 2 for a, b in zip(*ref_grads, strict=True)]
+            model = qr.enable_fsdp_quantized_all_gather(_model(shapes, device, dtype), recipe)
+            for layer in model:
+                _fully_shard()(layer)
+            _fully_shard()(model)
+            counted: list[int] = []
+            originals = _count_all_gathers(counted)
+            qr.reset_all_gather_bytes()
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    loss = _step(model, recipe, xs[rank], seed=10 + rank)
+            finally:
+                for n, f in originals.items():
+                    setattr(dist, n, f)
+            grads = [p.grad.to_local() for p in model.parameters()]
+            results[name] = {
+                "loss": torch.equal(loss, ref_losses[rank]),
+                "grads": [torch.equal(g, m.chunk(2)[rank]) for g, m in zip(grads, mean,
+                                                                         strict=True)],
+                "bytes": sum(counted), "extension": qr.all_gather_bytes(),
+                "warnings": [str(w.message) for w in caught
+                             if "FSDP2 quantized all-gather" in str(w.message)],
+            }
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cases):
+    out = _spawn(_quantized_worker, cases)
+    return out[0], out[1]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_quantized_all_gather_equals_the_unsharded_step():
+    shapes = [(D_OUT, D_IN), (D_OUT, D_OUT)]  # [M, K]: 128 rows per rank
+    r0, r1 = _run([(name, shapes) for name in RECIPES])
+    bf16 = 2 * sum(2 * m * k for m, k in shapes)
+    for name, (_, nbytes) in RECIPES.items():
+        # each layer all-gathers twice: forward, and again for backward after resharding
+        expected = 2 * sum(nbytes(m, k) for m, k in shapes)
+        for res in (r0[name], r1[name]):
+            assert res["loss"], name
+            assert all(res["grads"]), (name, res["grads"])
+            assert res["bytes"] == expected, (name, res["bytes"], expected)
+            assert res["extension"] == {"quantized": expected}, (name, res["extension"])
+            assert not res["warnings"], (name, res["warnings"])
+        if name != "mxfp8":
+            assert expected < 0.6 * bf16, name
+
+
+@pytest.mark.timeout(300)
+def test_uneven_and_unshardable_weights():
+    """Per-tensor FP8 gathers an uneven split (FSDP2 pads the last shard); FP8 128x128 blocks
+    over 32 rows per rank fall back to the high-precision gather with a warning that says why.
+    Both still equal the unsharded step."""
+    r0, r1 = _run([("fp8_current", [(255, 64), (64, 255)]), ("fp8_block", [(64, 64)])])
+    for res in (r0, r1):
+        fp8, block = res["fp8_current"], res["fp8_block"]
+        assert fp8["loss"] and all(fp8["grads"]) and not fp8["warnings"]
+        # 255 rows: each rank sends 128 (one zero row of padding on rank 1)
+        assert fp8["extension"] == {"quantized": 2 * (2 * 128 * 64 + 64 * 255)}
+        assert block["loss"] and all(block["grads"])
+        assert block["extension"] == {"high_precision": 2 * 64 * 64 * 2}
+        assert len(block["warnings"]) == 1 and "multiple of 128 rows" in block["warnings"][0]

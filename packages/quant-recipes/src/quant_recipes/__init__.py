@@ -7,10 +7,18 @@ are used when installed (quant-dynamo is imported with the package: :mod:`.compi
 from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
 from .autocast import Frame, autocast, current_frame, default_recipe
 from .convert import convert, unconvert
+from .fsdp import all_gather_bytes, enable_fsdp_quantized_all_gather, reset_all_gather_bytes
 from .gemm import compiled_gemm_paths, gemm_paths, last_gemm_path, reset_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
 from .linear import Linear
 from .module import QuantizedModule, intern
+from .quantized_init import (
+    MasterWeights,
+    clear_high_precision_init_val,
+    get_high_precision_init_val,
+    quantized_model_init,
+    requantize_,
+)
 from .recipes import (
     CustomRecipe,
     DelayedScaling,
@@ -48,5 +56,7 @@ __all__ = [
     "HighPrecisionStorage", "autocast", "Frame", "current_frame", "default_recipe",
     "QuantizedModule", "Linear", "intern", "gemm_paths", "compiled_gemm_paths", "last_gemm_path",
     "reset_gemm_paths",
-    "convert", "unconvert",
+    "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
+    "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
+    "get_high_precision_init_val", "clear_high_precision_init_val",
 ]

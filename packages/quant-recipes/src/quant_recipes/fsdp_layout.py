@@ -51,9 +51,10 @@ class Plan:
 
 
 def base(q: Quantizer) -> Quantizer:
-    """``q`` with both usages and no amax reduction flag: what two weight quantizers must agree
-    on for one's bytes to serve the other (usages and the reduction are per call)."""
-    fields = {"rowwise_usage": True, "columnwise_usage": True}
+    """``q`` with both usages, no amax reduction flag and ``internal=True``: what two weight
+    quantizers must agree on for one's bytes to serve the other (usages, the reduction and what
+    ``quantize`` returns are per call)."""
+    fields = {"rowwise_usage": True, "columnwise_usage": True, "internal": True}
     if hasattr(q, "with_amax_reduction"):
         fields["with_amax_reduction"] = False
     return q.replace(**fields)

@@ -5,6 +5,16 @@ columnwise for dgrad) with the forward quantizers; backward quantizes ``grad_out
 backward quantizer captured at *forward* time. GEMMs run through :mod:`quant_recipes.gemm`.
 Outside autocast, or with ``enabled=False``, it is a plain high-precision linear.
 
+The weight may already be quantized (a ``quant_core.tensor.QuantizedTensor``: a parameter made
+under :func:`~quant_recipes.quantized_model_init`, or the weight FSDP2 all-gathered in the
+quantized format, :mod:`quant_recipes.fsdp`). Inside autocast its buffers feed the GEMMs as they
+are, provided its quantizer equals the recipe's weight quantizer up to the usages (else
+``ValueError``: quantizing the dequantized weight again would silently double-round it). The
+weight tensor itself is saved for backward (no copy), and dgrad reads its columnwise copy, built
+from the rowwise one where that is exact (:func:`quant_recipes.fsdp_layout.with_columnwise`).
+Its gradient is the high-precision ``dW`` in the weight's nominal dtype. Outside autocast it is
+dequantized.
+
 Under ``torch.compile`` the autograd function is traced; quantization runs through
 quant-dynamo's ``quant`` custom ops with the quantizer as a baked constant, the GEMMs through
 ``quant_recipes::qgemm``. Eager and compiled runs execute the same kernels, bit for bit.
@@ -19,14 +29,16 @@ import torch.nn.functional as F
 from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
-from quant_core.storage import absent_buffer
+from quant_core.storage import QuantizedStorage, absent_buffer
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
 from .delayed import update_registered
+from .fsdp_layout import base, with_columnwise
 from .gemm import HP, for_transposed_use, qgemm, quantizer_meta
-from .module import QuantizedModule, is_value, module_frame
+from .module import QuantizedModule, intern, is_value, module_frame
 from .role import QuantizerRole
+from .states import RecipeState
 
 
 def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
@@ -64,6 +76,46 @@ def _requantizable(q: Quantizer) -> bool:
     return is_value(q) and not (q.storage_format == "nvfp4" and q.stochastic_rounding)
 
 
+def _rowwise(w: QuantizedStorage) -> torch.Tensor | None:
+    return getattr(w, "_data" if w.quantizer.storage_format == "fp8" else "_rowwise_data")
+
+
+def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None:
+    """Refuse a quantized weight whose quantizer is not ``q`` up to usages and amax reduction
+    (under compile: whose format, dtype and block layout differ), or that lacks rowwise data."""
+    wq = w.quantizer
+    if compiling():
+        same = quantizer_meta(wq) == quantizer_meta(q)
+    else:
+        same = is_value(wq) and is_value(q) and base(wq) == base(q)
+    if not same:
+        raise ValueError(
+            f"Linear {name!r}: the weight is quantized by {wq!r} but autocast's recipe quantizes "
+            f"this layer's weight with {q!r}; run the layer under the recipe its weight was "
+            "quantized for (quantized_model_init / enable_fsdp_quantized_all_gather)"
+        )
+    if _rowwise(w) is None:
+        raise ValueError(f"Linear {name!r}: the quantized weight holds no rowwise data for the "
+                         "forward GEMM (quantize it with rowwise_usage=True)")
+
+
+class _Dequantized(torch.autograd.Function):
+    """A quantized weight's value for a high-precision linear; its gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.w_dtype = w.dtype
+        return w.dequantize(dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.w_dtype), None
+
+
+def _high_precision(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _Dequantized.apply(w, dtype) if isinstance(w, QuantizedStorage) else w
+
+
 class _QLinearFn(torch.autograd.Function):
     """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
 
@@ -72,11 +124,19 @@ class _QLinearFn(torch.autograd.Function):
         m, k = x.shape
         n = w.shape[0]
         xb = quantize_buffers(x, input_q, group)
-        wb = quantize_buffers(w, weight_q, group)
+        ctx.weight_quantized = isinstance(w, QuantizedStorage)
+        wb = w.buffer_list(x) if ctx.weight_quantized else quantize_buffers(w, weight_q, group)
         xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
         y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
         ctx.weight_bwd_q = None
-        if override == "high_precision":
+        if ctx.weight_quantized:  # the weight tensor itself (FSDP2 refills its buffers)
+            saved = (x,) if override == "high_precision" else _saved(
+                xb, xm, override, ctx.needs_input_grad[1])
+            ctx.save_for_backward(*saved, w)
+            ctx.nx = len(saved)
+            if override == "high_precision":
+                xm = [HP, 0, 0, 0]
+        elif override == "high_precision":
             ctx.save_for_backward(x, w)
             xm = wm = [HP, 0, 0, 0]
             ctx.nx = 1
@@ -101,6 +161,14 @@ class _QLinearFn(torch.autograd.Function):
         xm, wm, (m, k), (n, _), x_dtype, w_dtype = ctx.meta
         if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
             wb = quantize_buffers(wb[0], ctx.weight_bwd_q, ctx.group)
+        elif ctx.weight_quantized:
+            w = wb[0]
+            if ctx.override == "high_precision":
+                wb, wm = [w.dequantize(dtype=w_dtype)], [HP, 0, 0, 0]
+            elif ctx.override is None:
+                wb = for_transposed_use(with_columnwise(w).buffer_list(gy), wm)
+            else:
+                wb = w.buffer_list(gy)
         gy = gy.contiguous()
         if ctx.override is None:
             gb, gm = quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q)
@@ -141,14 +209,32 @@ class Linear(QuantizedModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.reset_parameters()
         self._roles_changed()
+        self.reset_parameters()
+        from .quantized_init import quantize_at_init
+
+        quantize_at_init(self)
 
     def reset_parameters(self) -> None:
-        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if isinstance(self.weight, QuantizedStorage):  # initialise in high precision, requantize
+            from .quantized_init import requantize_
+
+            w = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+            torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            requantize_(self.weight, w)
+        else:
+            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def weight_quantizer(self, recipe) -> Quantizer:
+        """The weight quantizer ``recipe`` gives this layer, with both usages: what
+        :func:`~quant_recipes.quantized_model_init` and the FSDP2 quantized all-gather quantize
+        the weight with."""
+        state = RecipeState.create(recipe, mode="forward", num_quantizers=3,
+                                   roles=self._fwd_roles)
+        return intern(state.make_quantizers()[1])
 
     def _roles_changed(self) -> None:
         name = self.name
@@ -173,21 +259,26 @@ class Linear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         frame = module_frame(self)
+        w = self.weight
         if frame is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, _high_precision(w, x.dtype), self.bias)
         check_dense(x, "Linear")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(
                 f"Linear: the input's last dimension must be in_features={self.in_features}, "
                 f"got input shape {tuple(x.shape)}"
             )
-        qset = self.quantizers(frame, device=self.weight.device)
+        quantized_w = isinstance(w, QuantizedStorage)
+        qset = self.quantizers(frame, device=w.device)
         if not frame.enabled:  # calibration: high precision, delayed quantizers record amaxes
             qset.fwd[0].calibrate(x)
-            qset.fwd[1].calibrate(self.weight)
-            return F.linear(x, self.weight, self.bias)
+            if not quantized_w:
+                qset.fwd[1].calibrate(w)
+            return F.linear(x, _high_precision(w, x.dtype), self.bias)
+        if quantized_w:
+            check_weight_quantizer(w, qset.fwd[1], self.name)
         grad = torch.is_grad_enabled()
-        wgrad = grad and self.weight.requires_grad
+        wgrad = grad and w.requires_grad
         dgrad = grad and x.requires_grad
         group = frame.amax_reduction_group
         red = {"with_amax_reduction": True} if group is not None else {}
@@ -196,7 +287,7 @@ class Linear(QuantizedModule):
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
         weight_bwd_q = None
-        if not self.save_weight_copy and _requantizable(qset.fwd[1]):
+        if not self.save_weight_copy and not quantized_w and _requantizable(qset.fwd[1]):
             weight_bwd_q = qset.variant(qset.fwd[1], rowwise_usage=False, columnwise_usage=True,
                                         **red)
         region = None
@@ -208,7 +299,7 @@ class Linear(QuantizedModule):
                     region = r
         lead = x.shape[:-1]
         y = _QLinearFn.apply(
-            x.reshape(lead.numel(), self.in_features), self.weight, self.bias, input_q, weight_q,
+            x.reshape(lead.numel(), self.in_features), w, self.bias, input_q, weight_q,
             grad_q, group, frame.recipe.backward_override, region, weight_bwd_q,
         )
         return y.reshape(*lead, self.out_features)

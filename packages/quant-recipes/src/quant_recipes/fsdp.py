@@ -1,0 +1,219 @@
+"""FSDP2 all-gather of quant ``Linear`` weights in the quantized format (issue 18 item 2).
+
+``enable_fsdp_quantized_all_gather(model, recipe)``, called *before* ``fully_shard``, wraps each
+``Linear`` weight in :class:`QuantizedAllGatherWeight`: the sharded parameter stays in high
+precision (the optimizer updates it as before), and FSDP2's all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) sends the shard quantized with the recipe's
+weight quantizer instead of the high-precision bytes, then hands the layer the full weight as a
+``quant_core.tensor.QuantizedTensor``, which ``Linear`` consumes without quantizing again. The
+bytes equal quantizing the unsharded weight on one device (tensor-wide amaxes are all-reduced
+with MAX over the FSDP group before the cast): :mod:`quant_recipes.fsdp_layout` says per format
+what travels. A weight whose format or shape does not shard cleanly all-gathers the
+high-precision weight as before, with a one-time warning that says why.
+
+This is torchao's ``enable_fsdp_float8_all_gather`` design (``WeightWithDynamicFloat8CastTensor``)
+for every quant recipe. The layers must run under ``autocast`` with an equal weight quantizer
+(the same recipe); outside autocast the gathered weight is dequantized.
+:func:`all_gather_bytes` counts what the extension sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import torch
+from quant_core import Quantizer
+from torch.utils import _pytree as pytree
+
+from . import fsdp_layout
+from .recipes import Recipe
+
+_BYTES: collections.Counter = collections.Counter()
+_WARNED: set = set()
+
+_aten = torch.ops.aten
+#: Ops whose results stay wrapped (FSDP2's sharding, moves and copies of the parameter); every
+#: other op (the optimizer's arithmetic, ``F.linear`` outside FSDP) sees the plain tensor.
+_PRESERVE = {
+    _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
+    _aten.view.default, _aten.as_strided.default, _aten._to_copy.default,
+    _aten._pin_memory.default, _aten.split.Tensor, _aten.clone.default, _aten.detach.default,
+    _aten.alias.default, _aten.narrow.default,
+}
+
+
+def all_gather_bytes() -> dict[str, int]:
+    """Bytes this process's FSDP2 all-gathers received through the extension since the last
+    :func:`reset_all_gather_bytes` (all ranks' inputs, i.e. the output size), split into
+    ``"quantized"`` and ``"high_precision"`` (the fallback)."""
+    return dict(_BYTES)
+
+
+def reset_all_gather_bytes() -> None:
+    _BYTES.clear()
+
+
+def _fallback_warning(shape, quantizer: Quantizer, reason: str) -> None:
+    key = (tuple(shape), quantizer, reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"FSDP2 quantized all-gather: the weight of shape {tuple(shape)} is all-gathered "
+            f"in high precision and quantized after the gather: {reason}", stacklevel=3)
+
+
+class QuantizedAllGatherWeight(torch.Tensor):
+    """A high-precision weight (the FSDP2-sharded parameter) whose all-gather sends quantized
+    bytes. ``quantizer`` is the layer's weight quantizer under the recipe it was enabled with."""
+
+    _tensor: torch.Tensor
+    _quantizer: Quantizer
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, quantizer: Quantizer):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor, quantizer: Quantizer) -> None:
+        self._tensor = tensor
+        self._quantizer = quantizer
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        quantizer = None
+
+        def unwrap(t):
+            nonlocal quantizer
+            quantizer = t._quantizer
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, quantizer), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._quantizer
+
+    @staticmethod
+    def __tensor_unflatten__(inner, quantizer, outer_size, outer_stride):
+        return QuantizedAllGatherWeight(inner["_tensor"], quantizer)
+
+    def __repr__(self) -> str:
+        return f"QuantizedAllGatherWeight({self._tensor!r}, quantizer={self._quantizer!r})"
+
+    # ------------------------------------------------------------------ FSDP2 extension
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """``(all-gather inputs, metadata)``: the shard quantized as the full weight would be,
+        or the high-precision shard in ``mp_policy.param_dtype`` where the format does not shard
+        cleanly."""
+        group = mesh.get_group()
+        world = mesh.size()
+        dtype = (mp_policy.param_dtype if mp_policy is not None else None) or self.dtype
+        owner = getattr(module, "weight", None)  # dgrad needs the columnwise copy
+        p = fsdp_layout.plan(self._quantizer, outer_size, world,
+                             columnwise=getattr(owner, "requires_grad", True))
+        if isinstance(p, str):
+            _fallback_warning(outer_size, self._quantizer, p)
+            inputs = (self._tensor.to(dtype),)
+            meta = None
+        else:
+            storage = fsdp_layout.quantize_shard(p, self._tensor.to(dtype), group)
+            inputs = tuple(getattr(storage, n) for n in p.gathered)
+            padded = -(-outer_size[0] // world)
+            if p.gathered == ("_data",) and inputs[0].shape[0] != padded:  # uneven split
+                data = inputs[0]
+                inputs = (torch.cat([data, data.new_zeros(padded - data.shape[0],
+                                                          *data.shape[1:])]),)
+            meta = (p, {n: getattr(storage, n) for n in p.shared}, tuple(outer_size))
+        kind = "high_precision" if meta is None else "quantized"
+        _BYTES[kind] += world * sum(t.numel() * t.element_size() for t in inputs)
+        return inputs, meta
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded weight: a ``QuantizedTensor`` over the gathered buffers (views, freed
+        and refilled by FSDP2), or the high-precision tensor of the fallback. With ``out`` (the
+        weight of an earlier all-gather, whose buffers FSDP2 refilled in place) only the shared
+        buffers are copied in."""
+        if metadata is None:
+            if out is not None:
+                return None
+            return all_gather_outputs[0], ()
+        p, shared, shape = metadata
+        if out is not None:
+            for name, t in shared.items():
+                getattr(out, name).copy_(t)
+            return None
+        storage = fsdp_layout.assemble(p, dict(zip(p.gathered, all_gather_outputs, strict=True)),
+                                       shared, torch.Size(shape), param_dtype)
+        from quant_core.tensor import tensor_class
+
+        cls = _fsdp_class(tensor_class(type(storage)))
+        tags = {n: getattr(storage, n) for n in storage._tag_names}
+        return cls(storage.shape, storage.dtype, quantizer=storage.quantizer,
+                   buffers=storage.buffers(), tags=tags), ()
+
+
+def _fsdp_class(cls: type) -> type:
+    """``cls``, or while ``quant_core.tensor`` lacks ``aten.as_strided`` (FSDP2 views the
+    unsharded parameter as ``as_strided(t, its size, contiguous strides, 0)``), a subclass that
+    answers that one call with a detached alias."""
+    from quant_core.tensor import OPS
+
+    if _aten.as_strided.default in OPS:
+        return cls
+    sub = _AS_STRIDED.get(cls)
+    if sub is None:
+        sub = _AS_STRIDED[cls] = type(cls.__name__, (cls,), {
+            "__torch_dispatch__": classmethod(_as_strided_dispatch), "__module__": __name__})
+    return sub
+
+
+_AS_STRIDED: dict[type, type] = {}
+
+
+def _as_strided_dispatch(cls, func, types, args=(), kwargs=None):
+    if func is _aten.as_strided.default:
+        t, size, stride, *rest = args
+        offset = rest[0] if rest else (kwargs or {}).get("storage_offset", 0)
+        contiguous = torch._prims_common.make_contiguous_strides_for(t.shape)
+        if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(contiguous) and not offset:
+            return _aten.detach.default(t)
+    return super(cls, cls).__torch_dispatch__(func, types, args, kwargs)
+
+
+def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
+    """Make every ``quant_recipes.Linear`` weight in ``model`` all-gather in ``recipe``'s weight
+    format under FSDP2; returns ``model``. Call it before ``fully_shard`` and run the layers
+    under ``autocast(recipe=...)`` with an equal recipe (``Linear`` refuses a gathered weight
+    quantized for another weight quantizer)."""
+    from .linear import Linear
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a quant_recipes.Recipe, got {recipe!r}")
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        w = module.weight
+        if isinstance(w, QuantizedAllGatherWeight):
+            continue
+        if type(w.data) is not torch.Tensor:
+            raise TypeError(
+                f"enable_fsdp_quantized_all_gather: {name or 'model'}.weight is a "
+                f"{type(w.data).__name__}, not a plain tensor; call it before fully_shard and "
+                "not on quantized parameters (quantized_model_init)")
+        wrapped = QuantizedAllGatherWeight(w.data, module.weight_quantizer(recipe))
+        module.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
+    return model
+
+
+__all__ = [
+    "QuantizedAllGatherWeight", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
+    "reset_all_gather_bytes",
+]

@@ -1,0 +1,152 @@
+"""Quantized parameters: ``quantized_model_init`` (TransformerEngine's name) and master weights.
+
+Inside ``with quantized_model_init(recipe):`` every ``quant_recipes.Linear`` built stores its
+weight quantized: a ``quant_core.tensor.QuantizedTensor`` parameter made by the layer's weight
+quantizer under ``recipe`` with both usages (rowwise for fprop, columnwise for dgrad), so the
+high-precision weight never stays in memory and a forward under ``autocast(recipe=...)`` does
+not quantize it again. With ``preserve_high_precision_init_val=True`` the high-precision initial
+value is kept on the parameter (on the CPU, as TE does): ``get_high_precision_init_val(p)``,
+``clear_high_precision_init_val(p)``.
+
+Training contract (TE's): a quantized parameter is not updated by an optimizer directly; its
+gradient is the high-precision ``dW``. :class:`MasterWeights` keeps an fp32 master copy per
+quantized parameter (from the preserved initial value, else the dequantized weight), gives the
+optimizer those masters, moves each gradient onto its master, and after ``optimizer.step()``
+requantizes the parameter from its master in place (:func:`requantize_`). ``state_dict`` holds
+the quantized parameters; loading copies quantized buffers (``QuantizedTensor.copy_``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from quant_core.storage import QuantizedStorage
+
+from .recipes import Recipe
+
+
+class _InitState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[Recipe, bool]] = []
+
+
+_STATE = _InitState()
+
+
+@contextlib.contextmanager
+def quantized_model_init(recipe: Recipe | None = None, *, enabled: bool = True,
+                         preserve_high_precision_init_val: bool = False):
+    """Build ``quant_recipes.Linear`` weights inside as quantized parameters of ``recipe``
+    (default: the default recipe, ``Float8CurrentScaling``). ``enabled=False`` builds plain
+    weights (an inner region can switch it off). DelayedScaling is refused: its weight scale
+    lives in a recipe state that changes every step."""
+    if recipe is None:
+        from .autocast import default_recipe
+
+        recipe = default_recipe()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"quantized_model_init: recipe must be a quant_recipes.Recipe, "
+                        f"got {recipe!r}")
+    if enabled and recipe.delayed():
+        raise ValueError("quantized_model_init: DelayedScaling keeps live scale state and "
+                         "cannot quantize parameters; use a stateless recipe such as "
+                         "Float8CurrentScaling")
+    stack = _STATE.stack
+    depth = len(stack)
+    stack.append((recipe if enabled else None, preserve_high_precision_init_val))
+    try:
+        yield
+    finally:
+        del stack[depth:]
+
+
+def quantize_at_init(module) -> None:
+    """Called by ``Linear.__init__``: replace its weight by a quantized parameter when the
+    innermost :func:`quantized_model_init` is enabled."""
+    if not _STATE.stack or _STATE.stack[-1][0] is None:
+        return
+    recipe, preserve = _STATE.stack[-1]
+    from quant_core.tensor import QuantizedTensor
+
+    w = module.weight.detach()
+    storage = module.weight_quantizer(recipe).quantize(w)
+    param = torch.nn.Parameter(QuantizedTensor.from_storage(storage),
+                               requires_grad=module.weight.requires_grad)
+    if preserve:
+        param._high_precision_init_val = w.cpu()
+    module.weight = param
+
+
+def get_high_precision_init_val(p: torch.Tensor) -> torch.Tensor | None:
+    """The preserved high-precision initial value of a quantized parameter (CPU), or None."""
+    return getattr(p, "_high_precision_init_val", None)
+
+
+def clear_high_precision_init_val(p: torch.Tensor) -> None:
+    if hasattr(p, "_high_precision_init_val"):
+        del p._high_precision_init_val
+
+
+@torch.no_grad()
+def requantize_(p: QuantizedStorage, value: torch.Tensor) -> None:
+    """Quantize ``value`` with ``p``'s quantizer into ``p``'s buffers, in place (the parameter
+    object, its buffers and anything referencing them stay)."""
+    if not isinstance(p, QuantizedStorage):
+        raise TypeError(f"requantize_: expected a quantized tensor, got {type(p).__name__}")
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"requantize_: value has shape {tuple(value.shape)}, the quantized "
+                         f"tensor {tuple(p.shape)}")
+    new = p.quantizer.quantize(value.to(device=p.device))
+    for name, t in new.buffers().items():
+        mine = getattr(p, name)
+        if (mine is None) != (t is None):
+            raise RuntimeError(f"requantize_: buffer {name} is present in only one of the "
+                               "tensor and its requantization")
+        if mine is not None:
+            mine.copy_(t)
+
+
+class MasterWeights:
+    """fp32 master copies of a model's quantized parameters, for a high-precision optimizer.
+
+    ``parameters()`` is what the optimizer steps: the masters in place of the quantized
+    parameters, the other parameters themselves. ``step(optimizer)`` moves each quantized
+    parameter's gradient onto its master (accumulating), runs ``optimizer.step()`` and
+    requantizes every quantized parameter from its master.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.others: list[torch.nn.Parameter] = []
+        for p in model.parameters():
+            if isinstance(p, QuantizedStorage):
+                init = get_high_precision_init_val(p)
+                value = init if init is not None else p.dequantize(dtype=dtype)
+                master = torch.nn.Parameter(value.to(device=p.device, dtype=dtype).clone(),
+                                            requires_grad=p.requires_grad)
+                self.pairs.append((p, master))
+            else:
+                self.others.append(p)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [m for _, m in self.pairs] + self.others
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for p, m in self.pairs:
+            if p.grad is None:
+                continue
+            g = p.grad.to(m.dtype)
+            m.grad = g if m.grad is None else m.grad + g
+            p.grad = None
+        optimizer.step()
+        for p, m in self.pairs:
+            requantize_(p, m)
+
+
+__all__ = [
+    "quantized_model_init", "get_high_precision_init_val", "clear_high_precision_init_val",
+    "requantize_", "MasterWeights",
+]

@@ -1,0 +1,159 @@
+"""Quantized parameters (``quantized_model_init``): a Linear whose weight is stored quantized
+computes what the high-precision Linear computes under the same recipe, bit for bit (the weight
+quantized once at init is the weight quantized in forward); state_dict, deepcopy and a training
+step through ``MasterWeights`` keep the contract."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import quant_recipes as qr
+import torch
+from quant_core.tensor import QuantizedTensor
+
+RECIPES = {
+    "fp8_current": qr.Float8CurrentScaling(),
+    "fp8_block": qr.Float8BlockScaling(),
+    "mxfp8": qr.MXFP8BlockScaling(),
+    "nvfp4": qr.NVFP4BlockScaling(),
+}
+
+
+def _models(recipe, **init):
+    """(high-precision model, quantized-parameter model) built from the same seed."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(qr.Linear(64, 96, dtype=torch.bfloat16),
+                                   qr.Linear(96, 32, bias=False, dtype=torch.bfloat16))
+
+    hp = build()
+    with qr.quantized_model_init(recipe, **init):
+        quantized = build()
+    return hp, quantized
+
+
+def _step(model, recipe, x):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(1)  # NVFP4's stochastic rounding of gradients draws the same seeds
+    with qr.autocast(recipe=recipe):
+        y = model(x)
+    y.float().pow(2).sum().backward()
+    return y, x.grad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_quantized_parameters_compute_the_high_precision_layer(name):
+    recipe = RECIPES[name]
+    hp, quantized = _models(recipe, preserve_high_precision_init_val=True)
+    for a, b in zip(hp, quantized, strict=True):
+        assert isinstance(b.weight, QuantizedTensor) and b.weight.requires_grad
+        assert torch.equal(qr.get_high_precision_init_val(b.weight), a.weight)
+        assert b.weight.quantizer.storage_format == {"fp8_current": "fp8"}.get(name, name)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    y0, dx0 = _step(hp, recipe, x)
+    y1, dx1 = _step(quantized, recipe, x)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    for a, b in zip(hp.parameters(), quantized.parameters(), strict=True):
+        assert type(b.grad) is torch.Tensor and b.grad.dtype == a.grad.dtype
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_outside_autocast_the_weight_is_dequantized():
+    _, quantized = _models(RECIPES["fp8_current"])
+    layer = quantized[1]
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    layer(x).sum().backward()
+    w = layer.weight.dequantize(dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w))
+    assert layer.weight.grad is not None and layer.weight.grad.shape == w.shape
+
+
+def test_another_recipe_is_refused():
+    _, quantized = _models(RECIPES["fp8_current"])
+    with qr.autocast(recipe=qr.Float8BlockScaling()), pytest.raises(
+            ValueError, match="quantized by Float8CurrentScalingQuantizer"):
+        quantized(torch.randn(4, 64, dtype=torch.bfloat16))
+
+
+def test_delayed_scaling_is_refused():
+    with pytest.raises(ValueError, match="DelayedScaling"), \
+            qr.quantized_model_init(qr.DelayedScaling()):
+        pass
+
+
+def test_disabled_and_nested_regions():
+    with qr.quantized_model_init(qr.Float8CurrentScaling()):
+        with qr.quantized_model_init(enabled=False):
+            plain = qr.Linear(32, 32)
+        quantized = qr.Linear(32, 32)
+    assert type(plain.weight) is torch.nn.Parameter
+    assert isinstance(quantized.weight, QuantizedTensor)
+    assert type(qr.Linear(32, 32).weight) is torch.nn.Parameter  # the region has exited
+
+
+def _buffers_equal(a, b):
+    return all((x is None and y is None) or torch.equal(x, y)
+               for x, y in zip(a.buffers().values(), b.buffers().values(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+def test_state_dict_round_trip(name):
+    recipe = RECIPES[name]
+    _, src = _models(recipe)
+    blob = io.BytesIO()
+    torch.save(src.state_dict(), blob)
+    blob.seek(0)
+    state = torch.load(blob, weights_only=False)
+    torch.manual_seed(5)
+    with qr.quantized_model_init(recipe):
+        dst = torch.nn.Sequential(qr.Linear(64, 96, dtype=torch.bfloat16),
+                                  qr.Linear(96, 32, bias=False, dtype=torch.bfloat16))
+    assert not _buffers_equal(src[0].weight, dst[0].weight)
+    dst.load_state_dict(state)
+    for a, b in zip(src, dst, strict=True):
+        assert isinstance(b.weight, QuantizedTensor) and _buffers_equal(a.weight, b.weight)
+    assert torch.equal(src[0].bias, dst[0].bias)
+    # a high-precision state dict loads by quantizing
+    hp, _ = _models(recipe)
+    dst.load_state_dict(hp.state_dict())
+    expected = dst[0].weight.quantizer.quantize(hp[0].weight.detach())
+    assert _buffers_equal(expected, dst[0].weight)
+
+
+def test_deepcopy_is_independent():
+    _, src = _models(RECIPES["fp8_block"])
+    dup = copy.deepcopy(src)
+    assert isinstance(dup[0].weight, QuantizedTensor) and _buffers_equal(src[0].weight,
+                                                                        dup[0].weight)
+    qr.requantize_(dup[0].weight, torch.zeros(96, 64, dtype=torch.bfloat16))
+    assert not _buffers_equal(src[0].weight, dup[0].weight)
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_training_step_updates_the_master_and_requantizes(preserve):
+    """The optimizer steps the fp32 master (started from the preserved init value, else the
+    dequantized weight) with the high-precision layer's gradient; the weight is then the
+    master quantized. Expected values: SGD run on copies of the expected starts."""
+    recipe = RECIPES["fp8_current"]
+    hp, quantized = _models(recipe, preserve_high_precision_init_val=preserve)
+    starts = [hp[i].weight.detach().float() if preserve
+              else quantized[i].weight.dequantize(dtype=torch.float32).detach() for i in (0, 1)]
+    masters = qr.MasterWeights(quantized)
+    opt = torch.optim.SGD(masters.parameters(), lr=0.1)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    _step(quantized, recipe, x)
+    _step(hp, recipe, x)
+    expected = [torch.nn.Parameter(s.clone()) for s in starts]
+    expected.append(torch.nn.Parameter(hp[0].bias.detach().clone()))
+    for e, g in zip(expected, (hp[0].weight.grad, hp[1].weight.grad, hp[0].bias.grad),
+                    strict=True):
+        e.grad = g.to(e.dtype)
+    torch.optim.SGD(expected, lr=0.1).step()
+    masters.step(opt)
+    for i, (p, master) in enumerate(masters.pairs):
+        assert p is quantized[i].weight and p.grad is None and master.dtype == torch.float32
+        assert torch.equal(master, expected[i])
+        assert _buffers_equal(p.quantizer.quantize(master.detach()), p)
+    assert torch.equal(quantized[0].bias, expected[2])
