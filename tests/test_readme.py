@@ -26,6 +26,12 @@ def test_readme_usage_example_runs():
 
     assert type(net[0]) is quant_recipes.Linear and type(net[2]) is namespace["torch"].nn.Linear
     assert net[0].weight.grad is not None
+    # Multi-GPU: the two layers' 2 x 256 x 1024 FP8 bytes, gathered for forward and for backward
+    assert namespace["gathered"] == 2 * 2 * 256 * 1024
+    from quant_core import QuantizedTensor
+
+    assert isinstance(namespace["qnet"][0].weight, QuantizedTensor)
+    assert namespace["qnet"][0].weight.grad is None  # moved onto its master by the step
 
 
 def _load_noxfile(monkeypatch):
