@@ -5,7 +5,10 @@ all in one run (issue 14).
 Each rank trains ``--layers`` bias-free ``d x d`` layers, each wrapped with ``fully_shard`` (and
 the stack too), on ``--tokens`` tokens of its own; eager mode (FSDP2's hooks and prefetching
 are the same for every config). quant's layers all-gather the bf16 weight and quantize it after
-the gather (quantized all-gather needs the quantized tensors of issue 18).
+the gather; with the suffix ``:fp8ag`` they all-gather the weight in the recipe's quantized
+format instead (``enable_fsdp_quantized_all_gather``, issue 18). The all-gather column is the
+bytes one rank's all-gathers received in one step (all parameters, forward and backward),
+counted at FSDP2's collective.
 
 ``python bench/fsdp2_step.py --nproc 2`` (GPUs, NCCL); ``--device cpu`` runs the same on gloo
 with tiny shapes (the CPU check that it works; no torchao there).
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from quant_core import backends
+from quant_recipes.fsdp import count_all_gathers
 
 try:  # run from source trees (PYTHONPATH), the entry point that registers Triton is absent
     from quant_kernels.backend import BACKEND
@@ -34,7 +38,8 @@ except ImportError:
 
 RECIPES = {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
            "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
-CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES, "fp8_current:requant", "mxfp8:requant"]
+CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES, "fp8_current:requant", "mxfp8:requant",
+           *(f"{r}:fp8ag" for r in RECIPES)]
 
 
 def _fully_shard():
@@ -48,7 +53,8 @@ def _fully_shard():
 def build(name: str, d: int, layers: int, device: torch.device):
     """``(model, forward)`` of config ``name``: ``layers`` sharded ``d x d`` layers. A quant
     config with the suffix ``:requant`` quantizes the weight again in backward
-    (``Linear(save_weight_copy=False)``) instead of holding its copy through the step."""
+    (``Linear(save_weight_copy=False)``) instead of holding its copy through the step; with
+    ``:fp8ag`` the weight is all-gathered quantized (and so not quantized by the layer)."""
     torch.manual_seed(0)
     base, _, variant = name.partition(":")
     if base in RECIPES:
@@ -57,6 +63,8 @@ def build(name: str, d: int, layers: int, device: torch.device):
                                                 save_weight_copy=variant != "requant")
                                       for _ in range(layers)))
         recipe = RECIPES[base]()
+        if variant == "fp8ag":
+            qr.enable_fsdp_quantized_all_gather(model, recipe)
 
         def forward(x):
             with qr.autocast(recipe=recipe):
@@ -105,6 +113,9 @@ def run(name: str, args, device: torch.device) -> dict:
     res = {"config": name, "ms": 1e3 * statistics.median(times)}
     if cuda:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    with count_all_gathers() as counted:  # one more step, its all-gathers counted
+        step()
+    res["ag_mib"] = sum(counted) / 2**20
     return res
 
 
@@ -134,12 +145,13 @@ def worker(rank: int, args) -> None:
 def print_table(per_rank: list[list[dict]], args) -> None:
     print(f"\n### FSDP2 step, {args.nproc} ranks ({args.device}), {args.layers} layers "
           f"{args.d}x{args.d}, {args.tokens} tokens per rank, torch {torch.__version__}\n")
-    print("| config | ms/step (rank 0) | peak GiB, max over ranks | vs bf16 peak |")
-    print("| --- | --- | --- | --- |")
+    print("| config | ms/step (rank 0) | peak GiB, max over ranks | vs bf16 peak "
+          "| all-gather MiB/step (rank 0) |")
+    print("| --- | --- | --- | --- | --- |")
     base = None
     for i, row in enumerate(per_rank[0]):
         if "error" in row:
-            print(f"| {row['config']} | {row['error'][:80]} | - | - |")
+            print(f"| {row['config']} | {row['error'][:80]} | - | - | - |")
             continue
         peaks = [r[i].get("peak_gib") for r in per_rank]
         peak = max(peaks) if None not in peaks else None
@@ -147,7 +159,7 @@ def print_table(per_rank: list[list[dict]], args) -> None:
             base = peak
         rel = f"{peak / base:.2f}x" if peak and base else "-"
         shown = f"{peak:.2f}" if peak is not None else "-"
-        print(f"| {row['config']} | {row['ms']:.2f} | {shown} | {rel} |")
+        print(f"| {row['config']} | {row['ms']:.2f} | {shown} | {rel} | {row['ag_mib']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ranks": per_rank}, f, indent=1)

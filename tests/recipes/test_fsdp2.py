@@ -25,6 +25,7 @@ import quant_recipes as qr
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from quant_recipes.fsdp import count_all_gathers
 
 BACKEND = os.environ.get("QUANT_DIST_BACKEND", "gloo")
 
@@ -67,9 +68,18 @@ def _worker(rank: int, port: int, out) -> None:
 
 
 def _device(rank: int) -> torch.device:
+    """The rank's device; on NCCL its GPU, with the Triton backend registered (from source
+    trees quant-kernels' entry point is absent)."""
     if BACKEND != "nccl":
         return torch.device("cpu")
     torch.cuda.set_device(rank)
+    try:
+        from quant_core import backends
+        from quant_kernels.backend import BACKEND as TRITON
+
+        backends.register(TRITON)
+    except ImportError:
+        pass
     return torch.device(f"cuda:{rank}")
 
 
@@ -135,29 +145,6 @@ def _step(model, recipe, x, seed):
     return loss.detach()
 
 
-def _count_all_gathers(counted: list[int]) -> dict:
-    """Patch FSDP2's all-gather collective (``all_gather_single`` on newer torch, else
-    ``all_gather_into_tensor``) to record each output's bytes; returns the originals."""
-    originals = {n: getattr(dist, n) for n in ("all_gather_single", "all_gather_into_tensor")
-                 if hasattr(dist, n)}
-    depth = [0]
-
-    def patch(orig):
-        def counting(output_tensor, input_tensor, *args, **kwargs):
-            if not depth[0]:  # the outer call only (one may call the other)
-                counted.append(output_tensor.numel() * output_tensor.element_size())
-            depth[0] += 1
-            try:
-                return orig(output_tensor, input_tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return counting
-
-    for n, orig in originals.items():
-        setattr(dist, n, patch(orig))
-    return originals
-
-
 def _quantized_worker(rank: int, port: int, cases: list[tuple[str, list]], out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(BACKEND, rank=rank, world_size=2)
@@ -183,16 +170,10 @@ def _quantized_worker(rank: int, port: int, cases: list[tuple[str, list]], out) 
             for layer in model:
                 _fully_shard()(layer)
             _fully_shard()(model)
-            counted: list[int] = []
-            originals = _count_all_gathers(counted)
             qr.reset_all_gather_bytes()
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    loss = _step(model, recipe, xs[rank], seed=10 + rank)
-            finally:
-                for n, f in originals.items():
-                    setattr(dist, n, f)
+            with count_all_gathers() as counted, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = _step(model, recipe, xs[rank], seed=10 + rank)
             grads = [p.grad.to_local() for p in model.parameters()]
             results[name] = {
                 "loss": torch.equal(loss, ref_losses[rank]),
