@@ -208,6 +208,16 @@ def test_dequant_gemm_works_in_row_blocks(monkeypatch, fmt, ta, out_dtype, block
     assert torch.equal(got, ref)
 
 
+def test_dequant_gemm_keeps_one_block_in_recorded_graphs():
+    """Blocks are for eager launches only: a recorded (compiled) graph with blocks failed on the
+    H200 (see ``dequant_gemm._rows_per_block``)."""
+    from quant_core.kernel_capture import capture
+
+    assert dequant_gemm._rows_per_block(16384, 8192) == 2048
+    with capture():
+        assert dequant_gemm._rows_per_block(16384, 8192) is None
+
+
 def test_unit_amax_decodes_every_e4m3_scale_exactly():
     """The dequant path's claim: ``fp32(fp32(e4m3 * 2688) * fp32(1/2688)) == e4m3`` for every
     finite E4M3 code, so ``nvfp4_dequantize(..., amax=2688)`` yields ``e2m1 * e4m3`` exactly."""

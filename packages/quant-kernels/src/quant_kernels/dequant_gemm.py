@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
+from quant_core.kernel_capture import capturing
 from quant_core.shapes import ceil_div
 
 from . import mxfp8, nvfp4
@@ -130,9 +131,14 @@ _ROW_TILE = 128
 
 
 def _rows_per_block(m, n) -> int | None:
-    """Output rows per block of the product (``None``: one block; also for symbolic shapes,
-    where a Python loop over the rows would specialise the graph on ``m``)."""
-    if not (isinstance(m, int) and isinstance(n, int)) or m * n * 4 <= MAX_FP32_PRODUCT_BYTES:
+    """Output rows per block of the product (``None``: one block). Also one block for symbolic
+    shapes, where a Python loop over the rows would specialise the graph on ``m``, and while
+    the launches are recorded into a compiled graph: there, an NVFP4 step of 16384x8192x8192
+    with blocks hit an illegal memory access on the H200 in an Inductor copy kernel
+    (``bench/debug/dequant_blocks.py``; eager blocks run clean), so compiled graphs keep the
+    whole product until that is understood."""
+    if (capturing() or not (isinstance(m, int) and isinstance(n, int))
+            or m * n * 4 <= MAX_FP32_PRODUCT_BYTES):
         return None
     return max(_ROW_TILE, MAX_FP32_PRODUCT_BYTES // (4 * n) // _ROW_TILE * _ROW_TILE)
 
