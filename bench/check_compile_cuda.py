@@ -91,21 +91,14 @@ def _qdq_cases(results):
 
 def _linear_cases(results):
     import quant_recipes as qr
-    from quant_kernels import dequant_gemm
 
     recipes = {
         "fp8_current": qr.Float8CurrentScaling(),
         "fp8_block": qr.Float8BlockScaling(),
         "mxfp8": qr.MXFP8BlockScaling(),
         "nvfp4": qr.NVFP4BlockScaling(),
-        # the dequant GEMMs in blocks of 128 output rows (their fp32 product limit lowered):
-        # the lowered graph writes each block into a row slice of the output
-        "mxfp8 blocks": qr.MXFP8BlockScaling(),
-        "nvfp4 blocks": qr.NVFP4BlockScaling(),
     }
-    default_limit = dequant_gemm.MAX_FP32_PRODUCT_BYTES
     for name, recipe in recipes.items():
-        dequant_gemm.MAX_FP32_PRODUCT_BYTES = 128 * 4 * 512 if "blocks" in name else default_limit
         torch.manual_seed(0)
         layer = qr.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -137,7 +130,6 @@ def _linear_cases(results):
         print(f"{'ok  ' if ok else 'FAIL'} Linear fwd+bwd compiled==eager {name:12s} gemm {paths}"
               f"; compiled call: opaque quant calls {_OPAQUE_CALLS[0]}, "
               f"counted GEMMs {qr.gemm_paths()}")
-    dequant_gemm.MAX_FP32_PRODUCT_BYTES = default_limit
 
 
 def main() -> int:
