@@ -157,3 +157,25 @@ def test_training_step_updates_the_master_and_requantizes(preserve):
         assert torch.equal(master, expected[i])
         assert _buffers_equal(p.quantizer.quantize(master.detach()), p)
     assert torch.equal(quantized[0].bias, expected[2])
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_compiled_equals_eager(name):
+    """A compiled forward and backward with quantized parameters (fullgraph) give eager's bits."""
+    recipe = RECIPES[name]
+    _, model = _models(recipe)
+
+    def forward(x):
+        with qr.autocast(recipe=recipe):
+            return model(x)
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    runs = []
+    for fn in (forward, torch.compile(forward, fullgraph=True)):
+        torch.manual_seed(1)
+        y = fn(x)
+        y.float().pow(2).sum().backward()
+        runs.append([y.detach(), *(p.grad for p in model.parameters())])
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -196,13 +196,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
 
 def _fsdp_class(cls: type) -> type:
-    """``cls``, or while ``quant_core.tensor`` lacks ``aten.as_strided`` (FSDP2 views the
-    unsharded parameter as ``as_strided(t, its size, contiguous strides, 0)``), a subclass that
-    answers that one call with a detached alias."""
-    from quant_core.tensor import OPS
-
-    if _aten.as_strided.default in OPS:
-        return cls
+    """A subclass of the tensor class ``cls`` that answers the one ``aten.as_strided`` call
+    FSDP2 makes on the unsharded parameter (``as_strided(t, its size, contiguous strides, 0)``)
+    with a detached alias; every other op goes to ``cls``. ``quant_core.tensor`` has no
+    ``as_strided`` (a quantized tensor has no strides to give it a general meaning)."""
     sub = _AS_STRIDED.get(cls)
     if sub is None:
         sub = _AS_STRIDED[cls] = type(cls.__name__, (cls,), {
