@@ -48,12 +48,20 @@ try:  # from source trees the entry point that registers Triton is absent
 except ImportError:
     pass
 
+#: Each format's quantizer returns its quantized tensor subclass (``internal=False``, the
+#: default); ``<name>:storage`` is the same with ``internal=True``: the plain storage that
+#: quant_recipes' modules use, without the wrapper subclass.
+_FORMATS = {
+    "fp8_current": (Float8CurrentScalingQuantizer, {}),
+    "fp8_block_1d": (Float8BlockQuantizer, {"block_scaling_dim": 1}),
+    "mxfp8": (MXFP8Quantizer, {}),
+    "nvfp4": (NVFP4Quantizer, {}),
+    "nvfp4_rht": (NVFP4Quantizer, {"with_rht": True, "with_post_rht_amax": True}),
+}
 QUANTIZERS = {
-    "fp8_current": Float8CurrentScalingQuantizer(),
-    "fp8_block_1d": Float8BlockQuantizer(block_scaling_dim=1),
-    "mxfp8": MXFP8Quantizer(),
-    "nvfp4": NVFP4Quantizer(),
-    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
+    f"{name}{suffix}": cls(**kw, internal=internal)
+    for name, (cls, kw) in _FORMATS.items()
+    for suffix, internal in (("", False), (":storage", True))
 }
 
 
