@@ -215,6 +215,15 @@ def test_view_and_reshape_keeping_the_last_dim(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_as_strided_is_the_identity_only(name):
+    t = QUANTIZERS[name]().quantize(_x())
+    out = torch.as_strided(t, t.shape, t.stride(), 0)  # what FSDP2 asks of a parameter
+    assert type(out) is type(t) and all(getattr(out, n) is b for n, b in t.buffers().items())
+    with pytest.raises(NotImplementedError, match="only its own size with contiguous strides"):
+        torch.as_strided(t, (128, 128), (128, 1), 128)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_view_changing_the_last_dim_is_refused(name):
     t = QUANTIZERS[name]().quantize(_x())
     with pytest.raises(NotImplementedError, match="must keep the last dimension"):

@@ -83,6 +83,19 @@ def _view(func, t, size):
     )
 
 
+def _as_strided(func, t, size, stride, storage_offset=None):
+    """The identity only (its own size, contiguous strides, offset 0: what FSDP2 asks of an
+    unsharded parameter): an alias. A quantized tensor has no element strides to remap."""
+    contiguous = torch._prims_common.make_contiguous_strides_for(t.shape)
+    if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(contiguous) and not storage_offset:
+        return _like(t)
+    raise NotImplementedError(
+        f"{func} of {type(t).__name__} to size {tuple(size)}, stride {tuple(stride)}, offset "
+        f"{storage_offset}: only its own size with contiguous strides and offset 0 (an alias); "
+        "call .dequantize() first"
+    )
+
+
 def _transpose(func, t, *dims):
     if t.dim() < 2:
         return _like(t)
@@ -326,6 +339,7 @@ OPS: dict[Any, Any] = {
     aten.alias.default: _detach,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
+    aten.as_strided.default: _as_strided,
     aten.reshape.default: _view,
     aten.t.default: _transpose,
     aten.transpose.int: _transpose,
