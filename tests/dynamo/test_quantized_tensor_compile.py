@@ -155,3 +155,28 @@ def test_a_quantized_parameter_gets_its_gradient_compiled():
     f(p).backward()
     assert p.grad is not None and torch.all(p.grad == 3)
     _no_graph_breaks()
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_a_compiled_function_returns_a_quantized_tensor(name):
+    def fn(t):
+        return t.split(128)[1].detach()
+
+    t = QUANTIZERS[name]().quantize(_x(shape=(256, 128)))
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(t)
+    assert type(out) is type(t) and out.shape == (128, 128)
+    for buf, ref in zip(out.buffer_list(_x()), fn(t).buffer_list(_x()), strict=True):
+        assert torch.equal(buf, ref)
+    _no_graph_breaks()
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_dynamic_shapes_stay_bitwise(name):
+    """With ``dynamic=True`` the shapes may stay symbolic (how many compiles a padded layout
+    takes varies by release); the results are eager's bits either way."""
+    f = torch.compile(_dequantize_twice, backend="aot_eager", fullgraph=True, dynamic=True)
+    q = QUANTIZERS[name]()
+    for m in (64, 96, 128):
+        t = q.quantize(_x(m, (m, 128)))
+        torch.testing.assert_close(f(t), _dequantize_twice(t), rtol=0, atol=0)
+    _no_graph_breaks()
