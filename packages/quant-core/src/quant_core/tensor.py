@@ -35,11 +35,11 @@ from .storage import (
 class TensorContext:
     """The ``__tensor_flatten__`` context: quantizer, shape, nominal dtype and storage tags.
 
-    Equality compares the quantizer with ``==`` (value quantizers by value, stateful ones by
-    identity), the dtype and the tags; ``shape`` is carried for ``__tensor_unflatten__`` without
-    an ``outer_size`` and compared only by :meth:`QuantizedTensor.__metadata_guard__`'s caller
-    through the tensor's own size guards. ``deepcopy`` returns the same object (it is immutable),
-    so Dynamo's guard never copies a stateful quantizer.
+    Equality (what Dynamo's guard on the context tests) compares the quantizer with ``==``
+    (value quantizers by value, stateful ones by identity), the dtype and the tags. ``shape`` is
+    only carried for ``__tensor_unflatten__`` without an ``outer_size``: Dynamo guards shapes on
+    the tensor itself, so ``dynamic=True`` keeps them symbolic. ``deepcopy`` returns the same
+    object (it is immutable), so the guard never copies a stateful quantizer.
     """
 
     __slots__ = ("quantizer", "shape", "dtype", "tags")
