@@ -16,6 +16,7 @@ is gloo on the CPU.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import warnings
@@ -145,14 +146,16 @@ def _step(model, recipe, x, seed):
     return loss.detach()
 
 
-def _quantized_worker(rank: int, port: int, cases: list[tuple[str, list]], out) -> None:
+def _quantized_worker(rank: int, port: int, cases: list[tuple], out) -> None:
+    """Per case ``(recipe name, weight shapes [M, K], compile the layers)``: the FSDP2 step
+    with the quantized all-gather against the unsharded single-process step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(BACKEND, rank=rank, world_size=2)
     device = _device(rank)
     dtype = torch.bfloat16  # NVFP4's RHT (inputs, gradients) takes bf16
     try:
         results = {}
-        for name, shapes in cases:
+        for name, shapes, compiled in cases:
             make, _ = RECIPES[name]
             recipe = make()
             xs = [torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(r))
@@ -170,12 +173,15 @@ def _quantized_worker(rank: int, port: int, cases: list[tuple[str, list]], out) 
             for layer in model:
                 _fully_shard()(layer)
             _fully_shard()(model)
+            if compiled:  # each layer one graph; FSDP2's hooks run eagerly around it
+                for layer in model:
+                    layer.compile(fullgraph=True)
             qr.reset_all_gather_bytes()
             with count_all_gathers() as counted, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 loss = _step(model, recipe, xs[rank], seed=10 + rank)
             grads = [p.grad.to_local() for p in model.parameters()]
-            results[name] = {
+            results[name + (":compiled" if compiled else "")] = {
                 "loss": torch.equal(loss, ref_losses[rank]),
                 "grads": [torch.equal(g, m.chunk(2)[rank]) for g, m in zip(grads, mean,
                                                                          strict=True)],
@@ -196,7 +202,7 @@ def _run(cases):
 @pytest.mark.timeout(300)
 def test_fsdp2_quantized_all_gather_equals_the_unsharded_step():
     shapes = [(D_OUT, D_IN), (D_OUT, D_OUT)]  # [M, K]: 128 rows per rank
-    r0, r1 = _run([(name, shapes) for name in RECIPES])
+    r0, r1 = _run([(name, shapes, False) for name in RECIPES])
     bf16 = 2 * sum(2 * m * k for m, k in shapes)
     for name, (_, nbytes) in RECIPES.items():
         # each layer all-gathers twice: forward, and again for backward after resharding
@@ -216,7 +222,8 @@ def test_uneven_and_unshardable_weights():
     """Per-tensor FP8 gathers an uneven split (FSDP2 pads the last shard); FP8 128x128 blocks
     over 32 rows per rank fall back to the high-precision gather with a warning that says why.
     Both still equal the unsharded step."""
-    r0, r1 = _run([("fp8_current", [(255, 64), (64, 255)]), ("fp8_block", [(64, 64)])])
+    r0, r1 = _run([("fp8_current", [(255, 64), (64, 255)], False),
+                   ("fp8_block", [(64, 64)], False)])
     for res in (r0, r1):
         fp8, block = res["fp8_current"], res["fp8_block"]
         assert fp8["loss"] and all(fp8["grads"]) and not fp8["warnings"]
@@ -225,3 +232,65 @@ def test_uneven_and_unshardable_weights():
         assert block["loss"] and all(block["grads"])
         assert block["extension"] == {"high_precision": 2 * 64 * 64 * 2}
         assert len(block["warnings"]) == 1 and "multiple of 128 rows" in block["warnings"][0]
+
+
+@pytest.mark.timeout(400)
+def test_compiled_layers_with_quantized_all_gather():
+    """Each layer compiled (fullgraph): the gathered QuantizedTensor is a graph input, its
+    columnwise copy is built inside the compiled backward; still the unsharded step's bits."""
+    _needs_compile_support()
+    shapes = [(D_OUT, D_IN), (D_OUT, D_OUT)]
+    names = ["fp8_current", "fp8_block", "nvfp4"]
+    r0, r1 = _run([(name, shapes, True) for name in names])
+    for name in names:
+        for res in (r0[name + ":compiled"], r1[name + ":compiled"]):
+            assert res["loss"] and all(res["grads"]), (name, res)
+            assert res["extension"] == {"quantized": res["bytes"]}
+
+
+def _needs_compile_support():
+    quant_dynamo = pytest.importorskip("quant_dynamo", reason="compiling needs quant-dynamo")
+    if not quant_dynamo.compile_supported():
+        pytest.skip(f"no opaque-object API on torch {torch.__version__}: quant compiles from 2.10")
+
+
+def _state_worker(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(BACKEND, rank=rank, world_size=2)
+    device = _device(rank)
+    try:
+        recipe = qr.Float8CurrentScaling()
+        model = qr.enable_fsdp_quantized_all_gather(_model([(256, 64)], device, torch.float32),
+                                                    recipe)
+        _fully_shard()(model[0])
+        _fully_shard()(model)
+        try:
+            qr.enable_fsdp_quantized_all_gather(model, recipe)
+            refused = ""
+        except TypeError as e:
+            refused = str(e)
+        blob = io.BytesIO()
+        torch.save(model.state_dict(), blob)
+        before = model[0].weight.to_local().clone()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        with qr.autocast(recipe=recipe):
+            model(torch.randn(8, 64, device=device)).sum().backward()
+        opt.step()  # updates the high-precision shard inside the wrapper
+        moved = not torch.equal(model[0].weight.to_local(), before)
+        blob.seek(0)
+        model.load_state_dict(torch.load(blob, weights_only=False))
+        out[rank] = {"refused": refused, "moved": moved,
+                     "restored": torch.equal(model[0].weight.to_local(), before),
+                     "local": type(model[0].weight.to_local()).__name__}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_sharded_weight_trains_saves_and_loads():
+    """The sharded weight stays a high-precision wrapper: the optimizer steps it, its state
+    dict saves and loads; wrapping after fully_shard is refused."""
+    out = _spawn(_state_worker)
+    for res in (out[0], out[1]):
+        assert "call it before fully_shard" in res["refused"]
+        assert res["moved"] and res["restored"] and res["local"] == "QuantizedAllGatherWeight"

@@ -183,7 +183,11 @@ class QuantizedAllGatherWeight(torch.Tensor):
         p, shared, shape = metadata
         if out is not None:
             for name, t in shared.items():
-                getattr(out, name).copy_(t)
+                buf = getattr(out, name)
+                # as FSDP2 refills its all-gather outputs: the same values within a step, so a
+                # graph that saved this buffer for backward must not see a version bump
+                with torch.autograd._unsafe_preserve_version_counter(buf):
+                    buf.copy_(t)
             return None
         storage = fsdp_layout.assemble(p, dict(zip(p.gathered, all_gather_outputs, strict=True)),
                                        shared, torch.Size(shape), param_dtype)

@@ -31,8 +31,24 @@ from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.reference._pad import zero_pad
 from quant_core.reference.nvfp4 import pack_e2m1, unpack_e2m1
-from quant_core.shapes import FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, ceil_div, m_k
-from quant_core.storage import QuantizedStorage
+from quant_core.shapes import (
+    FP8_BLOCK,
+    MXFP8_BLOCK,
+    NVFP4_BLOCK,
+    ceil_div,
+    fp8_block_columnwise_scale_shape,
+    m_k,
+    mxfp8_columnwise_scale_shape,
+    nvfp4_columnwise_scale_shape,
+)
+from quant_core.storage import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    NVFP4TensorStorage,
+    QuantizedStorage,
+    absent_buffer,
+)
 
 #: Rows a rank must hold a multiple of, per block format (scale rows are padded to 128).
 _ROWS = 128
@@ -138,42 +154,65 @@ def with_columnwise(s: QuantizedStorage) -> QuantizedStorage:
     """``s`` with its columnwise copy, built from the rowwise buffers where that is exact (one
     scale per tensor, or 2D blocks whose scale serves rows and columns alike); ``s`` itself when
     it already has one. Raises ``ValueError`` for a format whose columnwise bytes differ."""
-    q = s.quantizer
-    fmt = q.storage_format
-    names = {"fp8": "_transpose"}.get(fmt, "_columnwise_data")
-    if getattr(s, names) is not None:
+    bufs = columnwise_buffers(s)
+    if bufs is None:
         return s
+    return s.quantizer.with_usage(columnwise=True)._make_storage(s.shape, s.dtype, bufs)
+
+
+def columnwise_buffer_list(s: QuantizedStorage, like: torch.Tensor, q: Quantizer | None = None
+                           ) -> list[torch.Tensor]:
+    """:func:`with_columnwise`'s buffers as a storage's ``buffer_list`` (absent ones empty on
+    ``like``'s device), without building a storage object (which compiled code cannot)."""
+    bufs = columnwise_buffers(s, q)
+    if bufs is None:
+        bufs = {n: getattr(s, n) for n in s._buffer_names}
+    return [absent_buffer(like) if bufs.get(n) is None else bufs[n] for n in s._buffer_names]
+
+
+def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
+                       ) -> dict[str, torch.Tensor] | None:
+    """The present buffers of ``s`` plus its columnwise copy built from the rowwise one (see
+    :func:`with_columnwise`); ``None`` when ``s`` already holds a columnwise copy. ``q``: a
+    quantizer equal to ``s.quantizer`` up to usages (default: that one); compiled code passes
+    its baked constant (torch 2.10 cannot read a traced tensor's quantizer attribute)."""
+    q = s.quantizer if q is None else q
+    # isinstance and attribute reads only, no ``s.buffers()``: Dynamo traces a quantized
+    # tensor's method calls as tensor methods
+    fp8 = isinstance(s, Float8TensorStorage)
+    if getattr(s, "_transpose" if fp8 else "_columnwise_data") is not None:
+        return None
     m, k = m_k(s.shape)
-    bufs = {n: t for n, t in s.buffers().items() if t is not None}
-    full = q.with_usage(columnwise=True)
-    specs = full.inner_tensor_specs(s.shape)
-    if fmt == "fp8":
+    bufs = {n: getattr(s, n) for n in s._buffer_names if getattr(s, n) is not None}
+    if fp8:
         bufs["_transpose"] = s._data.reshape(m, k).t().contiguous()
-    elif fmt == "fp8_block" and q.block_scaling_dim == 2:
+    elif isinstance(s, Float8BlockwiseQTensorStorage) and s._is_2D_scaled:
         bufs["_columnwise_data"] = s._rowwise_data.reshape(m, k).t().contiguous()
         rs = s._rowwise_scale_inv[:, :ceil_div(k, FP8_BLOCK)]
-        bufs["_columnwise_scale_inv"] = _pad_to(rs.t(), specs["_columnwise_scale_inv"][0])
-    elif fmt == "mxfp8" and q.with_2d_quantization and not q.optimize_for_gemm:
+        bufs["_columnwise_scale_inv"] = _pad_to(rs.t(), fp8_block_columnwise_scale_shape(m, k, 2))
+    elif isinstance(s, MXFP8TensorStorage) and q.with_2d_quantization and (
+            not s._with_gemm_swizzled_scales):
         bufs["_columnwise_data"] = s._rowwise_data
         per_block = s._rowwise_scale_inv[:m:MXFP8_BLOCK, :k // MXFP8_BLOCK]
         cs = per_block.repeat_interleave(MXFP8_BLOCK, dim=1)
-        bufs["_columnwise_scale_inv"] = _pad_to(cs, specs["_columnwise_scale_inv"][0])
-    elif fmt == "nvfp4" and q.with_2d_quantization and not q.with_rht and (
-            not q.optimize_for_gemm):
+        bufs["_columnwise_scale_inv"] = _pad_to(cs, mxfp8_columnwise_scale_shape(m, k))
+    elif isinstance(s, NVFP4TensorStorage) and q.with_2d_quantization and not q.with_rht and (
+            not s._with_gemm_swizzled_scales):
         codes = unpack_e2m1(s._rowwise_data.reshape(m, k // 2))  # [m, k]
         codes = zero_pad(codes, m + m % 2, k).t()  # [k, m even], the last nibble 0
         bufs["_columnwise_data"] = pack_e2m1(codes.contiguous())
         per_block = s._rowwise_scale_inv[:m:NVFP4_BLOCK, :k // NVFP4_BLOCK]  # [ceil(m/16), k/16]
         cs = per_block.t().repeat_interleave(NVFP4_BLOCK, dim=0)  # [k, ceil(m/16)]
-        bufs["_columnwise_scale_inv"] = _pad_to(cs, specs["_columnwise_scale_inv"][0])
+        bufs["_columnwise_scale_inv"] = _pad_to(cs, nvfp4_columnwise_scale_shape(m, k))
         bufs["_amax_columnwise"] = s._amax_rowwise.clone()
     else:
         raise ValueError(
-            f"{type(s).__name__} of {q!r} holds no columnwise copy and it cannot be built from "
-            "the rowwise one (it is quantized along the other dimension); quantize the weight "
-            "with columnwise_usage=True"
+            f"{type(s).__name__} holds no columnwise copy and it cannot be built from the "
+            "rowwise one (it is quantized along the other dimension); quantize the weight with "
+            "columnwise_usage=True"
         )
-    return full._make_storage(s.shape, s.dtype, bufs)
+    return bufs
 
 
-__all__ = ["Plan", "base", "plan", "quantize_shard", "assemble", "with_columnwise"]
+__all__ = ["Plan", "base", "plan", "quantize_shard", "assemble", "with_columnwise",
+           "columnwise_buffers", "columnwise_buffer_list"]

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
-from quant_core.storage import QuantizedStorage, absent_buffer
+from quant_core.storage import Float8TensorStorage, QuantizedStorage, absent_buffer
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
 from .delayed import update_registered
-from .fsdp_layout import base, with_columnwise
-from .gemm import HP, for_transposed_use, qgemm, quantizer_meta
+from .fsdp_layout import base, columnwise_buffer_list
+from .gemm import _STORAGE_CLASSES, HP, for_transposed_use, qgemm, quantizer_meta
 from .module import QuantizedModule, intern, is_value, module_frame
 from .role import QuantizerRole
 from .states import RecipeState
@@ -77,16 +77,19 @@ def _requantizable(q: Quantizer) -> bool:
 
 
 def _rowwise(w: QuantizedStorage) -> torch.Tensor | None:
-    return getattr(w, "_data" if w.quantizer.storage_format == "fp8" else "_rowwise_data")
+    return getattr(w, "_data" if isinstance(w, Float8TensorStorage) else "_rowwise_data")
 
 
 def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None:
-    """Refuse a quantized weight whose quantizer is not ``q`` up to usages and amax reduction
-    (under compile: whose format, dtype and block layout differ), or that lacks rowwise data."""
-    wq = w.quantizer
+    """Refuse a quantized weight whose quantizer is not ``q`` up to usages and amax reduction,
+    or that lacks rowwise data. Under compile only the format is checked here (torch 2.10
+    cannot read a traced tensor's quantizer): check eagerly first; the compiled graph guards on
+    the weight's quantizer value."""
     if compiling():
-        same = quantizer_meta(wq) == quantizer_meta(q)
+        same = isinstance(w, _STORAGE_CLASSES[quantizer_meta(q)[0]])
+        wq = f"a {type(w).__name__}"
     else:
+        wq = w.quantizer
         same = is_value(wq) and is_value(q) and base(wq) == base(q)
     if not same:
         raise ValueError(
@@ -151,6 +154,7 @@ class _QLinearFn(torch.autograd.Function):
             ctx.nx = len(xb)
         ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
         ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region
+        ctx.weight_q = weight_q
         ctx.has_bias = b is not None
         return y
 
@@ -166,7 +170,7 @@ class _QLinearFn(torch.autograd.Function):
             if ctx.override == "high_precision":
                 wb, wm = [w.dequantize(dtype=w_dtype)], [HP, 0, 0, 0]
             elif ctx.override is None:
-                wb = for_transposed_use(with_columnwise(w).buffer_list(gy), wm)
+                wb = for_transposed_use(columnwise_buffer_list(w, gy, ctx.weight_q), wm)
             else:
                 wb = w.buffer_list(gy)
         gy = gy.contiguous()
