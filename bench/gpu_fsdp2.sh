@@ -6,7 +6,8 @@
 # with FP8 all-gather, each recipe with the bf16 all-gather, ':requant' and ':fp8ag', with step
 # time, peak memory and all-gather bytes). Logs and the JSON go to $OUT.
 # TESTS=0 / BENCH=0 skip a part; FSDP2_ARGS adds benchmark arguments (e.g. "--configs bf16,
-# fp8_current:fp8ag --layers 4"); BENCH_LIMIT bounds the benchmark (seconds).
+# fp8_current:fp8ag --layers 4"); BENCH_LIMIT bounds the benchmark (seconds). Both parts
+# together may pass one 10-minute device call: run TESTS=1 BENCH=0, then TESTS=0 BENCH=1.
 set -u
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:$PWD/packages/quant-dynamo/src:$PWD/packages/quant-recipes/src:$PWD/.whl/torchao-0.18.0
@@ -14,7 +15,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ "${TESTS:-1}" = 1 ]; then
   # the test workers register the Triton backend themselves (source trees lack the entry point)
-  QUANT_DIST_BACKEND=nccl timeout 400 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
+  QUANT_DIST_BACKEND=nccl timeout "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
     tests/recipes/test_fsdp2.py > "$OUT/fsdp2_tests.log" 2>&1
   echo "FSDP2 tests (nccl) rc=$?"
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|^E  .*(Error|assert)" "$OUT/fsdp2_tests.log" | cut -c1-300 | head -30
