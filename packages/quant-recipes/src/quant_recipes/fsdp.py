@@ -161,12 +161,11 @@ class QuantizedAllGatherWeight(torch.Tensor):
         else:
             storage = fsdp_layout.quantize_shard(p, self._tensor.to(dtype), group)
             inputs = tuple(getattr(storage, n) for n in p.gathered)
-            padded = -(-outer_size[0] // world)
-            if p.gathered == ("_data",) and inputs[0].shape[0] != padded:  # uneven split
-                data = inputs[0]
-                inputs = (torch.cat([data, data.new_zeros(padded - data.shape[0],
-                                                          *data.shape[1:])]),)
             meta = (p, {n: getattr(storage, n) for n in p.shared}, tuple(outer_size))
+        rows = -(-outer_size[0] // world)  # FSDP2's padded shard (an uneven split's last rank)
+        if len(inputs) == 1 and inputs[0].shape[0] != rows:  # block formats split evenly
+            t = inputs[0]
+            inputs = (torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]),)
         kind = "high_precision" if meta is None else "quantized"
         _BYTES[kind] += world * sum(t.numel() * t.element_size() for t in inputs)
         return inputs, meta
