@@ -190,37 +190,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
             return None
         storage = fsdp_layout.assemble(p, dict(zip(p.gathered, all_gather_outputs, strict=True)),
                                        shared, torch.Size(shape), param_dtype)
-        from quant_core.tensor import tensor_class
+        from quant_core.tensor import QuantizedTensor
 
-        cls = _fsdp_class(tensor_class(type(storage)))
-        tags = {n: getattr(storage, n) for n in storage._tag_names}
-        return cls(storage.shape, storage.dtype, quantizer=storage.quantizer,
-                   buffers=storage.buffers(), tags=tags), ()
-
-
-def _fsdp_class(cls: type) -> type:
-    """A subclass of the tensor class ``cls`` that answers the one ``aten.as_strided`` call
-    FSDP2 makes on the unsharded parameter (``as_strided(t, its size, contiguous strides, 0)``)
-    with a detached alias; every other op goes to ``cls``. ``quant_core.tensor`` has no
-    ``as_strided`` (a quantized tensor has no strides to give it a general meaning)."""
-    sub = _AS_STRIDED.get(cls)
-    if sub is None:
-        sub = _AS_STRIDED[cls] = type(cls.__name__, (cls,), {
-            "__torch_dispatch__": classmethod(_as_strided_dispatch), "__module__": __name__})
-    return sub
-
-
-_AS_STRIDED: dict[type, type] = {}
-
-
-def _as_strided_dispatch(cls, func, types, args=(), kwargs=None):
-    if func is _aten.as_strided.default:
-        t, size, stride, *rest = args
-        offset = rest[0] if rest else (kwargs or {}).get("storage_offset", 0)
-        contiguous = torch._prims_common.make_contiguous_strides_for(t.shape)
-        if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(contiguous) and not offset:
-            return _aten.detach.default(t)
-    return super(cls, cls).__torch_dispatch__(func, types, args, kwargs)
+        return QuantizedTensor.from_storage(storage), ()
 
 
 def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
