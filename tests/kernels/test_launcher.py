@@ -146,6 +146,28 @@ def test_an_unhashable_argument_takes_tritons_path_every_time(kernel):
     assert _kinds(kernel) == ["triton", "triton"]
 
 
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass with no storage of its own."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_a_tensor_without_storage_is_refused_before_any_launch(kernel):
+    """A wrapper subclass without storage (an unwaited AsyncCollectiveTensor) has data_ptr 0:
+    launched, it is an illegal address on the GPU (found under FSDP2 on two H200s)."""
+    wrapper = torch.Tensor._make_wrapper_subclass(_NoStorage, (1,), dtype=torch.float32)
+    assert wrapper.data_ptr() == 0
+    args, kwargs = _args(wrapper)
+    with pytest.raises(ValueError, match="has no storage"):
+        _launcher.launch(kernel, (1,), args, kwargs)
+    assert kernel.log == []
+    empty, kwargs = _args(torch.empty(0))  # an empty tensor may have a null pointer
+    _launcher.launch(kernel, (1,), empty, kwargs)
+    assert _kinds(kernel) == ["triton"]
+
+
 def test_a_missing_argument_without_default_is_never_launched_directly(kernel):
     x = torch.empty(64)
     args, kwargs = _args(x)

@@ -27,6 +27,12 @@ def _worker(rank: int, world: int, port: int, out) -> None:
         x = torch.full((4, 32), float(rank + 1))  # local amax 1 or 2, global 2
         q = Float8CurrentScalingQuantizer(with_amax_reduction=True)
         storage = q.quantize(x, amax_reduction_group=dist.group.WORLD)
+        from quant_core.distributed import reduce_amax
+
+        # eager: the collective waited for, a plain tensor kernels can read (an unwaited
+        # AsyncCollectiveTensor has data_ptr 0: an illegal address for a Triton kernel)
+        reduced = reduce_amax(torch.tensor([float(rank + 1)]), dist.group.WORLD)
+        assert type(reduced) is torch.Tensor and reduced.data_ptr() != 0, type(reduced)
         m = qr.Linear(32, 32, bias=False)
         with torch.no_grad():
             m.weight.fill_(0.5 * (rank + 1))

@@ -9,7 +9,8 @@ def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
     """All-reduce ``amax`` with MAX over ``group`` and return the result (a new tensor).
 
     ``group=None`` or a single-rank group returns ``amax`` unchanged. Uses functional collectives,
-    so the reduction traces under ``torch.compile``.
+    so the reduction traces under ``torch.compile``; in eager mode the result is a plain tensor
+    (the collective waited for), which any backend's kernels may read.
     """
     if group is None:
         return amax
@@ -23,4 +24,8 @@ def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
         return amax
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_reduce(amax, "max", group)
+    out = funcol.all_reduce(amax, "max", group)
+    # eager: an AsyncCollectiveTensor, a wrapper without storage (data_ptr 0) until waited;
+    # kernels that read the amax need the reduced tensor itself, after the collective
+    wait = getattr(out, "wait", None)
+    return wait() if wait is not None else out

@@ -41,7 +41,14 @@ _runtime_knobs = None
 
 def _arg_key(a):
     if isinstance(a, torch.Tensor):
-        return a.dtype, not a.data_ptr() & 15
+        ptr = a.data_ptr()
+        if not ptr and a.numel():
+            raise ValueError(
+                f"a {type(a).__name__} of shape {tuple(a.shape)} has no storage (data_ptr 0) and "
+                "cannot be passed to a Triton kernel; a wrapper subclass must be unwrapped first "
+                "(an AsyncCollectiveTensor by .wait())"
+            )
+        return a.dtype, not ptr & 15
     t = type(a)
     if t is float or t is bool:  # 0.0 == 0 == False and hash alike; Triton types them apart
         return t, a
