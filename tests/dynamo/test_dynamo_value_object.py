@@ -82,20 +82,26 @@ def test_immutability():
     assert q.with_usage(rowwise=False) != q and q.rowwise_usage
 
 
-def _world_group():
+@pytest.fixture
+def world_group():
+    """The default group of a one-rank gloo world, destroyed afterwards if this made it (a group
+    left behind makes a later ``init_process_group`` in this process fail)."""
     import torch.distributed as dist
 
     if not dist.is_available():
         pytest.skip("torch.distributed is not available in this build")
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist.group.WORLD
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, NVFP4Quantizer])
 @pytest.mark.parametrize("group_kind", ["sentinel", "gloo"])
-def test_value_quantizer_rejects_process_group(cls, group_kind):
-    group = object() if group_kind == "sentinel" else _world_group()
+def test_value_quantizer_rejects_process_group(cls, group_kind, request):
+    group = object() if group_kind == "sentinel" else request.getfixturevalue("world_group")
     with pytest.warns(DeprecationWarning):
         q = cls(amax_reduction_group=group)
     other = cls()
