@@ -132,3 +132,23 @@ def test_linear_step_on_the_triton_gemms_matches_the_reference_backend(monkeypat
     assert qr.gemm_paths() == {"triton_mxfp8": 3}
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, takes_cublas", [(64, False), (192, False), (256, True)])
+def test_blockwise_cublas_path_takes_k_multiples_of_128_only(monkeypatch, k, takes_cublas):
+    """Compiled, torch 2.11's shape rule for 1x128 / 128x128 scales refused K = 64, which eager
+    cuBLAS took (found on two H200s under FSDP2); eager and compiled now share the rule."""
+    import torch.nn.functional as F
+    from quant_core import Float8BlockQuantizer
+    from quant_recipes import gemm_fast
+
+    if not hasattr(F, "ScalingType") or not hasattr(F.ScalingType, "BlockWise1x128"):
+        pytest.skip("this torch has no block-scaled F.scaled_mm")
+    calls = []
+    monkeypatch.setattr(gemm_fast, "blockwise_available", lambda device: True)
+    monkeypatch.setattr(F, "scaled_mm", lambda *a, **kw: calls.append(a) or "cublas")
+    x = Float8BlockQuantizer(block_scaling_dim=1).quantize(_integer(32, k, 1))
+    w = Float8BlockQuantizer().quantize(_integer(32, k, 2))
+    out = gemm_fast._blockwise(x.gemm_operand(False), w.gemm_operand(False), None,
+                               torch.bfloat16)
+    assert (out == "cublas") is takes_cublas and len(calls) == takes_cublas

@@ -81,6 +81,11 @@ def _blockwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
         return None
     if ra.block_scaling_dim == rb.block_scaling_dim == 2 or not _aligned(ra.rows, rb.rows, ra.k):
         return None
+    # torch 2.11's shape rule for these scales (its meta function, which torch.compile runs)
+    # divides K by 128 in floating point and refuses a K that is not a multiple of 128, which
+    # eager cuBLAS accepts (FSDP2 test on two H200s): one rule for both keeps them equal
+    if ra.k % 128:
+        return None
     if bias is not None and bias.dtype != out_dtype:
         return None
     sa, kind_a = _blockwise_scale(ra)
