@@ -17,6 +17,7 @@ with tiny shapes (the CPU check that it works; no torchao there).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -86,6 +87,11 @@ def build(name: str, d: int, layers: int, device: torch.device):
 
 
 def run(name: str, args, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    gc.collect()
+    # what earlier configs left allocated (the peak is counted above it: configs run in one
+    # process, and the absolute peak grew with each config run before, whatever it was)
+    base = torch.cuda.memory_allocated() if cuda else 0
     model, forward = build(name, args.d, args.layers, device)
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     x = torch.randn(args.tokens, args.d, generator=gen).to(device, torch.bfloat16)
@@ -99,7 +105,6 @@ def run(name: str, args, device: torch.device) -> dict:
 
     for _ in range(2):
         step()
-    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -112,11 +117,34 @@ def run(name: str, args, device: torch.device) -> dict:
         times.append(time.perf_counter() - t0)
     res = {"config": name, "ms": 1e3 * statistics.median(times)}
     if cuda:
-        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res["left_before_gib"] = base / 2**30
     with count_all_gathers() as counted:  # one more step, its all-gathers counted
         step()
     res["ag_mib"] = sum(counted) / 2**20
+    res["saved_mib"] = saved_after_forward_mib(forward, x)
     return res
+
+
+def saved_after_forward_mib(forward, x: torch.Tensor) -> float:
+    """MiB that the tensors saved for backward hold once the forward has returned (and FSDP2 has
+    resharded): distinct storages, their size read after the forward, so a gathered weight whose
+    storage FSDP2 freed counts 0 and a copy made from it counts in full."""
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t):
+        inner = [t] if type(t) is torch.Tensor else [
+            getattr(t, n) for n in getattr(t, "__tensor_flatten__", lambda: ([], None))()[0]]
+        for u in inner:
+            if isinstance(u, torch.Tensor) and type(u) is torch.Tensor:
+                saved.setdefault(id(u.untyped_storage()), u.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = forward(x)
+    held = sum(st.nbytes() for st in saved.values()) / 2**20
+    del y
+    return held
 
 
 def worker(rank: int, args) -> None:
@@ -145,13 +173,17 @@ def worker(rank: int, args) -> None:
 def print_table(per_rank: list[list[dict]], args) -> None:
     print(f"\n### FSDP2 step, {args.nproc} ranks ({args.device}), {args.layers} layers "
           f"{args.d}x{args.d}, {args.tokens} tokens per rank, torch {torch.__version__}\n")
+    print("Peak: the step's highest allocation (model, gradients, optimizer state, activations "
+          "and transients included) above what earlier configs left allocated (rank 0: "
+          + ", ".join(f"{r['config']} {r.get('left_before_gib', 0):.2f}" for r in per_rank[0])
+          + " GiB).\n")
     print("| config | ms/step (rank 0) | peak GiB, max over ranks | vs bf16 peak "
-          "| all-gather MiB/step (rank 0) |")
-    print("| --- | --- | --- | --- | --- |")
+          "| all-gather MiB/step (rank 0) | saved MiB after forward (rank 0) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     base = None
     for i, row in enumerate(per_rank[0]):
         if "error" in row:
-            print(f"| {row['config']} | {row['error'][:80]} | - | - | - |")
+            print(f"| {row['config']} | {row['error'][:80]} | - | - | - | - |")
             continue
         peaks = [r[i].get("peak_gib") for r in per_rank]
         peak = max(peaks) if None not in peaks else None
@@ -159,7 +191,8 @@ def print_table(per_rank: list[list[dict]], args) -> None:
             base = peak
         rel = f"{peak / base:.2f}x" if peak and base else "-"
         shown = f"{peak:.2f}" if peak is not None else "-"
-        print(f"| {row['config']} | {row['ms']:.2f} | {shown} | {rel} | {row['ag_mib']:.2f} |")
+        print(f"| {row['config']} | {row['ms']:.2f} | {shown} | {rel} | {row['ag_mib']:.2f} "
+              f"| {row['saved_mib']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ranks": per_rank}, f, indent=1)
