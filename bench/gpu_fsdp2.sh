@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 18 item 2 on a host with 2 GPUs (NCCL): the FSDP2 tests with
-# QUANT_DIST_BACKEND=nccl (tests/recipes/test_fsdp2.py: the weight all-gather in each recipe's
+# QUANT_DIST_BACKEND=nccl (tests/recipes/test_distributed.py: amax reduction eager and compiled,
+# delayed scaling's reduction; tests/recipes/test_fsdp2.py: the weight all-gather in each recipe's
 # quantized format gives, bit for bit, the unsharded step's loss and gradient shards, and moves
 # the quantized bytes) and the FSDP2 step benchmark (bench/fsdp2_step.py: bf16, torchao float8
 # with FP8 all-gather, each recipe with the bf16 all-gather, ':requant' and ':fp8ag', with step
@@ -16,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "${TESTS:-1}" = 1 ]; then
   # the test workers register the Triton backend themselves (source trees lack the entry point)
   QUANT_DIST_BACKEND=nccl timeout "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
-    tests/recipes/test_fsdp2.py > "$OUT/fsdp2_tests.log" 2>&1
+    tests/recipes/test_fsdp2.py tests/recipes/test_distributed.py > "$OUT/fsdp2_tests.log" 2>&1
   echo "FSDP2 tests (nccl) rc=$?"
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|^E  .*(Error|assert)" "$OUT/fsdp2_tests.log" | cut -c1-300 | head -30
 fi

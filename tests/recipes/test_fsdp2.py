@@ -17,24 +17,14 @@ is gloo on the CPU.
 from __future__ import annotations
 
 import io
-import os
-import socket
 import warnings
 
 import pytest
 import quant_recipes as qr
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist_helpers import init, spawn
 from quant_recipes.fsdp import count_all_gathers
-
-BACKEND = os.environ.get("QUANT_DIST_BACKEND", "gloo")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fully_shard():
@@ -46,9 +36,7 @@ def _fully_shard():
 
 
 def _worker(rank: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(BACKEND, rank=rank, world_size=2)
-    device = _device(rank)
+    device = init(rank, port)
     try:
         grads = {}
         for save in (True, False):
@@ -68,36 +56,13 @@ def _worker(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def _device(rank: int) -> torch.device:
-    """The rank's device; on NCCL its GPU, with the Triton backend registered (from source
-    trees quant-kernels' entry point is absent)."""
-    if BACKEND != "nccl":
-        return torch.device("cpu")
-    torch.cuda.set_device(rank)
-    try:
-        from quant_core import backends
-        from quant_kernels.backend import BACKEND as TRITON
-
-        backends.register(TRITON)
-    except ImportError:
-        pass
-    return torch.device(f"cuda:{rank}")
-
-
 def _spawn(worker, *args):
     """Run ``worker(rank, port, *args, out)`` on 2 ranks; returns ``out`` (rank -> result)."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
     try:
         _fully_shard()
     except ImportError:
         pytest.skip("this torch has no FSDP2")
-    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip("QUANT_DIST_BACKEND=nccl needs 2 GPUs")
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(worker, args=(_free_port(), *args, out), nprocs=2, join=True)
-    return dict(out)
+    return spawn(worker, *args)
 
 
 @pytest.mark.timeout(180)
@@ -149,9 +114,7 @@ def _step(model, recipe, x, seed):
 def _quantized_worker(rank: int, port: int, cases: list[tuple], out) -> None:
     """Per case ``(recipe name, weight shapes [M, K], compile the layers)``: the FSDP2 step
     with the quantized all-gather against the unsharded single-process step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(BACKEND, rank=rank, world_size=2)
-    device = _device(rank)
+    device = init(rank, port)
     dtype = torch.bfloat16  # NVFP4's RHT (inputs, gradients) takes bf16
     try:
         results = {}
@@ -258,9 +221,7 @@ def _needs_compile_support():
 
 
 def _state_worker(rank: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(BACKEND, rank=rank, world_size=2)
-    device = _device(rank)
+    device = init(rank, port)
     try:
         recipe = qr.Float8CurrentScaling()
         model = qr.enable_fsdp_quantized_all_gather(_model([(256, 64)], device, torch.float32),
