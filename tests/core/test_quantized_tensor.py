@@ -445,6 +445,26 @@ def test_state_dict_round_trip(name, as_parameter):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_torch_load_with_weights_only(name):
+    """``torch.load``'s default since torch 2.6, ``weights_only=True``, loads quantized tensors of
+    the built-in value quantizers (their classes and rebuild functions are allowed); a delayed
+    quantizer pickles its state object, so it needs ``weights_only=False``, as the error says."""
+    if not hasattr(torch.serialization, "add_safe_globals"):
+        pytest.skip("this torch has no weights_only allow list")
+    t = QUANTIZERS[name]().quantize(_x())
+    buf = io.BytesIO()
+    torch.save({"w": t}, buf)
+    buf.seek(0)
+    if name == "delayed":
+        with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+            torch.load(buf, weights_only=True)
+        return
+    loaded = torch.load(buf, weights_only=True)["w"]
+    assert type(loaded) is type(t) and loaded.quantizer == t.quantizer
+    _bytes_equal(loaded, t)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_deepcopy_pickle_and_torch_save(name):
     t = QUANTIZERS[name]().quantize(_x())
     c = copy.deepcopy(t)

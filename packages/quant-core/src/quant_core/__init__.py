@@ -38,6 +38,11 @@ from .tensor import (
     QuantizedTensor,
 )
 
+tensor.allow_weights_only_load(
+    (Float8CurrentScalingQuantizer, MXFP8Quantizer, Float8BlockQuantizer, NVFP4Quantizer),
+    (DType,),
+)
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -223,6 +223,18 @@ def _rebuild(cls, shape, dtype, quantizer, buffers, tags, requires_grad):
                requires_grad=requires_grad)
 
 
+def allow_weights_only_load(quantizer_classes, enums) -> None:
+    """Let ``torch.load(weights_only=True)``, torch's default since 2.6, rebuild quantized tensors
+    made by ``quantizer_classes`` (value quantizers: rebuilt through their constructor from
+    primitive fields) with tags of ``enums``. A delayed-scaling quantizer pickles its tensors'
+    state object and still needs ``weights_only=False``."""
+    from .quantizer import _rebuild_quantizer
+
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        add([_rebuild, _rebuild_quantizer, *TENSOR_CLASSES.values(), *quantizer_classes, *enums])
+
+
 def tags_of(obj) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in type(obj)._tag_names}
 
