@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .dtypes import INPUT_DTYPES
+from .reference._pad import zero_pad
 from .shapes import ceil_div, m_k, roundup
 from .tensor import QuantizedTensor, tags_of, traced, wrap
 
@@ -208,14 +209,11 @@ def _as_2d(buf: torch.Tensor, nd: str, m: int) -> torch.Tensor:
 
 
 def _padded(piece: torch.Tensor, axis: int, length: int) -> torch.Tensor:
-    """``piece`` zero-padded along ``axis`` to ``length`` (itself when already that long)."""
+    """2D ``piece`` zero-padded along ``axis`` to ``length`` (itself when already that long)."""
     if piece.shape[axis] == length:
         return piece
-    shape = list(piece.shape)
-    shape[axis] = length
-    out = piece.new_zeros(shape)
-    out.narrow(axis, 0, piece.shape[axis]).copy_(piece)
-    return out
+    rows, cols = piece.shape
+    return zero_pad(piece, length, cols) if axis == 0 else zero_pad(piece, rows, length)
 
 
 def _rows(func, t: QuantizedTensor, start: int, end: int) -> QuantizedTensor:

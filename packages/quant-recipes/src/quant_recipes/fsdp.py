@@ -25,6 +25,7 @@ import warnings
 
 import torch
 from quant_core import Quantizer
+from quant_core.shapes import ceil_div
 from torch.utils import _pytree as pytree
 
 from . import fsdp_layout
@@ -162,7 +163,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
             storage = fsdp_layout.quantize_shard(p, self._tensor.to(dtype), group)
             inputs = tuple(getattr(storage, n) for n in p.gathered)
             meta = (p, {n: getattr(storage, n) for n in p.shared}, tuple(outer_size))
-        rows = -(-outer_size[0] // world)  # FSDP2's padded shard (an uneven split's last rank)
+        rows = ceil_div(outer_size[0], world)  # FSDP2's padded shard (an uneven split's last rank)
         if len(inputs) == 1 and inputs[0].shape[0] != rows:  # block formats split evenly
             t = inputs[0]
             inputs = (torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]),)

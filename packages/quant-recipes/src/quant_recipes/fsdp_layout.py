@@ -146,10 +146,6 @@ def assemble(p: Plan, gathered: dict[str, torch.Tensor], shared: dict[str, torch
 
 
 # ---------------------------------------------------------------------- columnwise from rowwise
-def _pad_to(t: torch.Tensor, shape) -> torch.Tensor:
-    return zero_pad(t, shape[0], shape[1])
-
-
 def with_columnwise(s: QuantizedStorage) -> QuantizedStorage:
     """``s`` with its columnwise copy, built from the rowwise buffers where that is exact (one
     scale per tensor, or 2D blocks whose scale serves rows and columns alike); ``s`` itself when
@@ -189,13 +185,13 @@ def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
     elif isinstance(s, Float8BlockwiseQTensorStorage) and s._is_2D_scaled:
         bufs["_columnwise_data"] = s._rowwise_data.reshape(m, k).t().contiguous()
         rs = s._rowwise_scale_inv[:, :ceil_div(k, FP8_BLOCK)]
-        bufs["_columnwise_scale_inv"] = _pad_to(rs.t(), fp8_block_columnwise_scale_shape(m, k, 2))
+        bufs["_columnwise_scale_inv"] = zero_pad(rs.t(), *fp8_block_columnwise_scale_shape(m, k, 2))
     elif isinstance(s, MXFP8TensorStorage) and q.with_2d_quantization and (
             not s._with_gemm_swizzled_scales):
         bufs["_columnwise_data"] = s._rowwise_data
         per_block = s._rowwise_scale_inv[:m:MXFP8_BLOCK, :k // MXFP8_BLOCK]
         cs = per_block.repeat_interleave(MXFP8_BLOCK, dim=1)
-        bufs["_columnwise_scale_inv"] = _pad_to(cs, mxfp8_columnwise_scale_shape(m, k))
+        bufs["_columnwise_scale_inv"] = zero_pad(cs, *mxfp8_columnwise_scale_shape(m, k))
     elif isinstance(s, NVFP4TensorStorage) and q.with_2d_quantization and not q.with_rht and (
             not s._with_gemm_swizzled_scales):
         codes = unpack_e2m1(s._rowwise_data.reshape(m, k // 2))  # [m, k]
@@ -203,7 +199,7 @@ def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
         bufs["_columnwise_data"] = pack_e2m1(codes.contiguous())
         per_block = s._rowwise_scale_inv[:m:NVFP4_BLOCK, :k // NVFP4_BLOCK]  # [ceil(m/16), k/16]
         cs = per_block.t().repeat_interleave(NVFP4_BLOCK, dim=0)  # [k, ceil(m/16)]
-        bufs["_columnwise_scale_inv"] = _pad_to(cs, nvfp4_columnwise_scale_shape(m, k))
+        bufs["_columnwise_scale_inv"] = zero_pad(cs, *nvfp4_columnwise_scale_shape(m, k))
         bufs["_amax_columnwise"] = s._amax_rowwise.clone()
     else:
         raise ValueError(
