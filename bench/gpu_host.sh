@@ -45,3 +45,14 @@ if [ "${STEP_STATIC:-0}" = 1 ]; then
   timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --static-launch --shapes "${STEP_SHAPES:-4096x4096x4096}" --configs "bf16,${AB_CONFIGS:-fp8_current}" ${STEP_MODES:+--modes $STEP_MODES} --json "$OUT/step_static.json" > "$OUT/step_static.log" 2>&1
   echo "step (static launch) rc=$?"; tail -12 "$OUT/step_static.log"
 fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  # per-kernel GPU time and per-op host time of the compiled step (bench/profile_step.py)
+  for mode in ${PROFILE_MODES:-default reduce-overhead}; do
+    for r in ${PROFILE_RECIPES:-bf16 ao_fp8_tensorwise fp8_current}; do
+      timeout 120 python3 bench/profile_step.py --recipe "$r" --mode "$mode" --n "${PROFILE_N:-4096}" \
+        --sort "${PROFILE_SORT:-self_device_time_total}" --rows "${PROFILE_ROWS:-25}" \
+        > "$OUT/profile_${r}_${mode}.log" 2>&1
+      echo "profile $r $mode rc=$?"; grep -E "ms/step" "$OUT/profile_${r}_${mode}.log"
+    done
+  done
+fi

@@ -4,8 +4,8 @@ One bias-free ``quant_recipes.Linear`` (``--n`` square) under ``--recipe`` (or b
 ``nn.Linear``, or torchao's ``ao_fp8_tensorwise``), compiled with ``fullgraph=True``; after
 warm-up, ``--steps`` steps are profiled with CPU and CUDA activities (``--mode reduce-overhead``:
 CUDA graphs). Prints the operator table, sorted by self CPU time (``--sort
-self_device_time_total``: by GPU time, to see the kernels), and the per-step host and GPU busy
-time; ``--trace OUT`` writes a Chrome trace.
+self_device_time_total``: by GPU time, to see the kernels, then again by CPU time), and the
+per-step host and GPU busy time; ``--trace OUT`` writes a Chrome trace.
 
 ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\\
 packages/quant-recipes/src python bench/profile_step.py --recipe fp8_current --n 4096``
@@ -23,12 +23,14 @@ from train_step import OURS, make_step, step_inputs  # registers Triton from sou
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", default="fp8_current",
-                   choices=[*OURS, "bf16", "ao_fp8_tensorwise"])
+    p.add_argument("--recipe", default="fp8_current", choices=[*OURS, "bf16", "ao_fp8_tensorwise"])
     p.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
-    p.add_argument("--sort", default="self_cpu_time_total",
-                   choices=["self_cpu_time_total", "self_device_time_total"],
-                   help="the table's order: host time (default) or GPU time per kernel")
+    p.add_argument(
+        "--sort",
+        default="self_cpu_time_total",
+        choices=["self_cpu_time_total", "self_device_time_total"],
+        help="the table's order: host time (default) or GPU time per kernel",
+    )
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--trace", metavar="OUT")
@@ -48,10 +50,13 @@ def main() -> None:
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) / args.steps
-    print(f"{args.recipe} n={n} {args.mode}: host {host:.3f} ms/step (profiled), GPU busy "
-          f"{gpu_us / 1e3:.3f} ms/step; torch {torch.__version__}")
-    print(events.table(sort_by=args.sort, row_limit=args.rows,
-                       max_name_column_width=60))
+    print(
+        f"{args.recipe} n={n} {args.mode}: host {host:.3f} ms/step (profiled), GPU busy "
+        f"{gpu_us / 1e3:.3f} ms/step; torch {torch.__version__}"
+    )
+    for order in dict.fromkeys([args.sort, "self_cpu_time_total"]):  # asked order, then host
+        print(f"--- sorted by {order}")
+        print(events.table(sort_by=order, row_limit=args.rows, max_name_column_width=60))
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
