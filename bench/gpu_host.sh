@@ -51,7 +51,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
     for r in ${PROFILE_RECIPES:-bf16 ao_fp8_tensorwise fp8_current}; do
       timeout 120 python3 bench/profile_step.py --recipe "$r" --mode "$mode" --n "${PROFILE_N:-4096}" \
         --sort "${PROFILE_SORT:-self_device_time_total}" --rows "${PROFILE_ROWS:-25}" \
-        ${PROFILE_TRACE:+--steps 4 --trace $OUT/trace_${r}_${mode}.json} \
+        ${PROFILE_TRACE:+--steps 4 --sync --trace $OUT/trace_${r}_${mode}.json} \
         > "$OUT/profile_${r}_${mode}.log" 2>&1
       echo "profile $r $mode rc=$?"; grep -E "ms/step" "$OUT/profile_${r}_${mode}.log"
     done

@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--trace", metavar="OUT")
+    p.add_argument("--sync", action="store_true",
+                   help="synchronise after each step, as train_step.py's timed steps do")
     p.add_argument("--rows", type=int, default=30)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -46,6 +48,8 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
+            if args.sync:
+                torch.cuda.synchronize()
         host = (time.perf_counter() - t0) / args.steps * 1e3
         torch.cuda.synchronize()
     events = prof.key_averages()
