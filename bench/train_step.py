@@ -12,20 +12,20 @@ config uses the same ``x``, ``W`` and ``g`` and is compiled with ``torch.compile
 - ours: ``quant_recipes.Linear`` inside ``quant_recipes.autocast`` (in the compiled function,
   ``fullgraph=True``) with ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``.
 
-``--layers L`` stacks L such layers (K x K, the same weight each). Per config and compile mode
-(``--modes default,reduce-overhead``; the second runs CUDA graphs): median ms/step over CUDA-event
-timed steps after warm-up, the speed-up over ``bf16`` of the same mode (its ms / this ms) in the
-same run, the host time of a step (the wall time of ``ITERS`` back-to-back steps without
-synchronising, per step: when it is close to ms/step the step is bound by Python and launches, not
-by the GPU), the peak memory of one step above what was allocated before it, the MiB saved for
-backward per layer by one eager forward (distinct storages, parameters excluded: for ours the
-quantized weight copy is included), and for ours the GEMM paths of one eager step
-(``quant_recipes.gemm_paths()``). A failing config prints its error and the run goes on.
+``--layers L`` stacks L such layers (K x K, the same weight each). Per compile mode (``--modes
+default,reduce-overhead``; the second runs CUDA graphs) every config is compiled first, then
+``--repeat`` rounds time the configs in turn. Per config: median ms/step over CUDA-event timed steps
+after warm-up (median over rounds), the speed-up over ``bf16`` of the same mode (its ms / this ms,
+median over rounds of the round's ratio), the host time of a step (the wall time of ``ITERS``
+back-to-back steps without synchronising, per step: when it is close to ms/step the step is bound by
+Python and launches, not by the GPU), the peak memory of one step above what was allocated before
+it, the MiB saved for backward per layer by one eager forward (distinct storages, parameters
+excluded: for ours the quantized weight copy is included), and for ours the GEMM paths of one eager
+step (``quant_recipes.gemm_paths()``). A failing config prints its error and the run goes on.
 
 ``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
-packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,...]
-[--configs bf16,mxfp8,...] [--modes default,reduce-overhead] [--json OUT] [--device cpu]
-[--no-compile]``
+packages/quant-recipes/src python bench/train_step.py [--shapes 16384x8192x8192,...] [--configs
+bf16,mxfp8,...] [--modes default,reduce-overhead] [--json OUT] [--device cpu] [--no-compile]``
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ PEERS = ["ao_fp8_tensorwise", "ao_fp8_rowwise", "ao_fp8_blockwise"]
 DEFAULT_CONFIGS = ["bf16", *PEERS, *OURS]
 ALL_CONFIGS = [*DEFAULT_CONFIGS, "ao_fp8_blockwise_triton"]
 WARMUP, ITERS = 3, 20
+# every config of a mode stays compiled until its rounds end; ours share one forward's code
+torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
 class Unavailable(Exception):
@@ -259,30 +261,80 @@ def variant(name: str):
         yield
 
 
-def run_config(name, x, w, g, compile_: bool, mode: str = "default", layers: int = 1) -> dict:
-    with variant(name):
-        return _run_config(name, x, w, g, compile_, mode, layers)
-
-
-def _run_config(name, x, w, g, compile_: bool, mode: str, layers: int) -> dict:
+def prepare(name, x, w, g, compile_: bool, mode: str, layers: int) -> tuple[dict, object]:
+    """Config ``name``'s row (GEMM paths, saved MiB) and its step, compiled and warmed up inside
+    its variant's environment (what a variant changes is read when the graph is traced)."""
     res: dict = {"config": name, "mode": mode}
-    step, clear, eager, params = make_step(name, x, w, g, compile_, mode, layers)
-    if name.partition(":")[0] in OURS:  # paths from one eager step (a compiled one need not count)
-        qr.reset_gemm_paths()
-        clear()
-        eager(x).backward(g)
+    with variant(name):
+        step, clear, eager, params = make_step(name, x, w, g, compile_, mode, layers)
+        if name.partition(":")[0] in OURS:  # paths from one eager step (compiled need not count)
+            qr.reset_gemm_paths()
+            clear()
+            eager(x).backward(g)
+            sync(x.device)
+            res["gemm_paths"] = qr.gemm_paths()
+        res["saved_mib_per_layer"] = saved_mib(eager, x, params) / layers
+        for _ in range(WARMUP):
+            step()
         sync(x.device)
-        res["gemm_paths"] = qr.gemm_paths()
-    res["saved_mib_per_layer"] = saved_mib(eager, x, params) / layers
-    res["ms"] = time_steps(step, x.device)
+    return res, (step, clear, params)
+
+
+def finish(res: dict, prepared, x: torch.Tensor) -> None:
+    """Host time, peak memory and a finiteness check of one prepared config, into ``res``."""
+    step, clear, params = prepared
     res["host_ms"] = host_ms(step, x.device)
     clear()  # so that "before" holds no gradients of the last step
     res["peak_gib"] = peak_gib(step, x.device)
     finite = all(bool(t.isfinite().all()) for t in (x.grad, *(p.grad for p in params)))
     res["finite"] = finite
     if not finite:
-        print(f"  WARNING: {name}: non-finite values in x.grad or weight.grad")
-    return res
+        print(f"  WARNING: {res['config']}: non-finite values in x.grad or weight.grad")
+    clear()
+
+
+def run_mode(names, x, w, g, compile_: bool, mode: str, layers: int, rounds: int) -> list[dict]:
+    """Every config of one compile mode: all compiled first, then ``rounds`` timing rounds that
+    take the configs in turn (reversed every other round), so that a slow spell of the host
+    touches every config of a round alike; ``vs_bf16`` is the median over rounds of the ratio to
+    that round's bf16. A failing config prints its error and the others go on."""
+    rows, live = [], []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            res, prepared = prepare(name, x, w, g, compile_, mode, layers)
+            live.append((res, prepared))
+            print(f"  {name} [{mode}]: ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        except Unavailable as e:
+            res = {"config": name, "mode": mode, "error": f"unavailable: {e}"}
+            print(f"  {name}: {res['error']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next config
+            res = {"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"}
+            print(f"  {name}: FAILED {res['error']}", flush=True)
+        rows.append(res)
+    for rnd in range(rounds):
+        for res, (step, _, _) in (live if rnd % 2 == 0 else live[::-1]):
+            if "error" in res:
+                continue
+            try:
+                res.setdefault("ms_rounds", []).append(time_steps(step, x.device))
+            except Exception as e:  # noqa: BLE001
+                res["error"] = f"{type(e).__name__}: {e}"
+    for res, prepared in live:
+        if "error" in res:
+            continue
+        res["ms"] = statistics.median(res["ms_rounds"])
+        finish(res, prepared, x)
+        print(f"  {res['config']} [{mode}]: {res['ms']:.3f} ms/step, host {res['host_ms']:.3f}"
+              " ms", flush=True)
+    base = next((r for r in rows if r["config"] == "bf16" and "ms_rounds" in r), None)
+    for r in rows:
+        if base is not None and "ms_rounds" in r and "error" not in r:
+            pairs = zip(base["ms_rounds"], r["ms_rounds"], strict=False)
+            r["vs_bf16_rounds"] = [b / t for b, t in pairs]
+            r["vs_bf16"] = statistics.median(r["vs_bf16_rounds"])
+    x.grad = None
+    return rows
 
 
 def free() -> None:
@@ -292,27 +344,19 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def _bf16_ms(rows: list[dict], mode: str, rep: int = 0) -> float | None:
-    return next((r["ms"] for r in rows if r["config"] == "bf16" and r["mode"] == mode
-                 and r.get("rep", 0) == rep and "ms" in r), None)
+def print_rounds(rows: list[dict]) -> None:
+    """Per config and mode, the median over rounds of the ratio to the round's bf16."""
+    print("\n| config | mode | vs bf16, median | each round |\n| --- | --- | --- | --- |")
+    for r in rows:
+        if "vs_bf16_rounds" in r:
+            each = " ".join(f"{v:.2f}" for v in r["vs_bf16_rounds"])
+            print(f"| {r['config']} | {r['mode']} | {r['vs_bf16']:.2f}x | {each} |")
 
 
-def print_medians(rows: list[dict]) -> None:
-    """Per config and mode, the median over repeats of the ratio to that repeat's bf16."""
-    print("\n| config | mode | vs bf16, median | each repeat |\n| --- | --- | --- | --- |")
-    keys = dict.fromkeys((r["config"], r["mode"]) for r in rows)
-    for config, mode in keys:
-        ratios = [r["vs_bf16"] for r in rows
-                  if (r["config"], r["mode"]) == (config, mode) and "vs_bf16" in r]
-        if ratios:
-            each = " ".join(f"{v:.2f}" for v in ratios)
-            print(f"| {config} | {mode} | {statistics.median(ratios):.2f}x | {each} |")
-
-
-def fmt_row(r: dict, base: float | None) -> str:
+def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"| {r['config']} | {r['error'][:60]} | - | - | - | - | - |"
-    ratio = f"{base / r['ms']:.2f}x" if base else "-"
+    ratio = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
     paths = ", ".join(f"{k} {v}" for k, v in sorted(r.get("gemm_paths", {}).items())) or "-"
     bad = "" if r["finite"] else " (non-finite!)"
@@ -333,7 +377,8 @@ def main() -> None:
                    help="comma-separated torch.compile modes: default, reduce-overhead")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     p.add_argument("--repeat", type=int, default=1,
-                   help="run the config list this many times (ratios: median over repeats)")
+                   help="timing rounds over the compiled configs, taken in turn (ms and ratios: "
+                   "median over rounds)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
     p.add_argument("--static-launch", action="store_true",
@@ -375,27 +420,10 @@ def main() -> None:
         print(f"\n## M={m} K={k} N={n}", flush=True)
         x, w, g = step_inputs(m, k, n, device)
         rows = []
-        runs = [(md, c) for md in args.modes.split(",") if md for c in configs]
-        for i, (mode, name) in enumerate(runs * args.repeat):
-            t0 = time.perf_counter()
-            try:
-                r = run_config(name, x, w, g, not args.no_compile, mode, args.layers)
-                print(f"  {name} [{mode}]: {r['ms']:.3f} ms/step, host {r['host_ms']:.3f} ms "
-                      f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
-            except Unavailable as e:
-                r = {"config": name, "mode": mode, "error": f"unavailable: {e}"}
-                print(f"  {name}: {r['error']}", flush=True)
-            except Exception as e:  # noqa: BLE001 - report and go on with the next config
-                r = {"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"}
-                print(f"  {name}: FAILED {r['error']}", flush=True)
-            r["rep"] = i // len(runs)
-            rows.append(r)
-            x.grad = None
+        for mode in (md for md in args.modes.split(",") if md):
+            rows += run_mode(configs, x, w, g, not args.no_compile, mode, args.layers,
+                             args.repeat)
             free()
-        for r in rows:
-            base = _bf16_ms(rows, r["mode"], r["rep"])
-            if "ms" in r and base:
-                r["vs_bf16"] = base / r["ms"]  # speed-up: > 1 is faster than bf16
         results.append({"shape": [m, k, n], "rows": rows})
         del x, w, g
         free()
@@ -403,17 +431,16 @@ def main() -> None:
     for s in results:
         m, k, n = s["shape"]
         for mode in dict.fromkeys(r["mode"] for r in s["rows"]):
-            base = _bf16_ms(s["rows"], mode)
             stack = f", {args.layers} layers" if args.layers > 1 else ""
             print(f"\n### train step, M={m} K={k} N={n}{stack}, mode {mode} ({gpu})\n")
             print("| config | ms/step | vs bf16 | host ms/step | peak GiB | saved MiB/layer "
                   "| GEMM paths |")
             print("| --- | --- | --- | --- | --- | --- | --- |")
             for r in s["rows"]:
-                if r["mode"] == mode and r["rep"] == 0:
-                    print(fmt_row(r, base))
+                if r["mode"] == mode:
+                    print(fmt_row(r))
         if args.repeat > 1:
-            print_medians(s["rows"])
+            print_rounds(s["rows"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": results}, f, indent=1)
