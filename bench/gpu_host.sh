@@ -57,3 +57,11 @@ if [ "${PROFILE:-0}" = 1 ]; then
     done
   done
 fi
+if [ "${CPROFILE:-0}" = 1 ]; then
+  # Python functions of the compiled step, ours against torchao (bench/cprofile_step.py)
+  for r in ${CPROFILE_RECIPES:-fp8_current ao_fp8_tensorwise}; do
+    timeout 120 python3 bench/cprofile_step.py --recipe "$r" --n "${PROFILE_N:-4096}" --rows 40 \
+      > "$OUT/cprofile_$r.log" 2>&1
+    echo "cprofile $r rc=$?"
+  done
+fi
