@@ -208,14 +208,54 @@ def test_dequant_gemm_works_in_row_blocks(monkeypatch, fmt, ta, out_dtype, block
     assert torch.equal(got, ref)
 
 
-def test_dequant_gemm_keeps_one_block_in_recorded_graphs():
-    """Blocks are for eager launches only: a recorded (compiled) graph with blocks failed on the
-    H200 (see ``dequant_gemm._rows_per_block``)."""
-    from quant_core.kernel_capture import capture
+def test_dequant_gemm_block_rule():
+    """Blocks hold at most ``MAX_FP32_PRODUCT_BYTES`` of fp32 product, in multiples of 128 rows
+    (a swizzled scale tile); one block when the product fits, when the output is the fp32
+    product itself, or for symbolic shapes."""
+    assert dequant_gemm._rows_per_block(16384, 8192, False) == 2048
+    assert dequant_gemm._rows_per_block(16384, 8192, True) is None
+    assert dequant_gemm._rows_per_block(4096, 4096, False) is None  # 64 MiB fits
+    assert dequant_gemm._rows_per_block(100, 2**20, False) == 128  # never below one tile
 
-    assert dequant_gemm._rows_per_block(16384, 8192) == 2048
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_recorded_dequant_gemm_that_needs_blocks_refuses_before_any_launch(monkeypatch, fmt):
+    """Issue 14: while launches are recorded into a compiled graph, a GEMM whose product needs
+    row blocks raises ``NotCapturable`` before it records anything, so the GEMM stays an opaque op
+    whose eager body runs the blocks (recorded blocks failed in an Inductor copy kernel on the
+    H200, and one recorded block held the whole fp32 product). A GEMM that fits is recorded."""
+    from quant_core.kernel_capture import NotCapturable, capture
+
+    m, n, k = 320, 80, 64
+    launches = []
+
+    class Recorder:  # what wrap_triton(kernel) gives: kernel[grid](*args) records the launch
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.kernel)
+
+    q = (NVFP4Quantizer(DType.E2M1) if fmt == "nvfp4" else MXFP8Quantizer(DType.E4M3))
+    ra, rb = _operands(q, _x(m, k, 7, True), _x(n, k, 8, True), False, False)
+    if fmt == "nvfp4":
+        args = (ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax)
+        kw = dict(a_swizzled=False, b_swizzled=False, bias=None, out_dtype=torch.bfloat16)
+        gemm = dequant_gemm.nvfp4_gemm_dequant
+    else:
+        args = (ra.data, ra.scale, rb.data, rb.scale)
+        kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
+                  bias=None, out_dtype=torch.bfloat16)
+        gemm = dequant_gemm.mxfp8_gemm_dequant
+    monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
+    monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * n * 128)
+    with capture(), pytest.raises(NotCapturable, match="row blocks"):
+        gemm(*args, **kw)
+    assert launches == []
+    monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * m * n)
     with capture():
-        assert dequant_gemm._rows_per_block(16384, 8192) is None
+        gemm(*args, **kw)  # one block: its launches are recorded
+    assert dequant_gemm._epilogue_kernel in launches
 
 
 def test_unit_amax_decodes_every_e4m3_scale_exactly():

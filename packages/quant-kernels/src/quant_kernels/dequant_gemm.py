@@ -12,7 +12,8 @@ transposed view, never copied. When the output needs an epilogue, the fp32 produ
 whole: it is computed and finished in blocks of output rows of at most
 :data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized block by block too.
 Each output element is still one fp32 accumulation of the same exact products, so the blocks
-change nothing but cuBLAS's choice of order.
+change nothing but cuBLAS's choice of order. In a compiled graph a GEMM that needs blocks is not
+recorded: it stays an opaque op whose eager body runs the blocks (:func:`_rows_per_block`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
-from quant_core.kernel_capture import capturing
+from quant_core.kernel_capture import NotCapturable, capturing
 from quant_core.shapes import ceil_div
 
 from . import mxfp8, nvfp4
@@ -130,26 +131,31 @@ MAX_FP32_PRODUCT_BYTES = 64 * 2**20
 _ROW_TILE = 128
 
 
-def _rows_per_block(m, n) -> int | None:
-    """Output rows per block of the product (``None``: one block). Also one block for symbolic
-    shapes, where a Python loop over the rows would specialise the graph on ``m``, and while
-    the launches are recorded into a compiled graph: there, an NVFP4 step of 16384x8192x8192
-    with blocks hit an illegal memory access on the H200 in an Inductor copy kernel
-    (``bench/debug/dequant_blocks.py``; eager blocks run clean), so compiled graphs keep the
-    whole product until that is understood."""
-    if (capturing() or not (isinstance(m, int) and isinstance(n, int))
+def _rows_per_block(m, n, direct: bool) -> int | None:
+    """Output rows per block of the product (``None``: one block): one block when the output is
+    the fp32 product itself (``direct``), fits :data:`MAX_FP32_PRODUCT_BYTES`, or has symbolic
+    shapes (a Python loop over the rows would specialise the graph on ``m``).
+
+    While launches are recorded into a compiled graph, a product that needs blocks raises
+    ``NotCapturable`` before anything is recorded: the GEMM then stays an opaque op, whose eager
+    body runs the blocks at run time. Recorded blocks hit an illegal memory access in an
+    Inductor copy kernel on the H200 (NVFP4 16384x8192x8192, ``bench/debug/dequant_blocks.py``),
+    and one recorded block holds the whole fp32 product (512 MiB there)."""
+    if (direct or not (isinstance(m, int) and isinstance(n, int))
             or m * n * 4 <= MAX_FP32_PRODUCT_BYTES):
         return None
+    if capturing():
+        raise NotCapturable(f"a dequantized GEMM of {m}x{n} outputs runs in row blocks, "
+                            "which stay eager")
     return max(_ROW_TILE, MAX_FP32_PRODUCT_BYTES // (4 * n) // _ROW_TILE * _ROW_TILE)
 
 
-def _product(a_rows, m: int, bv, bias, out_dtype, amax_a=None, amax_b=None) -> torch.Tensor:
+def _product(a_rows, m: int, bv, rows: int | None, bias, out_dtype, amax_a=None,
+             amax_b=None) -> torch.Tensor:
     """``cast(alpha * (A @ bvᵀ) + bias)`` with fp32 accumulation, where ``a_rows(r0, r1)`` is
-    bf16 ``A[r0:r1]``; block by block (:func:`_rows_per_block`) when the output needs an
-    epilogue, so neither the fp32 product nor (for a contiguous A) A's bf16 copy is held whole."""
-    rows = _rows_per_block(m, bv.shape[0])
-    direct = out_dtype == torch.float32 and bias is None and amax_a is None
-    if rows is None or direct:  # an fp32 output without epilogue is the product itself
+    bf16 ``A[r0:r1]``; in blocks of ``rows`` output rows (:func:`_rows_per_block`), so that
+    neither the fp32 product nor (for a contiguous A) A's bf16 copy is held whole."""
+    if rows is None:
         return _finish(_mm_fp32(a_rows(0, m), bv), bias, out_dtype, amax_a, amax_b)
     out = torch.empty((m, bv.shape[0]), dtype=out_dtype, device=bv.device)
     for r0 in range(0, m, rows):
@@ -184,14 +190,17 @@ def _nvfp4_rows(data, scale, swizzled: bool):
 def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled,
                        bias, out_dtype) -> torch.Tensor:
     """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
+    direct = out_dtype == torch.float32 and bias is None  # the fp32 product is the output
+    rows = _rows_per_block(a.shape[0], b.shape[0], direct)  # before the first launch
     bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)
-    return _product(_mxfp8_rows(a, a_scale, a_dtype, a_swizzled), a.shape[0], bv, bias,
+    return _product(_mxfp8_rows(a, a_scale, a_dtype, a_swizzled), a.shape[0], bv, rows, bias,
                     out_dtype)
 
 
 def nvfp4_gemm_dequant(a, a_scale, a_amax, b, b_scale, b_amax, *, a_swizzled, b_swizzled, bias,
                        out_dtype) -> torch.Tensor:
     """``quant_core.reference.nvfp4_gemm`` through bf16 dequantization and cuBLAS."""
+    rows = _rows_per_block(a.shape[0], b.shape[0], False)  # before the first launch
     bv = _nvfp4_bf16(b, b_scale, b_swizzled)
-    return _product(_nvfp4_rows(a, a_scale, a_swizzled), a.shape[0], bv, bias, out_dtype,
+    return _product(_nvfp4_rows(a, a_scale, a_swizzled), a.shape[0], bv, rows, bias, out_dtype,
                     a_amax, b_amax)
