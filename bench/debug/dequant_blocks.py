@@ -2,7 +2,9 @@
 eager, then compiled, per recipe, with and without blocks; ``CUDA_LAUNCH_BLOCKING=1`` makes the
 failing launch raise where it is. One process per case (an illegal access poisons the context).
 
-``python bench/debug/dequant_blocks.py CASE`` with CASE ``<recipe>:<eager|compiled>:<blocks|whole>``
+``python bench/debug/dequant_blocks.py CASE``, CASE ``<recipe>:<eager|compiled>:<blocks|whole>``.
+A compiled case also checks its output and gradients against the eager step's, bit for bit
+(same seed: NVFP4's stochastically rounded gradient draws from torch's generator).
 """
 
 from __future__ import annotations
@@ -36,17 +38,28 @@ def main(case: str) -> None:
         with qr.autocast(recipe=recipe):
             return lin(t)
 
+    def step(fn):
+        torch.manual_seed(1)
+        y = fn(x)
+        y.backward(g)
+        out = (y.detach(), x.grad, lin.weight.grad)
+        x.grad = None
+        lin.weight.grad = None
+        return out
+
     f = torch.compile(fwd, fullgraph=True) if mode == "compiled" else fwd
     for i in range(2):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        f(x).backward(g)
+        got = step(f)
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30
         print(f"{case} step {i}: ok, peak {peak:.2f} GiB, x.grad finite "
-              f"{bool(x.grad.isfinite().all())}", flush=True)
-        x.grad = None
-        lin.weight.grad = None
+              f"{bool(got[1].isfinite().all())}", flush=True)
+    if mode == "compiled":
+        want = step(fwd)
+        same = [torch.equal(a, b) for a, b in zip(got, want, strict=True)]
+        print(f"{case}: compiled == eager bitwise (y, x.grad, w.grad): {same}", flush=True)
 
 
 if __name__ == "__main__":
