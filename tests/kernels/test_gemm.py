@@ -216,14 +216,19 @@ def test_dequant_gemm_block_rule():
     assert dequant_gemm._rows_per_block(16384, 8192, True) is None
     assert dequant_gemm._rows_per_block(4096, 4096, False) is None  # 64 MiB fits
     assert dequant_gemm._rows_per_block(100, 2**20, False) == 128  # never below one tile
+    from quant_core.kernel_capture import capture
+
+    with capture():  # recorded: MXFP8 keeps one block, NVFP4 refuses (the test below)
+        assert dequant_gemm._rows_per_block(16384, 8192, False, recorded_blocks=False) is None
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-def test_recorded_dequant_gemm_that_needs_blocks_refuses_before_any_launch(monkeypatch, fmt):
-    """Issue 14: while launches are recorded into a compiled graph, a GEMM whose product needs
-    row blocks raises ``NotCapturable`` before it records anything, so the GEMM stays an opaque op
-    whose eager body runs the blocks (recorded blocks failed in an Inductor copy kernel on the
-    H200, and one recorded block held the whole fp32 product). A GEMM that fits is recorded."""
+def test_recorded_dequant_gemm_that_needs_blocks(monkeypatch, fmt):
+    """Issue 14: while launches are recorded into a compiled graph, an NVFP4 GEMM whose product
+    needs row blocks raises ``NotCapturable`` before it records anything, so the GEMM stays an
+    opaque op whose eager body runs the blocks (recorded blocks failed in an Inductor copy kernel
+    on the H200). MXFP8 records its whole product, which peaked lower there (see
+    ``dequant_gemm._rows_per_block``). A GEMM that fits is recorded in both."""
     from quant_core.kernel_capture import NotCapturable, capture
 
     m, n, k = 320, 80, 64
@@ -249,9 +254,18 @@ def test_recorded_dequant_gemm_that_needs_blocks_refuses_before_any_launch(monke
         gemm = dequant_gemm.mxfp8_gemm_dequant
     monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
     monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * n * 128)
-    with capture(), pytest.raises(NotCapturable, match="row blocks"):
-        gemm(*args, **kw)
-    assert launches == []
+    mms = []
+    real_mm = dequant_gemm._mm_fp32
+    monkeypatch.setattr(dequant_gemm, "_mm_fp32", lambda a, b: mms.append(1) or real_mm(a, b))
+    if fmt == "nvfp4":
+        with capture(), pytest.raises(NotCapturable, match="row blocks"):
+            gemm(*args, **kw)
+        assert launches == [] and mms == []
+    else:
+        with capture():
+            gemm(*args, **kw)
+        assert mms == [1] and dequant_gemm._epilogue_kernel in launches  # one whole product
+        launches.clear()
     monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * m * n)
     with capture():
         gemm(*args, **kw)  # one block: its launches are recorded

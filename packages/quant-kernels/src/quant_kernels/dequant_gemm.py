@@ -12,8 +12,8 @@ transposed view, never copied. When the output needs an epilogue, the fp32 produ
 whole: it is computed and finished in blocks of output rows of at most
 :data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized block by block too.
 Each output element is still one fp32 accumulation of the same exact products, so the blocks
-change nothing but cuBLAS's choice of order. In a compiled graph a GEMM that needs blocks is not
-recorded: it stays an opaque op whose eager body runs the blocks (:func:`_rows_per_block`).
+change nothing but cuBLAS's choice of order. In a compiled graph an NVFP4 GEMM that needs blocks is
+not recorded: it stays an opaque op whose eager body runs the blocks (:func:`_rows_per_block`).
 """
 
 from __future__ import annotations
@@ -131,20 +131,25 @@ MAX_FP32_PRODUCT_BYTES = 64 * 2**20
 _ROW_TILE = 128
 
 
-def _rows_per_block(m, n, direct: bool) -> int | None:
+def _rows_per_block(m, n, direct: bool, recorded_blocks: bool = True) -> int | None:
     """Output rows per block of the product (``None``: one block): one block when the output is
     the fp32 product itself (``direct``), fits :data:`MAX_FP32_PRODUCT_BYTES`, or has symbolic
     shapes (a Python loop over the rows would specialise the graph on ``m``).
 
-    While launches are recorded into a compiled graph, a product that needs blocks raises
-    ``NotCapturable`` before anything is recorded: the GEMM then stays an opaque op, whose eager
-    body runs the blocks at run time. Recorded blocks hit an illegal memory access in an
-    Inductor copy kernel on the H200 (NVFP4 16384x8192x8192, ``bench/debug/dequant_blocks.py``),
-    and one recorded block holds the whole fp32 product (512 MiB there)."""
+    While launches are recorded into a compiled graph, recorded blocks are never used: they hit
+    an illegal memory access in an Inductor copy kernel on the H200 (NVFP4 16384x8192x8192,
+    ``bench/debug/dequant_blocks.py``). With ``recorded_blocks`` (NVFP4) a product that needs
+    blocks raises ``NotCapturable`` before anything is recorded, so the GEMM stays an opaque op
+    whose eager body runs the blocks: that layer's compiled step peaked at 1.02 GiB against 1.27
+    with the whole product recorded. Without it (MXFP8) the whole product is recorded: there the
+    opaque blocks peaked higher (1.51 against 1.38 GiB; eager mode 1.76), because the step's
+    other eager allocations cost more than the product saves (sixth session, bench/RESULTS.md)."""
     if (direct or not (isinstance(m, int) and isinstance(n, int))
             or m * n * 4 <= MAX_FP32_PRODUCT_BYTES):
         return None
     if capturing():
+        if not recorded_blocks:
+            return None
         raise NotCapturable(f"a dequantized GEMM of {m}x{n} outputs runs in row blocks, "
                             "which stay eager")
     return max(_ROW_TILE, MAX_FP32_PRODUCT_BYTES // (4 * n) // _ROW_TILE * _ROW_TILE)
@@ -191,7 +196,7 @@ def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, 
                        bias, out_dtype) -> torch.Tensor:
     """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
     direct = out_dtype == torch.float32 and bias is None  # the fp32 product is the output
-    rows = _rows_per_block(a.shape[0], b.shape[0], direct)  # before the first launch
+    rows = _rows_per_block(a.shape[0], b.shape[0], direct, recorded_blocks=False)
     bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)
     return _product(_mxfp8_rows(a, a_scale, a_dtype, a_swizzled), a.shape[0], bv, rows, bias,
                     out_dtype)
