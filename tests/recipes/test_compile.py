@@ -46,6 +46,19 @@ def _step(fn, m, x, seed):
     return y.detach(), x.grad, m.weight.grad, m.bias.grad
 
 
+def test_compiled_two_dim_output_is_not_regenerated():
+    """Issue 13: the compiled Linear's 2-D output is a graph output of its own, not an alias of
+    an intermediate that the compiled function rebuilds with ``aten._unsafe_view`` per call."""
+    m, fn = _linear_under(RECIPES["current"])
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    compiled(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = compiled(x)
+    assert [e.name for e in prof.events()].count("aten::_unsafe_view") == 0
+    assert torch.equal(y, fn(x))
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_linear_fullgraph_matches_eager(name, backend):

@@ -301,12 +301,15 @@ class Linear(QuantizedModule):
             if r is not None and (fwd_ds or bwd_ds):
                 if r.add(fwd_ds, bwd_ds, frame.recipe, group):
                     region = r
+        # a 2-D input goes in and comes out as it is: a reshaped output would be a view, which a
+        # compiled function regenerates on every call (aten._unsafe_view, host time)
+        flat = x.dim() == 2
         lead = x.shape[:-1]
         y = _QLinearFn.apply(
-            x.reshape(lead.numel(), self.in_features), w, self.bias, input_q, weight_q,
-            grad_q, group, frame.recipe.backward_override, region, weight_bwd_q,
+            x if flat else x.reshape(lead.numel(), self.in_features), w, self.bias, input_q,
+            weight_q, grad_q, group, frame.recipe.backward_override, region, weight_bwd_q,
         )
-        return y.reshape(*lead, self.out_features)
+        return y if flat else y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         extra = "" if self.save_weight_copy else ", save_weight_copy=False"
