@@ -32,6 +32,15 @@ def _assert_same_buffers(expected, got):
             assert torch.equal(u, t), name
 
 
+def _assert_columnwise_is(expected, row, w):
+    """The buffers of ``row`` with the columnwise copy built from its rowwise one are, byte for
+    byte, ``expected``'s (the quantizer's own rowwise and columnwise quantization of ``w``)."""
+    got = fsdp_layout.columnwise_buffer_list(row, w)
+    for name, t, u in zip(expected._buffer_names, expected.buffer_list(w), got, strict=True):
+        assert u.shape == t.shape and u.dtype == t.dtype, name
+        assert torch.equal(u, t), name
+
+
 def _gather(p, w, world):
     """What the ranks' all-gather yields: shards quantized with the MAX of their amaxes."""
     shards = list(w.chunk(world))
@@ -57,7 +66,7 @@ def test_sharded_quantization_is_the_full_quantization(name, dtype, world):
     assert isinstance(p, fsdp_layout.Plan), p
     got = _gather(p, w, world)
     full = q.with_usage(True, True).quantize(w)
-    _assert_same_buffers(full, fsdp_layout.with_columnwise(got))
+    _assert_columnwise_is(full, got, w)
     # only the forward's rowwise copy travels, except MXFP8 1x32 (columnwise differs)
     assert (got.buffers().get("_columnwise_data") is not None) == (name == "mxfp8")
 
@@ -68,14 +77,15 @@ def test_columnwise_from_rowwise_is_exact(name, shape):
     q = weight_quantizer(RECIPES[name])
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     row = q.with_usage(True, False).quantize(w)
-    _assert_same_buffers(q.with_usage(True, True).quantize(w), fsdp_layout.with_columnwise(row))
+    _assert_columnwise_is(q.with_usage(True, True).quantize(w), row, w)
 
 
 def test_columnwise_of_1d_blocks_is_refused():
     q = weight_quantizer(qr.MXFP8BlockScaling())
-    row = q.with_usage(True, False).quantize(torch.randn(64, 64))
+    w = torch.randn(64, 64)
+    row = q.with_usage(True, False).quantize(w)
     with pytest.raises(ValueError, match="cannot be built from the rowwise"):
-        fsdp_layout.with_columnwise(row)
+        fsdp_layout.columnwise_buffer_list(row, w)
 
 
 def test_uneven_fp8_split_drops_the_padding_rows():

@@ -25,6 +25,7 @@ import warnings
 
 import torch
 from quant_core import Quantizer
+from quant_core.reference._pad import zero_pad
 from quant_core.shapes import ceil_div
 from torch.utils import _pytree as pytree
 
@@ -165,8 +166,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
             meta = (p, {n: getattr(storage, n) for n in p.shared}, tuple(outer_size))
         rows = ceil_div(outer_size[0], world)  # FSDP2's padded shard (an uneven split's last rank)
         if len(inputs) == 1 and inputs[0].shape[0] != rows:  # block formats split evenly
-            t = inputs[0]
-            inputs = (torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]),)
+            inputs = (zero_pad(inputs[0], rows, inputs[0].shape[1]),)
         kind = "high_precision" if meta is None else "quantized"
         _BYTES[kind] += world * sum(t.numel() * t.element_size() for t in inputs)
         return inputs, meta

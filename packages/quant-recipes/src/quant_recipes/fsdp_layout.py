@@ -18,8 +18,9 @@ concatenation of every rank's buffers *is* the buffer of the full weight quantiz
   and travels as metadata. The columnwise copy is the transposed codes with the transposed scales.
 
 :func:`plan` says which buffers a rank sends, or why the format does not shard (the caller then
-all-gathers the high-precision weight). :func:`with_columnwise` adds the columnwise copy to a
-storage that holds only the rowwise one, exactly as the quantizer would have produced it.
+all-gathers the high-precision weight). :func:`columnwise_buffer_list` adds the columnwise
+copy to the buffers of a storage that holds only the rowwise one, exactly as the quantizer would
+have produced it.
 """
 
 from __future__ import annotations
@@ -146,20 +147,12 @@ def assemble(p: Plan, gathered: dict[str, torch.Tensor], shared: dict[str, torch
 
 
 # ---------------------------------------------------------------------- columnwise from rowwise
-def with_columnwise(s: QuantizedStorage) -> QuantizedStorage:
-    """``s`` with its columnwise copy, built from the rowwise buffers where that is exact (one
-    scale per tensor, or 2D blocks whose scale serves rows and columns alike); ``s`` itself when
-    it already has one. Raises ``ValueError`` for a format whose columnwise bytes differ."""
-    bufs = columnwise_buffers(s)
-    if bufs is None:
-        return s
-    return s.quantizer.with_usage(columnwise=True)._make_storage(s.shape, s.dtype, bufs)
-
-
 def columnwise_buffer_list(s: QuantizedStorage, like: torch.Tensor, q: Quantizer | None = None
                            ) -> list[torch.Tensor]:
-    """:func:`with_columnwise`'s buffers as a storage's ``buffer_list`` (absent ones empty on
-    ``like``'s device), without building a storage object (which compiled code cannot)."""
+    """The buffers of ``s`` with its columnwise copy (:func:`columnwise_buffers`) as a storage's
+    ``buffer_list`` (absent ones empty on ``like``'s device), without building a storage object
+    (which compiled code cannot). Raises ``ValueError`` for a format whose columnwise bytes
+    differ from the rowwise ones."""
     bufs = columnwise_buffers(s, q)
     if bufs is None:
         bufs = {n: getattr(s, n) for n in s._buffer_names}
@@ -168,8 +161,10 @@ def columnwise_buffer_list(s: QuantizedStorage, like: torch.Tensor, q: Quantizer
 
 def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
                        ) -> dict[str, torch.Tensor] | None:
-    """The present buffers of ``s`` plus its columnwise copy built from the rowwise one (see
-    :func:`with_columnwise`); ``None`` when ``s`` already holds a columnwise copy. ``q``: a
+    """The present buffers of ``s`` plus its columnwise copy, built from the rowwise buffers
+    where that is exact (one scale per tensor, or 2D blocks whose scale serves rows and columns
+    alike), exactly as the quantizer would have produced it; ``None`` when ``s`` already holds a
+    columnwise copy. ``q``: a
     quantizer equal to ``s.quantizer`` up to usages (default: that one); compiled code passes
     its baked constant (torch 2.10 cannot read a traced tensor's quantizer attribute)."""
     q = s.quantizer if q is None else q
@@ -210,5 +205,5 @@ def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
     return bufs
 
 
-__all__ = ["Plan", "base", "plan", "quantize_shard", "assemble", "with_columnwise",
-           "columnwise_buffers", "columnwise_buffer_list"]
+__all__ = ["Plan", "base", "plan", "quantize_shard", "assemble", "columnwise_buffers",
+           "columnwise_buffer_list"]

@@ -11,7 +11,7 @@ quantized format, :mod:`quant_recipes.fsdp`). Inside autocast its buffers feed t
 are, provided its quantizer equals the recipe's weight quantizer up to the usages (else
 ``ValueError``: quantizing the dequantized weight again would silently double-round it). The
 weight tensor itself is saved for backward (no copy), and dgrad reads its columnwise copy, built
-from the rowwise one where that is exact (:func:`quant_recipes.fsdp_layout.with_columnwise`).
+from the rowwise one where that is exact (:func:`quant_recipes.fsdp_layout.columnwise_buffer_list`).
 Its gradient is the high-precision ``dW`` in the weight's nominal dtype. Outside autocast it is
 dequantized.
 
