@@ -17,6 +17,8 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: E402
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "fp8_current"
+    if name.partition(":")[0] not in ts.OURS:  # the peers compile a module, not a closure
+        sys.exit(f"step_guards.py: choose one of {', '.join(ts.OURS)}, got {name!r}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     x, w, g = ts.step_inputs(n, n, n, dev)
