@@ -6,6 +6,11 @@
 # COMPILECHECK=1: compiled == eager with the ops lowered into Inductor's code
 # (check_compile_cuda.py); STEP_AB=1: the step again with QUANT_LOWERING=0 (AB_CONFIGS);
 # STEP_STATIC=1: again with Inductor's static launcher for the recorded kernels.
+# STEP_BASE=DIR: the step table alternately from this tree and from the tree at DIR (an A/B of a
+# change in separate processes, each against its own bf16 and torchao; STEP_BASE_ROUNDS pairs).
+# SPY=1: py-spy --native samples of the step loop per SPY_RECIPES (bench/spy_step.py; py-spy from
+# .bin/ or PATH). STATIC_PROBE=1: compile fp8_current with the static launcher in strict mode
+# (raises where Inductor bypasses it). OUTPUT_CODE=1: Inductor's code of the fp8_current step.
 set -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:$PWD/packages/quant-dynamo/src:$PWD/packages/quant-recipes/src:$PWD/.whl/torchao-0.18.0
@@ -44,6 +49,32 @@ fi
 if [ "${STEP_STATIC:-0}" = 1 ]; then
   timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --static-launch --shapes "${STEP_SHAPES:-4096x4096x4096}" --configs "bf16,${AB_CONFIGS:-fp8_current}" ${STEP_MODES:+--modes $STEP_MODES} --json "$OUT/step_static.json" > "$OUT/step_static.log" 2>&1
   echo "step (static launch) rc=$?"; tail -12 "$OUT/step_static.log"
+fi
+if [ -n "${STEP_BASE:-}" ]; then
+  for i in $(seq "${STEP_BASE_ROUNDS:-2}"); do
+    for tree in new base; do
+      dir=$PWD; [ $tree = base ] && dir=$STEP_BASE
+      (cd "$dir" && PYTHONPATH=$dir/packages/quant-core/src:$dir/packages/quant-kernels/src:$dir/packages/quant-dynamo/src:$dir/packages/quant-recipes/src:$PYTHONPATH \
+        timeout "${STEP_LIMIT:-240}" python3 bench/train_step.py --shapes "${STEP_SHAPES:-4096x4096x4096}" ${STEP_CONFIGS:+--configs $STEP_CONFIGS} ${STEP_MODES:+--modes $STEP_MODES} ${STEP_REPEAT:+--repeat $STEP_REPEAT} --json "$OUT/step_${tree}_$i.json" > "$OUT/step_${tree}_$i.log" 2>&1)
+      echo "step $tree round $i rc=$?"; grep -v "^  \|Warning\|Configuration class" "$OUT/step_${tree}_$i.log" | tail -${STEP_TAIL:-12}
+    done
+  done
+fi
+if [ "${STATIC_PROBE:-0}" = 1 ]; then
+  TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER=1 timeout 200 python3 bench/train_step.py --static-launch --shapes 4096x4096x4096 --configs bf16,fp8_current --json "$OUT/static_probe.json" > "$OUT/static_probe.log" 2>&1
+  echo "static probe rc=$?"; grep -E "CannotStatically|Bypassing|Error|ms" "$OUT/static_probe.log" | cut -c1-300 | tail -8
+fi
+if [ "${OUTPUT_CODE:-0}" = 1 ]; then
+  TORCH_LOGS=output_code timeout 200 python3 bench/debug/step_guards.py fp8_current 4096 > "$OUT/output_code.log" 2>&1
+  echo "output code rc=$? ($(wc -l < "$OUT/output_code.log") lines)"
+fi
+if [ "${SPY:-0}" = 1 ]; then
+  spy=$(command -v py-spy || echo "$PWD/.bin/py-spy")
+  for r in ${SPY_RECIPES:-fp8_current ao_fp8_tensorwise bf16}; do
+    (cd bench && timeout 200 "$spy" record --native -r "${SPY_RATE:-1000}" -f raw -o "$OUT/spy_$r.raw" -- \
+      python3 spy_step.py run --recipe "$r" --steps "${SPY_STEPS:-3000}" > "$OUT/spy_$r.json" 2> "$OUT/spy_$r.err")
+    echo "spy $r rc=$? $(tail -1 "$OUT/spy_$r.json")"; grep -v "^py-spy>" "$OUT/spy_$r.err" | grep -iE "error|denied" | head -3
+  done
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   # per-kernel GPU time and per-op host time of the compiled step (bench/profile_step.py)

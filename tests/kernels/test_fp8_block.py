@@ -7,6 +7,7 @@ import torch
 from _kernels_util import DEVICE, assert_all_same, assert_same, make_input
 from quant_core import reference as ref
 from quant_core.dtypes import DType
+from quant_core.kernel_capture import capture
 from quant_kernels.backend import BACKEND as B
 
 NAMES = ("row_data", "row_scale_inv", "col_data", "col_scale_inv")
@@ -42,3 +43,17 @@ def test_fp8_block_extremes():
                   amax_epsilon=1e-38, rowwise=True, columnwise=True)
         assert_all_same(B.fp8_block_quantize(x.to(DEVICE), **kw),
                         ref.fp8_block_quantize(x, **kw), DType.E4M3, NAMES)
+
+
+@pytest.mark.parametrize("dim,rw,cw", [(1, True, True), (1, True, False), (1, False, True),
+                                       (2, True, True)])
+def test_recorded_block_cast_stores_reference_bytes(dim, rw, cw):
+    """Through torch FP8 pointers (``fp8_data`` of a recorded launch; run eagerly here) the
+    kernel's row-only, column and 2D paths write the reference's bytes."""
+    x = make_input(200, 256, torch.bfloat16, seed=8)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=dim, force_pow_2_scales=True,
+              amax_epsilon=0.0, rowwise=rw, columnwise=cw)
+    with capture():
+        got = B.fp8_block_quantize(x.to(DEVICE), **kw)
+    assert all(t is None or t.dtype in (torch.uint8, torch.float32) for t in got)
+    assert_all_same(got, ref.fp8_block_quantize(x, **kw), DType.E4M3, NAMES)

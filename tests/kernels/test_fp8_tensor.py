@@ -7,6 +7,8 @@ import torch
 from _kernels_util import DEVICE, assert_all_same, assert_same, make_input
 from quant_core import reference as ref
 from quant_core.dtypes import DType
+from quant_core.kernel_capture import capture
+from quant_kernels._common import fp8_data
 from quant_kernels.backend import BACKEND as B
 
 SHAPES = [(70, 96), (5, 33), (0, 64)]
@@ -92,3 +94,29 @@ def test_delayed_scaling_accumulates_amax(scale):
                                 amax_out=want_amax)
         assert_all_same(got, want, DType.E4M3, ("data", "transpose", "scale_inv"))
         assert_same(got_amax, want_amax)
+
+
+def test_fp8_data_is_a_torch_fp8_buffer_when_recorded():
+    """Recorded into a graph the kernels write a torch FP8 buffer, and storages get a uint8 view
+    of it (the GEMM's FP8 view is then the buffer itself); eager launches write uint8 buffers."""
+    dev = torch.device(DEVICE)
+    arg, data = fp8_data((3, 32), DType.E5M2, dev)
+    assert arg.dtype == data.dtype == torch.uint8 and arg is data
+    with capture():
+        arg, data = fp8_data((3, 32), DType.E5M2, dev)
+    assert (arg.dtype, data.dtype) == (torch.float8_e5m2, torch.uint8)
+    assert data.untyped_storage().data_ptr() == arg.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+def test_recorded_cast_stores_reference_bytes(fp8):
+    """Kernels storing through torch FP8 pointers (recorded launches; eager here, since a launch
+    outside a trace runs) write the reference's bytes, rowwise and transposed."""
+    x = make_input(300, 96, torch.bfloat16, seed=7)
+    kw = dict(fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=0.0, rowwise=True,
+              columnwise=True)
+    with capture():
+        got = B.fp8_current_quantize(x.to(DEVICE), **kw)
+    assert got[0].dtype == got[1].dtype == torch.uint8
+    assert_all_same(got, ref.fp8_current_quantize(x, **kw), fp8,
+                    ("data", "transpose", "scale_inv"))

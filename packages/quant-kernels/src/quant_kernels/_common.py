@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+from quant_core.dtypes import DType
 from quant_core.kernel_capture import capturing
 
 from . import _launcher
@@ -54,6 +55,21 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
     else:
         _launcher.launch(kernel, grid, args, kwargs)
+
+
+def fp8_data(shape: tuple[int, ...], fp8_dtype: DType,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new FP8 data buffer: ``(kernel argument, uint8 data)``. Storages hold uint8 data
+    (`numerics.md` §9); kernels store their bytes bitcast to the argument's element type.
+
+    Recorded into a compiled graph, the buffer is torch's FP8 dtype and the data a uint8 view of
+    it: a GEMM's FP8 view of that data is then the buffer itself in Inductor's code, where a
+    uint8 buffer costs an ``aten.view.dtype`` call per GEMM operand on every step (issue 13)."""
+    if capturing():
+        buf = torch.empty(shape, dtype=fp8_dtype.torch_dtype, device=device)
+        return buf, buf.view(torch.uint8)
+    buf = torch.empty(shape, dtype=torch.uint8, device=device)
+    return buf, buf
 
 
 #: Output dtype codes of ``_rounding.to_out`` (a plain int constexpr, see there).

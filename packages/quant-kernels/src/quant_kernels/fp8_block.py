@@ -12,7 +12,7 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import check_block_scaling_dim, check_input_dtype
 from quant_core.shapes import ceil_div
 
-from ._common import launch, out_code
+from ._common import fp8_data, launch, out_code
 from ._rounding import (
     abs_for_max,
     fp8_decode,
@@ -43,9 +43,10 @@ def _fp8_block_kernel(
     slabs, pass 2 reloads each slab (from cache) and quantizes it.
 
     x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
-    rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
+    rd_ptr: FP8 rowwise data ``[M, K]`` (uint8 or torch FP8: ``fp8_data``), written when ``ROW``
+        (else a dummy).
     rs_ptr: fp32 rowwise scale_inv ``[ceil(K/128), RS_C]`` (1D) or ``[ceil(M/128), RS_C]`` (2D).
-    cd_ptr: uint8 FP8 columnwise data ``[K, M]`` (transposed), written when ``COL``.
+    cd_ptr: FP8 columnwise data ``[K, M]`` (transposed; uint8 or torch FP8), written when ``COL``.
     cs_ptr: fp32 columnwise scale_inv ``[ceil(M/128), CS_C]`` (1D) or ``[ceil(K/128), CS_C]`` (2D).
     M: rows of x.
     K: columns of x.
@@ -84,10 +85,12 @@ def _fp8_block_kernel(
             xf = widen(x)
             if ROW:
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
-                         fp8_rne_sat(xf * s_t, IS_E4M3), mask=mask)
+                         fp8_rne_sat(xf * s_t, IS_E4M3).to(rd_ptr.dtype.element_ty, bitcast=True),
+                         mask=mask)
             if COL:
+                q = tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3))
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
-                         tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3)), mask=tl.trans(mask))
+                         q.to(cd_ptr.dtype.element_ty, bitcast=True), mask=tl.trans(mask))
     else:
         # pass 1: the rowwise 1x128 blocks lie inside a slab; column maxima accumulate
         acc = tl.zeros([SLAB, BK], tl.float32)
@@ -97,8 +100,9 @@ def _fp8_block_kernel(
             if ROW:
                 s = scale_from_amax(nan_to_0(tl.max(abs_for_max(x), axis=1)), eps, FP8_MAX,
                                     POW2, VINF)
+                q = fp8_rne_sat(widen(x) * s[:, None], IS_E4M3)
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
-                         fp8_rne_sat(widen(x) * s[:, None], IS_E4M3), mask=mask)
+                         q.to(rd_ptr.dtype.element_ty, bitcast=True), mask=mask)
                 tl.store(rs_ptr + pid_k * RS_C + rm, scale_inverse(s, POW2), mask=rm < M)
             if COL:
                 acc = tl.maximum(acc, abs_for_max(x))
@@ -109,7 +113,8 @@ def _fp8_block_kernel(
                 rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0)
                 q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)
-                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q),
+                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                         tl.trans(q).to(cd_ptr.dtype.element_ty, bitcast=True),
                          mask=tl.trans(mask))
 
 
@@ -145,11 +150,12 @@ def fp8_block_quantize(
     rd = rs = cd = cs = None
     rs_shape = shapes.fp8_block_rowwise_scale_shape(m, k, block_scaling_dim)
     cs_shape = shapes.fp8_block_columnwise_scale_shape(m, k, block_scaling_dim)
+    rd_arg = cd_arg = None
     if rowwise:
-        rd = torch.empty((m, k), dtype=torch.uint8, device=dev)
+        rd_arg, rd = fp8_data((m, k), fp8_dtype, dev)
         rs = torch.zeros(rs_shape, dtype=torch.float32, device=dev)
     if columnwise:
-        cd = torch.empty((k, m), dtype=torch.uint8, device=dev)
+        cd_arg, cd = fp8_data((k, m), fp8_dtype, dev)
         cs = torch.zeros(cs_shape, dtype=torch.float32, device=dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
@@ -159,11 +165,12 @@ def fp8_block_quantize(
     bm = cfg["BM_ROW"] if row_only else BLOCK
     slab = bm if row_only else cfg["SLAB"]
     grid = (ceil_div(m, bm), ceil_div(k, BLOCK))
-    dummy = rd if rd is not None else cd
+    dummy = rd_arg if rd_arg is not None else cd_arg
     dummy_s = rs if rs is not None else cs
     launch(
         _fp8_block_kernel, grid,
-        x, rd if rowwise else dummy, rs if rowwise else dummy_s, cd if columnwise else dummy,
+        x, rd_arg if rowwise else dummy, rs if rowwise else dummy_s,
+        cd_arg if columnwise else dummy,
         cs if columnwise else dummy_s, m, k, rs_shape[1], cs_shape[1], float(amax_epsilon),
         ROW=rowwise, COL=columnwise, TWO_D=block_scaling_dim == 2,
         IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),

@@ -12,7 +12,7 @@ from quant_core.inputs import check_input_dtype
 from quant_core.shapes import ceil_div
 
 from ._amax import amax, amax_partials
-from ._common import launch, out_code
+from ._common import fp8_data, launch, out_code
 from ._rounding import (
     FLT_MAX,
     abs_for_max,
@@ -64,8 +64,10 @@ def _fp8_cast_kernel(
 
     x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
     scale_ptr: fp32 encode scale ``(1,)``; with ``PARTS > 0`` the ``n_parts`` fp32 amax partials.
-    data_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
-    t_ptr: uint8 FP8 transposed data ``[K, M]``, written when ``COL`` (else a dummy).
+    data_ptr: FP8 rowwise data ``[M, K]`` (uint8 or torch FP8: ``fp8_data``), written when
+        ``ROW`` (else a dummy).
+    t_ptr: FP8 transposed data ``[K, M]`` (uint8 or torch FP8), written when ``COL`` (else a
+        dummy).
     scale_inv_ptr: fp32 ``(1,)``, ``div_rn(1, scale)``, written by program (0, 0).
     amax_bits_ptr: fp32 amax ``(1,)`` as int32, atomic max of ``max|x|`` when ``AMAX``.
     M: rows of x.
@@ -96,10 +98,11 @@ def _fp8_cast_kernel(
         s = tl.load(scale_ptr)
     v = widen(x) * s
     if ROW:
-        tl.store(data_ptr + rm[:, None] * K + rk[None, :], fp8_rne_sat(v, IS_E4M3), mask=mask)
+        tl.store(data_ptr + rm[:, None] * K + rk[None, :],
+                 fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True), mask=mask)
     if COL:
         tl.store(t_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
-                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)),
+                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)).to(t_ptr.dtype.element_ty, bitcast=True),
                  mask=tl.trans(mask))
     if AMAX:
         tl.atomic_max(amax_bits_ptr,
@@ -114,8 +117,8 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
     ``scale_or_parts`` holds amax partials and every program derives the scale from them."""
     m, k = x.shape
     dev = x.device
-    data = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
-    trans = torch.empty((k, m), dtype=torch.uint8, device=dev) if columnwise else None
+    data_arg, data = fp8_data((m, k), fp8_dtype, dev) if rowwise else (None, None)
+    trans_arg, trans = fp8_data((k, m), fp8_dtype, dev) if columnwise else (None, None)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     cfg = config("fp8_cast")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
@@ -123,7 +126,8 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
     dummy = scale_inv
     launch(
         _fp8_cast_kernel, grid,
-        x, scale_or_parts, data if rowwise else dummy, trans if columnwise else dummy, scale_inv,
+        x, scale_or_parts, data_arg if rowwise else dummy, trans_arg if columnwise else dummy,
+        scale_inv,
         amax_out.view(torch.int32) if amax_out is not None else dummy, m, k, n_parts,
         float(current["amax_epsilon"]) if current else 0.0,
         ROW=rowwise, COL=columnwise, AMAX=amax_out is not None,

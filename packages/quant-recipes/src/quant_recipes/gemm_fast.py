@@ -47,9 +47,11 @@ def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
     # cuBLAS adds a bias of the output dtype in its fp32 epilogue, before the one rounding
     fused = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
     direct = bias is None or fused
+    # the (1,) scale-inverses as they are: a 0-dim reshape costs a reinterpret_tensor per
+    # operand on every compiled step, and torch reads any one-element scale as tensorwise
     out = torch._scaled_mm(
         _row_major(ra.fp8_view()), _row_major(rb.fp8_view()).t(),
-        scale_a=ra.scale.reshape(()), scale_b=rb.scale.reshape(()),
+        scale_a=ra.scale, scale_b=rb.scale,
         bias=bias if fused else None, out_dtype=out_dtype if direct else torch.float32,
     )
     if not direct:

@@ -1,0 +1,105 @@
+"""Where the host's wall time goes in a compiled training step, by sampling (issue 13): cProfile
+inflates every Python call it sees and cannot see Dynamo's frame or native code, so its
+per-function times did not add up to the measured gap against torchao.
+
+``run``: ``bench/train_step.py``'s step (one bias-free Linear ``--n`` square, compiled, default
+mode), warmed up, then ``--steps`` steps back to back without synchronising, for
+``py-spy record --native -f raw`` to sample (the autograd engine on the calling thread, as in
+``cprofile_step.py``, so one thread holds every frame of the step).
+``report RAW...``: per raw file, the share of the loop's samples under each function (inclusive)
+and at each leaf (own), as microseconds per step from the loop's measured wall time.
+
+``py-spy record --native -r 500 -f raw -o ours.raw -- python bench/spy_step.py run --recipe
+fp8_current`` then ``python bench/spy_step.py report ours.raw``
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+
+LOOP = "spy_step.py:loop"  # the frame every sample of the timed loop passes through
+
+
+def _short(frame: str) -> str:
+    """``fn (file.py:line)`` of py-spy's raw format, without the directory."""
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit("/", 1)[-1]
+    return f"{name} ({where.split(':')[0]})" if where else name
+
+
+def run(args) -> None:
+    import torch
+    from train_step import make_step, step_inputs  # registers Triton from source trees
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    step = make_step(args.recipe, *step_inputs(args.n, args.n, args.n, dev))[0]
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(10):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        us = loop(step, args.steps, dev, torch)
+    print(json.dumps({"recipe": args.recipe, "n": args.n, "steps": args.steps,
+                      "us_per_step": us}))
+
+
+def loop(step, steps: int, dev, torch) -> float:
+    """Wall microseconds per step of ``steps`` unsynchronised steps (the sampled frames)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    us = (time.perf_counter() - t0) / steps * 1e6
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return us
+
+
+def report(args) -> None:
+    for path in args.raw:
+        incl: collections.Counter = collections.Counter()
+        own: collections.Counter = collections.Counter()
+        total = 0
+        for line in open(path):
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = [_short(f) for f in stack.split(";")]
+            hits = [i for i, f in enumerate(frames) if f.startswith("loop (spy_step.py")]
+            if not hits:
+                continue
+            inner = frames[hits[-1] + 1:] or ["<loop>"]
+            n = int(count)
+            total += n
+            for f in set(inner):
+                incl[f] += n
+            own[inner[-1]] += n
+        meta = json.load(open(args.meta[0])) if args.meta else {}
+        scale = meta.get("us_per_step", 100.0) / max(total, 1) if meta else 100.0 / max(total, 1)
+        unit = "us/step" if meta else "% of samples"
+        print(f"--- {path}: {total} samples in the loop ({meta or 'no --meta: shares'})")
+        for title, counter in (("inclusive", incl), ("own (leaf)", own)):
+            print(f"| {unit} | {title} |\n| --- | --- |")
+            for f, n in counter.most_common(args.rows):
+                print(f"| {n * scale:.1f} | {f[:150]} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--recipe", default="fp8_current")
+    r.add_argument("--n", type=int, default=4096)
+    r.add_argument("--steps", type=int, default=2000)
+    rep = sub.add_parser("report")
+    rep.add_argument("raw", nargs="+")
+    rep.add_argument("--meta", nargs=1, help="the JSON line `run` printed (us_per_step)")
+    rep.add_argument("--rows", type=int, default=40)
+    args = p.parse_args()
+    sys.setrecursionlimit(10000)
+    run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
