@@ -11,6 +11,7 @@
 # SPY=1: py-spy --native samples of the step loop per SPY_RECIPES (bench/spy_step.py; py-spy from
 # .bin/ or PATH). STATIC_PROBE=1: compile fp8_current with the static launcher in strict mode
 # (raises where Inductor bypasses it). OUTPUT_CODE=1: Inductor's code of the fp8_current step.
+# TAR=1: pack every file under $OUT into all.tgz at the end (a call brings back few files).
 set -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 export PYTHONPATH=$PWD/packages/quant-core/src:$PWD/packages/quant-kernels/src:$PWD/packages/quant-dynamo/src:$PWD/packages/quant-recipes/src:$PWD/.whl/torchao-0.18.0
@@ -71,7 +72,8 @@ fi
 if [ "${SPY:-0}" = 1 ]; then
   spy=$(command -v py-spy || echo "$PWD/.bin/py-spy")
   for r in ${SPY_RECIPES:-fp8_current ao_fp8_tensorwise bf16}; do
-    (cd bench && timeout 200 "$spy" record --native -r "${SPY_RATE:-1000}" -f raw -o "$OUT/spy_$r.raw" -- \
+    # --native unwinding falls minutes behind at 1000 Hz on the H200 host: off unless SPY_NATIVE=1
+    (cd bench && timeout 200 "$spy" record ${SPY_NATIVE:+--native} -r "${SPY_RATE:-2000}" -f raw -o "$OUT/spy_$r.raw" -- \
       python3 spy_step.py run --recipe "$r" --steps "${SPY_STEPS:-3000}" > "$OUT/spy_$r.json" 2> "$OUT/spy_$r.err")
     echo "spy $r rc=$? $(tail -1 "$OUT/spy_$r.json")"; grep -v "^py-spy>" "$OUT/spy_$r.err" | grep -iE "error|denied" | head -3
   done
@@ -95,4 +97,7 @@ if [ "${CPROFILE:-0}" = 1 ]; then
       > "$OUT/cprofile_$r.log" 2>&1
     echo "cprofile $r rc=$?"
   done
+fi
+if [ "${TAR:-0}" = 1 ]; then
+  (cd "$OUT" && tar czf all.tgz --remove-files $(ls | grep -v '^all.tgz$'))
 fi
