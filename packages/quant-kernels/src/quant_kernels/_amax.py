@@ -80,7 +80,9 @@ def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def amax_partials(x: torch.Tensor) -> torch.Tensor:
     """Each program's NaN-dropping ``max|x|`` of non-empty ``x`` (fp32, no initialisation and no
-    atomics: the consumer takes the max of all of them)."""
+    atomics: the consumer takes the max of all of them). A contiguous ``x`` of any rank is read in
+    place: flattening it costs a ``reinterpret_tensor`` call per quantize in compiled code."""
+    x = x if x.is_contiguous() else x.reshape(-1)  # the max does not depend on the order
     n = x.numel()
     cfg = config("amax_partials")
     n_tiles = ceil_div(n, cfg["BLOCK"])

@@ -185,7 +185,7 @@ def fp8_current_quantize(
         return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise,
                             columnwise=columnwise)
     current = {"force_pow_2_scales": force_pow_2_scales, "amax_epsilon": amax_epsilon}
-    return _cast(x, amax_partials(x.reshape(-1)), fp8_dtype, rowwise, columnwise,
+    return _cast(x, amax_partials(x), fp8_dtype, rowwise, columnwise,
                  current=current)
 
 
