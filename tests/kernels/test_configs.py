@@ -16,7 +16,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg"}
 
 
 def _names(node: ast.expr, path: pathlib.Path) -> set[str]:
-    """The config names an argument of ``config(...)`` can take: its string constants (also in
+    """The config names an argument of ``config(...)`` / ``launch_config(...)`` can take: its string constants (also in
     conditional expressions), and for an f-string every table entry its literal prefix starts."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return {node.value}
@@ -33,9 +33,11 @@ def _names(node: ast.expr, path: pathlib.Path) -> set[str]:
 def _launch_site_names() -> set[str]:
     names = set()
     for path in sorted(SRC.glob("*.py")):
+        if path.name == "configs.py":  # the lookup itself, by a variable name
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "config"):
+                    and node.func.id in ("config", "launch_config")):
                 names |= _names(node.args[0], path)
     return names
 
@@ -88,3 +90,19 @@ def test_unknown_name_names_the_known_ones():
         with configs.overridden("mxfp9", {}):
             pass
     assert "mxfp9" not in configs.TABLE
+
+
+def test_launch_config_is_the_config_and_its_launch_keywords(monkeypatch):
+    """launch_config (built once per name and mode) is config's values with the keywords a
+    launch passes, read-only, and it follows overridden in and out."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the "gpu" entries
+    cfg, kw = configs.launch_config("mxfp8")
+    assert dict(cfg) == configs.TABLE["mxfp8"]["gpu"]
+    assert kw == {**configs.tile_args(cfg), **configs.launch_kwargs(cfg)}
+    assert kw and all(k.isupper() or k in LAUNCH_OPTIONS for k in kw)
+    with pytest.raises(TypeError):
+        cfg["BM"] = -1
+    new = {"BM": 16, "BK": 128, "num_warps": 2}
+    with configs.overridden("mxfp8", new):
+        assert configs.launch_config("mxfp8") == (new, new)
+    assert configs.launch_config("mxfp8") == (cfg, kw)

@@ -12,7 +12,7 @@ from quant_core.shapes import ceil_div
 
 from ._common import interpreting, launch
 from ._rounding import abs_for_max, f32_bits
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 
 @triton.jit
@@ -71,11 +71,10 @@ def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     n = x.numel()
     if n == 0:
         return
-    cfg = config("amax")
+    cfg, kw = launch_config("amax")
     n_tiles = ceil_div(n, cfg["BLOCK"])
     grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
-    launch(_amax_kernel, (grid,), x, out.view(torch.int32), n, n_tiles, **tile_args(cfg),
-           **launch_kwargs(cfg))
+    launch(_amax_kernel, (grid,), x, out.view(torch.int32), n, n_tiles, **kw)
 
 
 def amax_partials(x: torch.Tensor) -> torch.Tensor:
@@ -84,12 +83,11 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
     place: flattening it costs a ``reinterpret_tensor`` call per quantize in compiled code."""
     x = x if x.is_contiguous() else x.reshape(-1)  # the max does not depend on the order
     n = x.numel()
-    cfg = config("amax_partials")
+    cfg, kw = launch_config("amax_partials")
     n_tiles = ceil_div(n, cfg["BLOCK"])
     grid = min(n_tiles, cfg["per_sm"] * _sm_count(x.device))
     parts = torch.empty(grid, dtype=torch.float32, device=x.device)
-    launch(_amax_partials_kernel, (grid,), x, parts, n, n_tiles, **tile_args(cfg),
-           **launch_kwargs(cfg))
+    launch(_amax_partials_kernel, (grid,), x, parts, n, n_tiles, **kw)
     return parts
 
 

@@ -8,6 +8,8 @@ such a view of itself for either GEMM role (``quant_core.gemm_operand``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -67,7 +69,7 @@ def store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS: tl.cons
     tl.store(ptrs, to_out(acc, OUT), mask=mask)
 
 
-def grid(m: int, n: int, cfg: dict[str, int]) -> tuple[int]:
+def grid(m: int, n: int, cfg: Mapping[str, int]) -> tuple[int]:
     return (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]),)
 
 

@@ -10,14 +10,15 @@ the grid small. The keys of a config:
   interpreter (:func:`launch_kwargs`);
 - other lower-case keys (``per_sm``) are host-side parameters the wrapper reads itself.
 
-Kernels read their entry through :func:`config`. Benchmarks sweep the ``"gpu"`` entries with
-:func:`overridden`.
+Kernels read their entry through :func:`launch_config` (or :func:`config`, a copy). Benchmarks
+sweep the ``"gpu"`` entries with :func:`overridden`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Mapping
 
 from ._common import interpreting
 
@@ -95,6 +96,25 @@ def config(name: str) -> dict[str, int]:
     return dict(_entry(name)["interp" if interpreting() else "gpu"])
 
 
+#: ``launch_config``'s results per (name, interpreting); :func:`overridden` clears it.
+_LAUNCH_CONFIGS: dict[tuple[str, bool], tuple[Mapping[str, int], dict[str, int]]] = {}
+
+
+def launch_config(name: str) -> tuple[Mapping[str, int], dict[str, int]]:
+    """``(config, keywords)`` of kernel ``name`` in the current mode: the config read-only, and
+    the keywords a launch passes (:func:`tile_args` plus :func:`launch_kwargs`). Built once per
+    name and mode, since every quantize call goes through here (issue 13: rebuilding the dicts
+    was a quarter of a kernel wrapper's host time). Spread the keywords (``**``); don't modify
+    them."""
+    key = (name, interpreting())
+    found = _LAUNCH_CONFIGS.get(key)
+    if found is None:
+        cfg = config(name)
+        found = _LAUNCH_CONFIGS[key] = (types.MappingProxyType(cfg),
+                                        {**tile_args(cfg), **launch_kwargs(cfg)})
+    return found
+
+
 @contextlib.contextmanager
 def overridden(name: str, gpu_config: dict[str, int]) -> Iterator[None]:
     """Within the block, ``name``'s ``"gpu"`` config is (a copy of) ``gpu_config``; the previous
@@ -103,19 +123,21 @@ def overridden(name: str, gpu_config: dict[str, int]) -> Iterator[None]:
     entry = _entry(name)
     saved = entry["gpu"]
     entry["gpu"] = dict(gpu_config)
+    _LAUNCH_CONFIGS.clear()
     try:
         yield
     finally:
         entry["gpu"] = saved
+        _LAUNCH_CONFIGS.clear()
 
 
-def launch_kwargs(cfg: dict[str, int]) -> dict[str, int]:
+def launch_kwargs(cfg: Mapping[str, int]) -> dict[str, int]:
     """``num_warps`` / ``num_stages`` / ``maxnreg`` of a config, dropped in interpreter mode."""
     if interpreting():
         return {}
     return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg")}
 
 
-def tile_args(cfg: dict[str, int]) -> dict[str, int]:
+def tile_args(cfg: Mapping[str, int]) -> dict[str, int]:
     """The constexpr tile sizes of a config (upper-case keys)."""
     return {k: v for k, v in cfg.items() if k.isupper()}

@@ -29,7 +29,7 @@ from quant_core.shapes import ceil_div
 from . import mxfp8, nvfp4
 from ._common import launch, out_code
 from ._rounding import RCP_2688, separately_rounded, to_out
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 #: E4M3 block scales decode exactly when the NVFP4 dequantizer's per-tensor factor is
 #: ``fp32(2688 * fp32(1/2688))``: ``e4m3 * 2688`` is exact and the product rounds back to
@@ -112,14 +112,14 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None,
         out = torch.empty_like(acc, dtype=out_dtype)
     if acc.numel() == 0:
         return out
-    cfg = config("gemm_epilogue")
+    cfg, kw = launch_config("gemm_epilogue")
     launch(
         _epilogue_kernel, (ceil_div(acc.numel(), cfg["BLOCK"]),),
         acc, out, bias if bias is not None else acc,
         amax_a.to(torch.float32).reshape(1) if has_alpha else acc,
         amax_b.to(torch.float32).reshape(1) if has_alpha else acc, acc.numel(), acc.shape[1],
         HAS_ALPHA=has_alpha, HAS_BIAS=bias is not None, OUT=out_code(out_dtype),
-        **tile_args(cfg), **launch_kwargs(cfg),
+        **kw,
     )
     return out
 

@@ -25,7 +25,7 @@ from ._rounding import (
     to_out,
     widen,
 )
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
     data_arg, data = fp8_data((m, k), fp8_dtype, dev) if rowwise else (None, None)
     trans_arg, trans = fp8_data((k, m), fp8_dtype, dev) if columnwise else (None, None)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
-    cfg = config("fp8_cast")
+    cfg, kw = launch_config("fp8_cast")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     n_parts = scale_or_parts.numel() if current else 0
     dummy = scale_inv
@@ -134,7 +134,7 @@ def _cast(x, scale_or_parts, fp8_dtype: DType, rowwise: bool, columnwise: bool, 
         IS_E4M3=fp8_dtype == DType.E4M3,
         PARTS=1 << (max(n_parts, 16) - 1).bit_length() if current else 0,  # next power of 2
         FP8_MAX=fp8_dtype.max, POW2=bool(current and current["force_pow_2_scales"]),
-        **tile_args(cfg), **launch_kwargs(cfg),
+        **kw,
     )
     return data, trans, scale_inv
 
@@ -220,11 +220,10 @@ def fp8_dequantize(
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
     n = data.numel()
     if n:
-        cfg = config("fp8_dequant")
+        cfg, kw = launch_config("fp8_dequant")
         launch(
             _fp8_dequant_kernel, (ceil_div(n, cfg["BLOCK"]),),
             data.view(torch.uint8), scale_inv.to(torch.float32).reshape(1).contiguous(), out, n,
-            IS_E4M3=fp8_dtype == DType.E4M3, OUT=out_code(dtype), **tile_args(cfg),
-            **launch_kwargs(cfg),
+            IS_E4M3=fp8_dtype == DType.E4M3, OUT=out_code(dtype), **kw,
         )
     return out

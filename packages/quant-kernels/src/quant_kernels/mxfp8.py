@@ -27,7 +27,7 @@ from ._rounding import (
     to_out,
     widen,
 )
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 
 @triton.jit
@@ -168,9 +168,9 @@ def mxfp8_quantize(
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
     if rowwise and columnwise and not with_2d_quantization:
-        cfg = config("mxfp8_fused")
+        cfg, kw = launch_config("mxfp8_fused")
     else:
-        cfg = config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
+        cfg, kw = launch_config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     dummy = rd if rd is not None else cd
     launch(
@@ -178,7 +178,7 @@ def mxfp8_quantize(
         x, rd if rowwise else dummy, rs if rowwise else dummy, cd if columnwise else dummy,
         cs if columnwise else dummy, m, k, rs_shape[1], cs_shape[1], cs_shape[0],
         ROW=rowwise, COL=columnwise, TWO_D=with_2d_quantization, SWIZZLE=swizzle,
-        IS_E4M3=fp8_dtype == DType.E4M3, **tile_args(cfg), **launch_kwargs(cfg),
+        IS_E4M3=fp8_dtype == DType.E4M3, **kw,
     )
     return rd, rs, cd, cs
 
@@ -245,7 +245,7 @@ def mxfp8_dequantize(
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:
         return out
-    cfg = config("mxfp8_dequant")
+    cfg, kw = launch_config("mxfp8_dequant")
     if columnwise and 32 % cfg["BM"]:
         raise ValueError(f"mxfp8_dequant config: BM must divide 32, got {cfg['BM']}")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
@@ -253,6 +253,6 @@ def mxfp8_dequantize(
         _mxfp8_dequant_kernel, grid,
         data.contiguous().view(torch.uint8), scale.contiguous(), out, m, k, scale.shape[1],
         scale.shape[0], COLWISE=columnwise, SWIZZLE=swizzled, IS_E4M3=fp8_dtype == DType.E4M3,
-        OUT=out_code(dtype), **tile_args(cfg), **launch_kwargs(cfg),
+        OUT=out_code(dtype), **kw,
     )
     return out

@@ -29,7 +29,7 @@ from quant_core.shapes import ceil_div
 from . import _gemm, dequant_gemm
 from ._common import interpreting, launch, out_code
 from ._rounding import NATIVE_FP8, e8m0_decode, fp8_decode
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 MODES = ("dequant", "bf16", "fp8")
 
@@ -169,7 +169,7 @@ def mxfp8_gemm(
         return dequant_gemm.mxfp8_gemm_dequant(
             a, a_scale, b, b_scale, a_dtype=a_dtype, b_dtype=b_dtype, a_swizzled=a_swizzled,
             b_swizzled=b_swizzled, bias=bias, out_dtype=out_dtype)
-    cfg = config(f"mxfp8_gemm_{mode}")
+    cfg, kw = launch_config(f"mxfp8_gemm_{mode}")
     t_am, t_ak, sa_c = _scale_args(a_scale, a_swizzled, k)
     t_bn, t_bk, sb_c = _scale_args(b_scale, b_swizzled, k)
     launch(
@@ -178,7 +178,6 @@ def mxfp8_gemm(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), t_am, t_ak, t_bn, t_bk, sa_c, sb_c,
         out.stride(0), out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
         A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3, FP8_MMA=mode == "fp8",
-        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **tile_args(cfg),
-        **launch_kwargs(cfg),
+        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **kw,
     )
     return out

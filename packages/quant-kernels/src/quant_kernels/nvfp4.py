@@ -6,6 +6,8 @@ low nibble first."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,7 @@ from ._rounding import (
     to_out,
     widen,
 )
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 
 @triton.jit
@@ -368,7 +370,7 @@ def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.view(torch.int32), 1 if x.dtype == torch.bfloat16 else 2
 
 
-def _col_grid(m: int, k: int, cfg: dict) -> tuple[int, int]:
+def _col_grid(m: int, k: int, cfg: Mapping[str, int]) -> tuple[int, int]:
     return (ceil_div(m, 16 * cfg["G"]), ceil_div(k, cfg["BK"]))
 
 
@@ -391,11 +393,11 @@ def nvfp4_amax(
             check_rht_input(x)
             col = torch.zeros(1, dtype=torch.float32, device=dev)
             if m and k:
-                cfg = config("nvfp4_col")
+                cfg, kw = launch_config("nvfp4_col")
                 launch(
                     _rht_amax_kernel, _col_grid(m, k, cfg),
                     x, col.view(torch.int32), m, k, MASK=int(rht_sign_mask),
-                    **tile_args(cfg), **launch_kwargs(cfg),
+                    **kw,
                 )
         else:
             col = row.clone()
@@ -433,14 +435,14 @@ def nvfp4_quantize(
         rd = torch.empty(shapes.nvfp4_rowwise_data_shape(m, k), dtype=torch.uint8, device=dev)
         rs = torch.zeros(shapes.nvfp4_rowwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
-            cfg = config("nvfp4_row")
+            cfg, kw = launch_config("nvfp4_row")
             grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
             xp, dt = _pairs(x)
             launch(
                 _nvfp4_row_kernel, grid,
                 xp, amax_rowwise.to(torch.float32).reshape(1), seed, rd, rs, m, k, rs.shape[1],
                 DT=dt, SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
-                SWIZZLE=bool(swizzle), **tile_args(cfg), **launch_kwargs(cfg),
+                SWIZZLE=bool(swizzle), **kw,
             )
     if columnwise:
         cd_shape = shapes.nvfp4_columnwise_data_shape(m, k)
@@ -449,13 +451,13 @@ def nvfp4_quantize(
         cdw = torch.empty((cd_shape[0], mhw * 8), dtype=torch.uint8, device=dev)
         cs = torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
         if m and k:
-            cfg = config("nvfp4_col")
+            cfg, kw = launch_config("nvfp4_col")
             launch(
                 _nvfp4_col_kernel, _col_grid(m, k, cfg),
                 x, amax_columnwise.to(torch.float32).reshape(1), seed, cdw.view(torch.int64), cs,
                 m, k, mhw, cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
                 SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
-                SWIZZLE=bool(swizzle), **tile_args(cfg), **launch_kwargs(cfg),
+                SWIZZLE=bool(swizzle), **kw,
             )
         cd = cdw if cdw.shape[1] == cd_shape[1] else cdw[:, :cd_shape[1]].contiguous()
     return rd, rs, cd, cs
@@ -505,12 +507,11 @@ def nvfp4_dequantize(
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:
         return out
-    cfg = config("nvfp4_dequant")
+    cfg, kw = launch_config("nvfp4_dequant")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     launch(
         _nvfp4_dequant_kernel, grid,
         data.contiguous(), scale.contiguous(), amax.to(torch.float32).reshape(1), out, m, k,
-        scale.shape[1], SWIZZLE=bool(swizzled), OUT=out_code(dtype), **tile_args(cfg),
-        **launch_kwargs(cfg),
+        scale.shape[1], SWIZZLE=bool(swizzled), OUT=out_code(dtype), **kw,
     )
     return out

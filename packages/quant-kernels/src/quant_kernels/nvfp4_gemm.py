@@ -25,7 +25,7 @@ import triton.language as tl
 from . import _gemm, dequant_gemm
 from ._common import interpreting, launch, out_code
 from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
-from .configs import config, launch_kwargs, tile_args
+from .configs import launch_config
 
 MODES = ("dequant", "fused")
 #: The implementation of every call: None picks "dequant" on GPUs, "fused" under the interpreter.
@@ -138,14 +138,13 @@ def nvfp4_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0 or k == 0:
         return _gemm.empty_k(out, bias)
-    cfg = config("nvfp4_gemm")
+    cfg, kw = launch_config("nvfp4_gemm")
     launch(
         _nvfp4_gemm_kernel, _gemm.grid(m, n, cfg),
         a, b, a_scale, b_scale, a_amax.to(torch.float32).reshape(1),
         b_amax.to(torch.float32).reshape(1), bias if bias is not None else out, out, m, n, k,
         a.stride(0), b.stride(0), a_scale.shape[1], b_scale.shape[1], out.stride(0),
         out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
-        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **tile_args(cfg),
-        **launch_kwargs(cfg),
+        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **kw,
     )
     return out
