@@ -27,8 +27,14 @@ def _x(m, k, seed, integer=False):
             * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g))).to(DEVICE)
 
 
-def _within_bound(got, ref, a_abs, b_abs, k):
-    bound = 2 * k * 2.0**-24 * (a_abs @ b_abs.t()) + 1e-30
+#: Hopper's FP8 MMA keeps about 14 bits while it adds (DeepSeek-V3 report, 3.3.2, on H800), not
+#: fp32's 24: the sums of MXFP8 mode "fp8" (a benchmark mode, outside the exactness contract) are
+#: bounded by this share of sum |a||b| on top of the accumulation-order bound.
+FP8_MMA_REL = 2.0**-13
+
+
+def _within_bound(got, ref, a_abs, b_abs, k, mma_rel=0.0):
+    bound = (2 * k * 2.0**-24 + mma_rel) * (a_abs @ b_abs.t()) + 1e-30
     close = (got.float() - ref.float()).abs() <= bound + 2.0**-7 * ref.float().abs() * (
         got.dtype != torch.float32)
     return bool(close.all())
@@ -88,7 +94,8 @@ def test_mxfp8_gemm_matches_reference(mx_mode, ta, tb, shape, swizzle):
             else:
                 av = reference.gemm._mxfp8_operand(ra.data, ra.scale, ra.fp_dtype, swizzle)
                 bv = reference.gemm._mxfp8_operand(rb.data, rb.scale, rb.fp_dtype, swizzle)
-                assert _within_bound(got, ref, av.abs(), bv.abs(), k), (mx_mode, out_dtype)
+                rel = FP8_MMA_REL if mx_mode == "fp8" else 0.0
+                assert _within_bound(got, ref, av.abs(), bv.abs(), k, rel), (mx_mode, out_dtype)
 
 
 @pytest.mark.parametrize("mx_mode", MX_MODES[:3], indirect=True)
