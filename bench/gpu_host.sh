@@ -73,7 +73,7 @@ if [ "${SPY:-0}" = 1 ]; then
   spy=$(command -v py-spy || echo "$PWD/.bin/py-spy")
   for r in ${SPY_RECIPES:-fp8_current ao_fp8_tensorwise bf16}; do
     # --native unwinding falls minutes behind at 1000 Hz on the H200 host: off unless SPY_NATIVE=1
-    (cd bench && timeout 200 "$spy" record ${SPY_NATIVE:+--native} -r "${SPY_RATE:-2000}" -f raw -o "$OUT/spy_$r.raw" -- \
+    (cd bench && timeout 200 "$spy" record ${SPY_NATIVE:+--native} -r "${SPY_RATE:-200}" -f raw -o "$OUT/spy_$r.raw" -- \
       python3 spy_step.py run --recipe "$r" --steps "${SPY_STEPS:-3000}" > "$OUT/spy_$r.json" 2> "$OUT/spy_$r.err")
     echo "spy $r rc=$? $(tail -1 "$OUT/spy_$r.json")"; grep -v "^py-spy>" "$OUT/spy_$r.err" | grep -iE "error|denied" | head -3
   done

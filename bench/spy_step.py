@@ -9,8 +9,10 @@ mode), warmed up, then ``--steps`` steps back to back without synchronising, for
 ``report RAW...``: per raw file, the share of the loop's samples under each function (inclusive)
 and at each leaf (own), as microseconds per step from the loop's measured wall time.
 
-``py-spy record --native -r 500 -f raw -o ours.raw -- python bench/spy_step.py run --recipe
-fp8_current`` then ``python bench/spy_step.py report ours.raw``
+``py-spy record -r 200 -f raw -o ours.raw -- python bench/spy_step.py run --recipe fp8_current
+> ours.json`` then ``python bench/spy_step.py report ours.raw --meta ours.json``. Works on this
+CPU; on the H200 hosts py-spy fell minutes behind at 1000-2000 Hz, with or without ``--native``
+(bench/RESULTS.md, seventh session), so keep the rate low there.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 import time
 
 LOOP = "spy_step.py:loop"  # the frame every sample of the timed loop passes through
@@ -76,7 +77,8 @@ def report(args) -> None:
                 incl[f] += n
             own[inner[-1]] += n
         meta = json.load(open(args.meta[0])) if args.meta else {}
-        scale = meta.get("us_per_step", 100.0) / max(total, 1) if meta else 100.0 / max(total, 1)
+        # with the run's measured us/step, a share of the samples is a share of that time
+        scale = meta.get("us_per_step", 100.0) / max(total, 1)
         unit = "us/step" if meta else "% of samples"
         print(f"--- {path}: {total} samples in the loop ({meta or 'no --meta: shares'})")
         for title, counter in (("inclusive", incl), ("own (leaf)", own)):
@@ -97,7 +99,6 @@ def main() -> None:
     rep.add_argument("--meta", nargs=1, help="the JSON line `run` printed (us_per_step)")
     rep.add_argument("--rows", type=int, default=40)
     args = p.parse_args()
-    sys.setrecursionlimit(10000)
     run(args) if args.cmd == "run" else report(args)
 
 
