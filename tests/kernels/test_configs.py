@@ -16,8 +16,9 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg"}
 
 
 def _names(node: ast.expr, path: pathlib.Path) -> set[str]:
-    """The config names an argument of ``config(...)`` / ``launch_config(...)`` can take: its string constants (also in
-    conditional expressions), and for an f-string every table entry its literal prefix starts."""
+    """The config names an argument of ``config(...)`` or ``launch_config(...)`` can take: its
+    string constants (also in conditional expressions), and for an f-string every table entry its
+    literal prefix starts."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return {node.value}
     if isinstance(node, ast.IfExp):
