@@ -18,7 +18,7 @@ import cProfile
 import pstats
 
 import torch
-from train_step import OURS, make_step, step_inputs  # registers Triton from source trees
+from train_step import OURS, warm_square_step  # registers Triton from source trees
 
 
 def main() -> None:
@@ -30,12 +30,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=30)
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    step = make_step(args.recipe, *step_inputs(args.n, args.n, args.n, dev))[0]
     with torch.autograd.set_multithreading_enabled(False):
-        for _ in range(5):
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        step = warm_square_step(args.recipe, args.n, dev, warmup=5)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.steps):

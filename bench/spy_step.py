@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 
-LOOP = "spy_step.py:loop"  # the frame every sample of the timed loop passes through
+#: The timed loop's frame (``train_step.host_ms``), as ``_short`` names it.
+LOOP = "host_ms (train_step.py)"
 
 
 def _short(frame: str) -> str:
@@ -34,29 +34,14 @@ def _short(frame: str) -> str:
 
 def run(args) -> None:
     import torch
-    from train_step import make_step, step_inputs  # registers Triton from source trees
+    from train_step import host_ms, warm_square_step  # registers Triton from source trees
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    step = make_step(args.recipe, *step_inputs(args.n, args.n, args.n, dev))[0]
     with torch.autograd.set_multithreading_enabled(False):
-        for _ in range(10):
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        us = loop(step, args.steps, dev, torch)
+        step = warm_square_step(args.recipe, args.n, dev, warmup=10)
+        us = host_ms(step, dev, args.steps) * 1e3  # the loop every sample of interest is in
     print(json.dumps({"recipe": args.recipe, "n": args.n, "steps": args.steps,
                       "us_per_step": us}))
-
-
-def loop(step, steps: int, dev, torch) -> float:
-    """Wall microseconds per step of ``steps`` unsynchronised steps (the sampled frames)."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    us = (time.perf_counter() - t0) / steps * 1e6
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return us
 
 
 def report(args) -> None:
@@ -67,7 +52,7 @@ def report(args) -> None:
         for line in open(path):
             stack, _, count = line.rstrip("\n").rpartition(" ")
             frames = [_short(f) for f in stack.split(";")]
-            hits = [i for i, f in enumerate(frames) if f.startswith("loop (spy_step.py")]
+            hits = [i for i, f in enumerate(frames) if f.startswith(LOOP)]
             if not hits:
                 continue
             inner = frames[hits[-1] + 1:] or ["<loop>"]
@@ -76,7 +61,9 @@ def report(args) -> None:
             for f in set(inner):
                 incl[f] += n
             own[inner[-1]] += n
-        meta = json.load(open(args.meta[0])) if args.meta else {}
+        # py-spy writes its own messages to the same stdout: the JSON line is run's
+        meta = json.loads([ln for ln in open(args.meta[0]) if ln.startswith("{")][-1]) \
+            if args.meta else {}
         # with the run's measured us/step, a share of the samples is a share of that time
         scale = meta.get("us_per_step", 100.0) / max(total, 1)
         unit = "us/step" if meta else "% of samples"

@@ -158,13 +158,13 @@ def time_steps(step, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def host_ms(step, device: torch.device) -> float:
-    """Wall ms per step of ``ITERS`` steps issued back to back, without synchronising."""
+def host_ms(step, device: torch.device, iters: int = ITERS) -> float:
+    """Wall ms per step of ``iters`` steps issued back to back, without synchronising."""
     sync(device)
     t0 = time.perf_counter()
-    for _ in range(ITERS):
+    for _ in range(iters):
         step()
-    elapsed = (time.perf_counter() - t0) * 1e3 / ITERS
+    elapsed = (time.perf_counter() - t0) * 1e3 / iters
     sync(device)
     return elapsed
 
@@ -207,6 +207,16 @@ def step_inputs(m: int, k: int, n: int, device) -> tuple[torch.Tensor, ...]:
     w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
     g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
     return x, w, g
+
+
+def warm_square_step(name: str, n: int, device: torch.device, warmup: int):
+    """:func:`make_step`'s step of config ``name`` for one ``n`` square layer, run ``warmup``
+    times (compiling it) and synchronised: what the profiling scripts then time or sample."""
+    step = make_step(name, *step_inputs(n, n, n, device))[0]
+    for _ in range(warmup):
+        step()
+    sync(device)
+    return step
 
 
 def make_step(name, x, w, g, compile_: bool = True, mode: str = "default", layers: int = 1):

@@ -97,10 +97,13 @@ def test_launch_config_is_the_config_and_its_launch_keywords(monkeypatch):
     """launch_config (built once per name and mode) is config's values with the keywords a
     launch passes, read-only, and it follows overridden in and out."""
     monkeypatch.setattr(configs, "interpreting", lambda: False)  # the "gpu" entries
+    entry = configs.TABLE["mxfp8"]["gpu"]
     cfg, kw = configs.launch_config("mxfp8")
-    assert dict(cfg) == configs.TABLE["mxfp8"]["gpu"]
-    assert kw == {**configs.tile_args(cfg), **configs.launch_kwargs(cfg)}
-    assert kw and all(k.isupper() or k in LAUNCH_OPTIONS for k in kw)
+    assert dict(cfg) == entry
+    # the table's tile sizes and launch options; host-side keys (lower case) stay out
+    assert kw == {k: v for k, v in entry.items() if k.isupper() or k in LAUNCH_OPTIONS}
+    assert "per_sm" in configs.TABLE["amax"]["gpu"]
+    assert "per_sm" not in configs.launch_config("amax")[1]
     with pytest.raises(TypeError):
         cfg["BM"] = -1
     new = {"BM": 16, "BK": 128, "num_warps": 2}
