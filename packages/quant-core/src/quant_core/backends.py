@@ -9,16 +9,20 @@ optional ``capturable = True`` says its launches can be recorded into a compiled
 every device). Kernel packages join through the entry-point group ``quant_core.backends``:
 installing them is enough.
 
-Choice: an explicit ``name``, else the ``QUANT_BACKEND`` environment variable, else the
-highest-priority backend that supports the device.
+Choice: an explicit ``name``, else the backend of an enclosing :func:`using` on this thread,
+else the ``QUANT_BACKEND`` environment variable, else the highest-priority backend that supports
+the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
+import threading
 import types
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -83,12 +87,30 @@ def available() -> list[str]:
     return [b.name for b in sorted(_load().values(), key=lambda b: -b.priority)]
 
 
+_selected = threading.local()
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Make ``name`` the backend of every call on this thread that names none (re-entrant; the
+    innermost wins). Compiled graphs trace the reference this way (``using("reference")``), so
+    that a quantize and the dequantize or GEMM of its storage all become torch ops."""
+    previous = getattr(_selected, "name", None)
+    _selected.name = name
+    try:
+        yield
+    finally:
+        _selected.name = previous
+
+
 def get(name: str | None = None, device: torch.device | str | None = None):
-    """The backend to use for ``device``: ``name``, else ``$QUANT_BACKEND``, else the fastest.
+    """The backend to use for ``device``: ``name``, else :func:`using`'s, else
+    ``$QUANT_BACKEND``, else the fastest.
 
     Raises ``ValueError`` for an unknown name or a backend that does not support the device.
     """
-    requested = name or os.environ.get("QUANT_BACKEND") or None
+    requested = (name or getattr(_selected, "name", None) or os.environ.get("QUANT_BACKEND")
+                 or None)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     key = (requested, dev.type, os.environ.get("TRITON_INTERPRET"))
     cached = _choice_cache.get(key)

@@ -1,6 +1,8 @@
 """Every rounding rule of the reference: one helper per rule, mirroring the kernels'
 ``quant_kernels._rounding`` one to one (`numerics.md`).
 
+- Widening (§0): :func:`to_fp32`, the fp32 value of an input read from its stored bits (kernels:
+  ``widen``).
 - FP8 cast (§2): :func:`fp8_encode`, :func:`fp8_decode` (kernels: ``fp8_rne_sat``,
   ``fp8_decode``).
 - fp32 bits and NaN-dropping maxima (§10): :func:`f32_bits`, :func:`f32_from_bits`,
@@ -17,7 +19,15 @@
   kernel repeats :func:`sr_random_byte` with ``uint32`` arithmetic (whose multiplications wrap
   modulo 2^32 by themselves) and gets the reference's bytes.
 
-The kernels' cast helpers that add no rule (``widen``, ``bf16_rne``, ``bf16_round``, ``to_out``,
+These functions are also what compiled graphs run where a quantizer's lowering is ``"ops"``
+(:meth:`quant_core.Quantizer.lowerings`): Inductor compiles them into its own kernels, fused with
+their neighbours, so each is written to compile to the same bytes. Inputs are read through
+:func:`to_fp32`, a clamp is written as comparisons (no NaN-propagating maximum next to an FP8
+store, numerics.md "Known traps"), a division is an fp64 division rounded once (Inductor's fp32
+``/`` is approximate on CUDA), and no rule multiplies and then adds (a compiler may contract the
+two into one FMA).
+
+The kernels' cast helpers that add no rule (``bf16_rne``, ``bf16_round``, ``to_out``,
 ``separately_rounded``) have no counterpart: torch's casts are exact or round to nearest-even, and
 torch never contracts a multiply into a following add.
 """
@@ -45,7 +55,10 @@ def fp8_encode(v: torch.Tensor, fp8_dtype: DType) -> torch.Tensor:
     if v.dtype != torch.float32:
         raise TypeError(f"fp8_encode expects fp32 values, got {v.dtype}")
     fmax = fp8_dtype.max
-    data = v.clamp(-fmax, fmax).to(fp8_dtype.torch_dtype).view(torch.uint8)
+    # the clamp as comparisons, which NaN fails (it stays NaN): a compiled clamp is a
+    # NaN-propagating maximum, which Triton mis-lowers next to a transposed FP8 store
+    clamped = torch.where(v > fmax, fmax, torch.where(v < -fmax, -fmax, v))
+    data = clamped.to(fp8_dtype.torch_dtype).view(torch.uint8)
     # NaN becomes the canonical positive NaN 0x7F: the sign of a NaN differs between CPU and CUDA
     # arithmetic, and one byte per NaN keeps every backend's buffers bytewise comparable.
     return torch.where(torch.isnan(v), torch.full_like(data, CANONICAL_NAN), data)
@@ -69,9 +82,34 @@ def f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return b.to(torch.int32).view(torch.float32)
 
 
+def to_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``float(x)`` of an fp32, bf16 or fp16 tensor, computed from the stored bits of bf16 and
+    fp16 (exact: every bf16 and fp16 value is an fp32 value).
+
+    Reading the bits pins the value a compiler must use. Inductor computes a fused producer of a
+    low-precision tensor in fp32 and may skip its rounding to the stored dtype, so a
+    quantization fused with its producer would otherwise read other values than eager mode does.
+    """
+    if x.dtype == torch.float32:
+        return x
+    if x.dtype == torch.bfloat16:  # bf16 is the upper half of an fp32
+        return (x.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    if x.dtype != torch.float16:
+        raise TypeError(f"to_fp32 expects fp32, bf16 or fp16, got {x.dtype}")
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    exponent, mantissa = (bits >> 10) & 0x1F, bits & 0x3FF
+    # normal: rebias the exponent (15 -> 127); Inf/NaN: all-ones exponent; both keep the mantissa
+    wide = torch.where(exponent == 0x1F, torch.full_like(bits, 0xFF), exponent + 112)
+    normal = (wide << 23) | (mantissa << 13)
+    subnormal = (mantissa.to(torch.float32) * 2.0**-24).view(torch.int32)  # m * 2^-24: exact
+    magnitude = torch.where(exponent == 0, subnormal, normal)
+    # the sign as a bit, not a negation: a compiled negation is 0 - x, which loses -0.0
+    return (magnitude | ((bits & 0x8000) << 16)).view(torch.float32)
+
+
 def nan_to_zero_abs(x: torch.Tensor) -> torch.Tensor:
     """``|float(x)|`` with NaN mapped to 0, so maxima drop NaN as TE's ``fmaxf`` does (§10)."""
-    a = x.to(torch.float32).abs()
+    a = to_fp32(x).abs()
     return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 

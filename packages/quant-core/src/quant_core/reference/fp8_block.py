@@ -9,7 +9,7 @@ from ..dtypes import DType, check_fp8
 from ..inputs import check_block_scaling_dim, check_input_dtype
 from ._blocks import block_amax, expand_blocks
 from ._pad import zero_pad
-from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode
+from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode, to_fp32
 
 BLOCK = shapes.FP8_BLOCK
 
@@ -35,7 +35,7 @@ def _quantize_blocks(x, block_rows, block_cols, fp8_dtype, force_pow_2_scales, a
         value_for_inf=torch.finfo(x.dtype).max,
     )
     scale_inv = div_rn(torch.ones_like(scale), scale)
-    data = fp8_encode(x.to(torch.float32) * expand_blocks(scale, block_rows, block_cols, m, k),
+    data = fp8_encode(to_fp32(x) * expand_blocks(scale, block_rows, block_cols, m, k),
                       fp8_dtype)
     return data, scale_inv
 

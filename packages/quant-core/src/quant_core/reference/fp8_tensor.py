@@ -13,14 +13,16 @@ from ._rounding import (
     fp8_decode,
     fp8_encode,
     nan_to_zero_abs,
+    to_fp32,
 )
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of the whole tensor as fp32 ``(1,)``; NaN dropped, 0 for an empty tensor."""
     check_input_dtype(x, "amax")
-    a = nan_to_zero_abs(x).reshape(-1)
-    return torch.cat([a, a.new_zeros(1)]).amax().reshape(1)
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return nan_to_zero_abs(x).amax().reshape(1)  # >= 0: NaN became 0
 
 
 def current_scale(
@@ -56,11 +58,18 @@ def fp8_quantize(
     check_input_dtype(x, "fp8_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     scale = scale.to(torch.float32).reshape(1)
-    data = fp8_encode(x.to(torch.float32) * scale, fp8_dtype)
+    wide = to_fp32(x)
+    data = fp8_encode(wide * scale, fp8_dtype) if rowwise else None
     scale_inv = div_rn(torch.ones_like(scale), scale)
     if amax_out is not None:
         amax_out.copy_(torch.maximum(amax_out, amax(x).to(amax_out.device)))
-    transpose = data.t().contiguous() if columnwise else None
+    transpose = None
+    if columnwise:
+        # the byte transpose of the rowwise data; alone, the cast of the transposed input (the
+        # same bytes), which a compiled graph cannot merge with a rowwise cast of ``x`` made
+        # elsewhere: a backward that quantizes the weight again then really does so
+        transpose = (data.t().contiguous() if rowwise
+                     else fp8_encode(wide.t() * scale, fp8_dtype).contiguous())
     return (data if rowwise else None), transpose, scale_inv
 
 

@@ -16,6 +16,7 @@ from ._rounding import (
     e8m0_to_scale,
     fp8_decode,
     fp8_encode,
+    to_fp32,
 )
 from .swizzle import swizzle_scales, unswizzle_scales
 
@@ -33,7 +34,7 @@ def _quantize_blocks(x, block_rows, block_cols, fp8_dtype):
     m, k = x.shape
     e = e8m0_roundup(block_amax(x, block_rows, block_cols) * _RCP[fp8_dtype])
     s_inv = expand_blocks(e8m0_to_encode_multiplier(e), block_rows, block_cols, m, k)
-    return fp8_encode(x.to(torch.float32) * s_inv, fp8_dtype), e
+    return fp8_encode(to_fp32(x) * s_inv, fp8_dtype), e
 
 
 def mxfp8_quantize(
