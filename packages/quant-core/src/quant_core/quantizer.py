@@ -276,6 +276,22 @@ class Quantizer(metaclass=QuantizerMeta):
     def supports_only_rowwise_all_gather(self) -> bool:
         return False
 
+    def lowerings(self) -> tuple[str, ...]:
+        """The forms in which a compiled graph may run this quantizer's ``quantize``, best first
+        (quant-dynamo picks the first its device and settings allow; none: an opaque op):
+
+        - ``"ops"``: the pure-torch reference (:mod:`quant_core.reference`), traced into the
+          graph as torch ops that the compiler fuses with their neighbours, merges where two
+          quantizations of one tensor are equal, and may recompute in backward. Only for rules
+          written to compile to the reference's bytes (`numerics.md` §0).
+        - ``"kernels"``: the backend's kernels, each launch recorded into the graph
+          (:mod:`quant_core.kernel_capture`).
+
+        A quantizer whose result depends on state outside its value (a delayed-scaling scale, a
+        random seed) has none. The default is none.
+        """
+        return ()
+
 
 # ---------------------------------------------------------------------- class machinery
 def _annotated_fields(cls: type) -> tuple[str, ...]:

@@ -75,3 +75,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def is_requantization_safe(self) -> bool:
         return True
+
+    def lowerings(self) -> tuple[str, ...]:
+        """The backend's kernels, recorded into the graph."""
+        return ("kernels",)

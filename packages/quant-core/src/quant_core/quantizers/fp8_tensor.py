@@ -146,3 +146,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
 
     def supports_only_rowwise_all_gather(self) -> bool:
         return True
+
+    def lowerings(self) -> tuple[str, ...]:
+        """Traced reference ops, else the backend's kernels: the amax reduction, the scale (an
+        fp64 division rounded once) and the cast compile to the reference's bytes."""
+        return ("ops", "kernels")

@@ -63,3 +63,7 @@ class MXFP8Quantizer(Quantizer):
 
     def is_requantization_safe(self) -> bool:
         return True
+
+    def lowerings(self) -> tuple[str, ...]:
+        """The backend's kernels, recorded into the graph."""
+        return ("kernels",)

@@ -195,3 +195,9 @@ class NVFP4Quantizer(Quantizer):
 
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
+
+    def lowerings(self) -> tuple[str, ...]:
+        """The backend's kernels, recorded into the graph; none with stochastic rounding, whose
+        seed must come from torch's generator as in eager mode (not from Inductor's own random
+        numbers)."""
+        return () if self.stochastic_rounding else ("kernels",)
