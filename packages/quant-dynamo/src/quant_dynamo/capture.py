@@ -1,4 +1,4 @@
-"""Backend kernels inside the compiled graph: a ``quant`` op lowered to the kernels it launches.
+"""Quantization inside the compiled graph: a ``quant`` op lowered to torch ops or to kernels.
 
 In a compiled graph ``quant::quantize`` is an opaque Python custom op: every call pays the backend
 lookup, the checks, the allocations and Triton's Python launcher (hundreds of microseconds per
@@ -10,11 +10,28 @@ call on the H200, bench/RESULTS.md). Where the tensor's backend can record its l
 itself (no Python between kernels; memory planning and CUDA-graph trees see the buffers). The
 same kernel source runs with the same constants, so the bytes equal the eager op's.
 
-Where lowering does not apply the op stays opaque, as before: a device outside
-:data:`KERNEL_DEVICES`, a backend that is not capturable (the reference: Inductor could reorder
-its fp32 arithmetic), a body that raises ``NotCapturable``, a torch without
-``register_torch_dispatch`` / ``wrap_triton``, or ``QUANT_LOWERING=0`` in the environment
-(read when a graph is traced). Eager calls never come here.
+A quantizer whose lowerings (:meth:`quant_core.Quantizer.lowerings`) include ``"ops"`` can
+instead be lowered to its pure-torch reference, traced as torch ops (``ops_body``, run under
+``quant_core.backends.using("reference")``). Inductor then schedules the quantization like its own
+ops: it fuses the amax into the kernel that produces the tensor and the cast into the kernel
+that reads it, merges equal quantizations of one tensor (the graph's common-subexpression
+elimination: equal quantizer values trace equal ops), and its partitioner chooses what backward
+keeps, recomputing a quantization there when that saves memory. The reference's rules are
+written to compile to its bytes (``reference/_rounding.py``), on the devices of
+:data:`OPS_DEVICES`.
+
+The two forms trade speed for memory. On the H200, a Llama trained with the traced ops held
+about 1.1 GiB less between forward and backward at Llama-3-8B widths, and ran 5% slower: Inductor
+fuses the recomputed casts, with their transposed (columnwise) FP8 stores, into the norms'
+backward reductions, where those stores are uncoalesced (bench/RESULTS.md). So the kernels come
+first by default.
+
+``QUANT_LOWERING`` (read when a graph is traced, so one process can compare the forms) picks:
+unset or ``1`` the kernels where they apply, else the ops; ``ops`` the ops where they apply,
+else the kernels; ``kernels`` the kernels only; ``0`` opaque ops. Where no form applies the op
+stays opaque: a device outside the form's devices, a backend that is not capturable (for
+kernels), a body that raises ``NotCapturable``, or a torch without ``register_torch_dispatch``
+/ ``wrap_triton``. Eager calls never come here.
 """
 
 from __future__ import annotations
@@ -32,6 +49,13 @@ from quant_core.kernel_capture import NotCapturable, capture
 #: aot_eager with the Triton interpreter.
 KERNEL_DEVICES: set[str] = {"cuda"}
 
+#: Device types whose quantizers may be lowered to reference ops: CUDA, where Inductor's Triton
+#: code was checked byte for byte against the reference (bench/check_compiled_ops.py). Inductor's
+#: C++ code for the CPU is built with fast-math flags that differ between torch releases (on
+#: 2.13: ``-fno-signed-zeros``, ``-fexcess-precision=fast``), so the CPU keeps the opaque op,
+#: which runs the reference itself. Tests add "cpu" to check the traced ops.
+OPS_DEVICES: set[str] = {"cuda"}
+
 #: One registration library per op namespace (a library registers rules in its own namespace).
 _LIBS: dict[str, torch.library.Library] = {}
 
@@ -43,18 +67,39 @@ def supported() -> bool:
     )
 
 
+#: ``QUANT_LOWERING`` values -> the forms each allows, preferred first. The kernels lead by
+#: default: on the H200 they trained a Llama faster than the traced ops, which use less memory
+#: (bench/RESULTS.md, "Quantization the compiler can see").
+_FORMS = {"1": ("kernels", "ops"), "kernels": ("kernels",), "ops": ("ops", "kernels"), "0": ()}
+
+
+def forms() -> tuple[str, ...]:
+    """The lowered forms ``QUANT_LOWERING`` allows, preferred first (``ValueError`` for an
+    unknown value)."""
+    value = os.environ.get("QUANT_LOWERING", "1")
+    if value not in _FORMS:
+        raise ValueError(f"QUANT_LOWERING={value!r}; allowed: {', '.join(_FORMS)} (unset: 1)")
+    return _FORMS[value]
+
+
 def enabled() -> bool:
     """False when ``QUANT_LOWERING=0``: every op stays opaque (a switch for A/B benchmarks and
-    for a torch whose Inductor mishandles a recorded kernel)."""
-    return os.environ.get("QUANT_LOWERING", "1") != "0"
+    for a torch whose Inductor mishandles a lowered op)."""
+    return bool(forms())
 
 
 def capturable(device: torch.device) -> bool:
-    """Whether ops on ``device`` are lowered: lowering :func:`enabled`, a kernel device, and a
-    backend that records its launches."""
-    return enabled() and device.type in KERNEL_DEVICES and bool(
+    """Whether ops on ``device`` may be lowered to kernels: the form allowed, a kernel device,
+    and a backend that records its launches."""
+    return "kernels" in forms() and device.type in KERNEL_DEVICES and bool(
         getattr(backends.get(None, device), "capturable", False)
     )
+
+
+def traceable(device: torch.device) -> bool:
+    """Whether ops on ``device`` may be lowered to reference ops: the form allowed and a device
+    of :data:`OPS_DEVICES`."""
+    return "ops" in forms() and device.type in OPS_DEVICES
 
 
 def _plain(types: Any) -> bool:
@@ -64,10 +109,13 @@ def _plain(types: Any) -> bool:
     return all(t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types)
 
 
-def lower(op: torch._ops.OpOverload, body: Callable[..., Any],
-          device_of: Callable[..., torch.device]) -> bool:
-    """Lower custom op ``op`` to ``body`` (same arguments, same results) under
-    functionalization, for calls whose ``device_of(*args)`` is :func:`capturable`. Returns
+def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
+          device_of: Callable[..., torch.device],
+          ops_body: Callable[..., Any] | None = None) -> bool:
+    """Lower custom op ``op`` under functionalization to ``ops_body`` (traced torch ops) for
+    calls whose ``device_of(*args)`` is :func:`traceable`, else to ``body`` (recorded kernel
+    launches) where it is :func:`capturable`; either has the op's arguments and results and
+    raises ``NotCapturable`` before its first op or launch where it does not apply. Returns
     whether the lowering was registered (False on a torch without the API)."""
     if not supported():
         return False
@@ -76,12 +124,17 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any],
     def functional(mode, func, types, args, kwargs):
         if not _plain(types):
             return NotImplemented
-        if capturable(device_of(*args, **kwargs)):
+        device = device_of(*args, **kwargs)
+        for form in forms():
             try:
-                with mode, capture():
-                    return body(*args, **kwargs)
+                if form == "ops" and ops_body is not None and traceable(device):
+                    with mode, backends.using("reference"):
+                        return ops_body(*args, **kwargs)
+                if form == "kernels" and body is not None and capturable(device):
+                    with mode, capture():
+                        return body(*args, **kwargs)
             except NotCapturable:
-                pass  # nothing was recorded: the check comes before the first launch
+                pass  # refused before its first op or launch: nothing was traced
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     namespace = op.name().split("::")[0]
@@ -90,4 +143,5 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any],
     return True
 
 
-__all__ = ["NotCapturable", "KERNEL_DEVICES", "supported", "enabled", "capturable", "lower"]
+__all__ = ["NotCapturable", "KERNEL_DEVICES", "OPS_DEVICES", "supported", "forms", "enabled",
+           "capturable", "traceable", "lower"]

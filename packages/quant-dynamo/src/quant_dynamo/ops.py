@@ -16,7 +16,9 @@ absent buffer (a direction not produced) is an empty uint8 tensor, so positions 
 ``quantize_with_amax`` split current scaling and NVFP4 around their amax, so that compiled code
 can reduce it across ranks in between (a functional all-reduce traces). Both run
 through quant-core's backend registry; their fake implementations compute exact shapes and dtypes
-from :mod:`quant_core.shapes`.
+from :mod:`quant_core.shapes`. In compiled graphs each op is lowered (:mod:`.capture`) in the
+forms its quantizer allows: ``quantize`` and ``qdq`` to the backend's kernels or to the
+reference's torch ops, ``amax`` and ``quantize_with_amax`` to the torch ops.
 """
 
 from __future__ import annotations
@@ -86,27 +88,37 @@ def _qdq_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
     return out
 
 
-#: Storage formats whose quantize is lowered to backend kernels in compiled graphs (high
-#: precision launches nothing and may alias its input).
-_LOWERED_FORMATS = ("fp8", "mxfp8", "fp8_block", "nvfp4")
-
-
-def _lowered_storage(x: torch.Tensor, q: Any):
-    """``q.quantize(x)`` for the bodies recorded into a compiled graph (:mod:`.capture`).
-    Stochastic rounding stays opaque: its seed must come from torch's generator, as in eager
-    mode, not from Inductor's own random numbers."""
+def _lowered(q: Any, form: str) -> Any:
+    """``q`` if its class allows ``form`` in compiled graphs (:meth:`Quantizer.lowerings`);
+    ``NotCapturable`` otherwise (the op then tries the next form, or stays opaque)."""
     q = check_quantizer_arg(q)
-    if q.storage_format not in _LOWERED_FORMATS or getattr(q, "stochastic_rounding", False):
-        raise capture.NotCapturable(f"{type(q).__name__} is not lowered")
-    return q.quantize(x)
+    if form not in q.lowerings():
+        raise capture.NotCapturable(f"{type(q).__name__} is not lowered to {form}")
+    return q
 
 
-def _quantize_lowered(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    return _lowered_storage(x, q).buffer_list(x)
+def _quantize_kernels(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    return _lowered(q, "kernels").quantize(x).buffer_list(x)
 
 
-def _qdq_lowered(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return _lowered_storage(x, q).dequantize(dtype=x.dtype)
+def _qdq_kernels(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return _lowered(q, "kernels").quantize(x).dequantize(dtype=x.dtype)
+
+
+def _quantize_ops(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    return _lowered(q, "ops").quantize(x).buffer_list(x)
+
+
+def _qdq_ops(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return _lowered(q, "ops").quantize(x).dequantize(dtype=x.dtype)
+
+
+def _amax_ops(x: torch.Tensor, q: Any) -> torch.Tensor:
+    return _with_amax(_lowered(q, "ops")).local_amax(x)
+
+
+def _quantize_with_amax_ops(x: torch.Tensor, amax: torch.Tensor, q: Any) -> list[torch.Tensor]:
+    return _with_amax(_lowered(q, "ops")).quantize_with_amax(x, amax).buffer_list(x)
 
 
 def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
@@ -187,10 +199,18 @@ def _define(overload: str, q_type: str, unpack) -> None:
         _lib.define(f"{name}.{overload}({params}, {q_type}) -> {ret}")
         _lib.impl(f"{name}.{overload}", impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
-    for name, body in (("quantize", _quantize_lowered), ("qdq", _qdq_lowered)):
+    for name, kernels, ops in (
+        ("quantize", _quantize_kernels, _quantize_ops),
+        ("qdq", _qdq_kernels, _qdq_ops),
+        ("amax", None, _amax_ops),
+    ):
         capture.lower(getattr(getattr(torch.ops.quant, name), overload),
-                      lambda x, *args, body=body: body(x, unpack(*args)),
-                      lambda x, *args: x.device)
+                      kernels and (lambda x, *args, body=kernels: body(x, unpack(*args))),
+                      lambda x, *args: x.device,
+                      lambda x, *args, body=ops: body(x, unpack(*args)))
+    capture.lower(getattr(torch.ops.quant.quantize_with_amax, overload), None,
+                  lambda x, *args: x.device,
+                  lambda x, amax, *args: _quantize_with_amax_ops(x, amax, unpack(*args)))
     torch.library.register_autograd(
         f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
     )
