@@ -286,12 +286,17 @@ class Linear(QuantizedModule):
         dgrad = grad and x.requires_grad
         group = frame.amax_reduction_group
         red = {"with_amax_reduction": True} if group is not None else {}
+        # save_weight_copy=False: backward quantizes the weight's columnwise copy itself, so
+        # forward makes only the rowwise form (a compiled graph would otherwise keep forward's
+        # copy for backward, the two quantizations being one expression)
+        requant = (not self.save_weight_copy and not quantized_w and dgrad
+                   and frame.recipe.backward_override is None and _requantizable(qset.fwd[1]))
         input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad, **red)
-        weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad, **red)
+        weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and not requant, **red)
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
         weight_bwd_q = None
-        if not self.save_weight_copy and not quantized_w and _requantizable(qset.fwd[1]):
+        if requant:
             weight_bwd_q = qset.variant(qset.fwd[1], rowwise_usage=False, columnwise_usage=True,
                                         **red)
         region = None
