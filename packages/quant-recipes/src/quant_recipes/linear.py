@@ -37,6 +37,7 @@ from .delayed import update_registered
 from .fsdp_layout import base, columnwise_buffer_list
 from .gemm import _STORAGE_CLASSES, HP, for_transposed_use, qgemm, quantizer_meta
 from .module import QuantizedModule, intern, is_value, module_frame
+from .reuse import shared_quantization
 from .role import QuantizerRole
 from .states import RecipeState
 
@@ -55,7 +56,8 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
             amax = reduce_amax(ops.amax(x, q), group)
             return list(ops.quantize_with_amax(x, amax, q))
         return list(ops.quantize(x, q))
-    return q.quantize(x, amax_reduction_group=group).buffer_list(x)
+    return shared_quantization(
+        x, q, group, lambda: q.quantize(x, amax_reduction_group=group).buffer_list(x))
 
 
 def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
