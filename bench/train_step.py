@@ -249,19 +249,26 @@ VARIANTS = ("opaque", "static", "requant")
 
 
 @contextlib.contextmanager
+def quant_lowering(value: str):
+    """``QUANT_LOWERING=value`` while the block compiles and runs (read when graphs are traced)."""
+    old = os.environ.get("QUANT_LOWERING")
+    os.environ["QUANT_LOWERING"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QUANT_LOWERING"]
+        else:
+            os.environ["QUANT_LOWERING"] = old
+
+
+@contextlib.contextmanager
 def variant(name: str):
     """The environment of config ``name``'s variant while it compiles and runs."""
     kind = name.partition(":")[2]
     if kind == "opaque":
-        old = os.environ.get("QUANT_LOWERING")
-        os.environ["QUANT_LOWERING"] = "0"
-        try:
+        with quant_lowering("0"):
             yield
-        finally:
-            if old is None:
-                del os.environ["QUANT_LOWERING"]
-            else:
-                os.environ["QUANT_LOWERING"] = old
     elif kind == "static":
         import torch._inductor.config as inductor_config
 
