@@ -29,13 +29,15 @@ _last = threading.local()
 def shared_quantization(x: torch.Tensor, q: Quantizer, group,
                         quantize: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """``quantize()`` (``q``'s buffers of ``x`` under amax reduction ``group``), or the buffers
-    of the previous call on this thread when it had the same tensor at the same version, an
-    equal value quantizer and the same group."""
+    of the previous call on this thread when it had the same tensor at the same version, the
+    same quantizer object and the same group."""
     if isinstance(x, torch.nn.Parameter) or not q.is_requantization_safe():
         return quantize()
-    key = (x._version, x.data_ptr(), x.shape, x.dtype, x.device, q, id(group))
+    # the quantizer by identity: equal value quantizers are one interned object in the modules
+    # (and comparing a deprecated group-holding quantizer by value raises)
+    key = (x._version, x.data_ptr(), x.shape, x.dtype, x.device, id(q), id(group))
     entry = getattr(_last, "entry", None)
-    if entry is not None and entry[0]() is x and entry[1] == key:
+    if entry is not None and entry[0]() is x and entry[1] == key and entry[3] is q:
         return list(entry[2])
     buffers = quantize()
     state = _last
@@ -44,7 +46,7 @@ def shared_quantization(x: torch.Tensor, q: Quantizer, group,
         if getattr(state, "entry", None) is not None and state.entry[0] is _ref:
             state.entry = None
 
-    _last.entry = (weakref.ref(x, release), key, tuple(buffers))
+    _last.entry = (weakref.ref(x, release), key, tuple(buffers), q)
     return buffers
 
 
