@@ -256,3 +256,64 @@ def test_demo_warns_when_a_gpu_run_quantizes_on_the_reference():
     assert "quant-kernels" in demo._backend_note(torch.device("cuda"), "reference")
     assert demo._backend_note(torch.device("cuda"), "triton") is None
     assert demo._backend_note(torch.device("cpu"), "reference") is None
+
+
+@pytest.mark.parametrize("value", ["bogus", "triton"])
+def test_a_bad_quant_backend_is_one_line_in_doctor_and_demo(value, monkeypatch, capsys,
+                                                            tmp_path):
+    """``QUANT_BACKEND`` naming no backend, or one that cannot run on the CPU (Triton without
+    ``TRITON_INTERPRET=1``), is named with the allowed values instead of a traceback."""
+    monkeypatch.setenv("QUANT_BACKEND", value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from quant_core import backends
+
+    backends._choice_cache.clear()
+    assert main(["doctor"]) == 1
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("backend on CPU"))
+    assert f"QUANT_BACKEND={value!r}" in line and "allowed on cpu: " in line
+    assert "reference" in line.split("allowed on cpu: ")[1]
+    with pytest.raises(SystemExit, match=f"quant demo: QUANT_BACKEND={value!r}"):
+        main(["demo", "--steps", "1", "--recipes", "baseline", "--device", "cpu",
+              "--out", str(tmp_path)])
+
+
+def test_demo_refuses_a_seed_torch_cannot_take(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--seed", "99999999999999999999"])
+    assert exc.value.code == 2
+    assert "--seed: expected 0 to 9223372036854775805" in capsys.readouterr().err
+
+
+def test_demo_refuses_an_unknown_compile_backend(tmp_path):
+    pytest.importorskip("quant_dynamo")
+    with pytest.raises(SystemExit, match="--compile-backend 'inductr' is not a torch.compile "
+                                         "backend; allowed: .*inductor"):
+        main(["demo", "--steps", "1", "--recipes", "baseline", "--compile-backend", "inductr",
+              "--out", str(tmp_path)])
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_demo_refuses_nvfp4_with_a_batch_it_cannot_take_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"recipe nvfp4 needs a multiple of 16 tokens per step "
+                                         r".*--batch 3 gives 3"):
+        main(["demo", "--steps", "1", "--recipes", "baseline,nvfp4", "--batch", "3",
+              "--out", str(tmp_path), "--no-compile", "--no-plot"])
+    assert not (tmp_path / "results.json").exists()  # refused up front: nothing trained
+
+
+def test_demo_writes_what_finished_when_a_later_recipe_fails(tmp_path, monkeypatch):
+    from quant_recipes import demo
+
+    real = demo.train_one
+
+    def failing(name, *args, **kwargs):
+        if name == "mxfp8":
+            raise RuntimeError("a failure in the second recipe")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(demo, "train_one", failing)
+    with pytest.raises(RuntimeError, match="second recipe"):
+        main(["demo", "--steps", "2", "--recipes", "baseline,mxfp8", "--out", str(tmp_path),
+              "--no-compile", "--no-plot"])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["recipe"] for r in runs] == ["baseline"]

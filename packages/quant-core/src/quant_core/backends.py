@@ -103,6 +103,26 @@ def using(name: str) -> Iterator[None]:
         _selected.name = previous
 
 
+def environment_problem(device: torch.device | str) -> str | None:
+    """One line saying why ``$QUANT_BACKEND`` cannot serve ``device`` (an unknown name, or a
+    backend that does not support the device), naming the variable and the allowed values;
+    ``None`` when it is unset or usable."""
+    requested = os.environ.get("QUANT_BACKEND") or None
+    if requested is None:
+        return None
+    dev = torch.device(device)
+    registry = _load()
+    usable = [n for n in available() if registry[n].supports(dev)]
+    if requested in usable:
+        return None
+    why = "is not a registered backend" if requested not in registry else (
+        f"does not support {dev.type}"
+        + (" (Triton runs on the CPU only with TRITON_INTERPRET=1)"
+           if requested == "triton" and dev.type == "cpu" else ""))
+    return (f"QUANT_BACKEND={requested!r} {why}; allowed on {dev.type}: {', '.join(usable)} "
+            "(or unset it: the fastest backend for the device)")
+
+
 def get(name: str | None = None, device: torch.device | str | None = None):
     """The backend to use for ``device``: ``name``, else :func:`using`'s, else
     ``$QUANT_BACKEND``, else the fastest.

@@ -16,6 +16,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: ``torch.manual_seed`` takes a seed below 2^64; the demo derives seeds up to ``seed + 2``.
+_MAX_SEED = 2**63 - 3
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= _MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected 0 to {_MAX_SEED}, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DEFAULT_RECIPES, RECIPES
 
@@ -58,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_positive_int, default=None,
                       help="batch size: rows for mlp, sequences for gpt (e.g. --batch 32; "
                       "default: 64 for mlp, 8 for gpt)")
-    demo.add_argument("--seed", type=int, default=0,
+    demo.add_argument("--seed", type=_seed, default=0,
                       help="seed for the data and the weights (e.g. --seed 1; default: "
                       "%(default)s)")
     demo.add_argument("--no-plot", action="store_true",

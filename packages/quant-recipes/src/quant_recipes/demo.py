@@ -393,6 +393,26 @@ def _output_folder(text: str) -> pathlib.Path:
     return out
 
 
+def _check_compile_backend(name: str) -> None:
+    """Refuse a ``--compile-backend`` torch.compile does not know (it would fail every compile,
+    and the demo would run eagerly under that backend's name)."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise SystemExit(f"quant demo: --compile-backend {name!r} is not a torch.compile "
+                         f"backend; allowed: {', '.join(sorted(known))}")
+
+
+def _check_shapes(names: list[str], task) -> None:
+    """Refuse, before any training, a recipe whose quantizers cannot take the task's GEMM rows
+    (NVFP4's random Hadamard transform mixes 16 rows, so it needs a multiple of 16 tokens)."""
+    rows = task.tokens_per_step
+    if "nvfp4" in names and rows % 16:
+        raise SystemExit(
+            f"quant demo: recipe nvfp4 needs a multiple of 16 tokens per step (its random "
+            f"Hadamard transform mixes 16 rows); --batch {task.batch} gives {rows}: choose a "
+            "--batch that makes it a multiple of 16, or leave nvfp4 out of --recipes")
+
+
 def run_demo(args) -> int:
     names = [n.strip() for n in args.recipes.split(",")]
     if "" in names:
@@ -406,11 +426,18 @@ def run_demo(args) -> int:
             f"quant demo: unknown recipe(s) {unknown or names}; choose from {', '.join(RECIPES)}"
         )
     device = _resolve_device(args.device)
+    problem = backends.environment_problem(device)
+    if problem is not None:
+        raise SystemExit(f"quant demo: {problem}")
     if not args.no_compile:
         if not available():
             print("quant-dynamo is not installed: running eagerly (--no-compile)")
             args.no_compile = True
+        elif args.compile_backend is not None:
+            _check_compile_backend(args.compile_backend)
     factories = _recipes()
+    task = make_task(args.model, device, args.seed, args.batch)
+    _check_shapes(names, task)
     out = _output_folder(args.out)
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
@@ -422,20 +449,23 @@ def run_demo(args) -> int:
     note = _backend_note(device, backend)
     if note:
         print(fit(note, columns))
-    task = make_task(model_name, device, args.seed, args.batch)
     progress = Progress(total=len(names) * args.steps, stream=sys.stderr)
     results = []
+
+    def write_results() -> None:  # after every recipe: a later failure keeps what finished
+        (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
+            {"device": str(device), "torch": torch.__version__, "compile": mode,
+             "model": model_name,
+             "runs": [_jsonable(r.__dict__) for r in results]}, indent=1, allow_nan=False))
+
     for name in names:
         factory = factories[name]
         results.append(train_one(name, None if factory is None else factory(), args, device,
                                  progress, task))
+        write_results()
     progress.close()
     table = format_table(results)
     print(table)
-    (out / "results.json").write_text(json.dumps(  # strict JSON: a loss may be NaN or inf
-        {"device": str(device), "torch": torch.__version__, "compile": mode,
-         "model": model_name,
-         "runs": [_jsonable(r.__dict__) for r in results]}, indent=1, allow_nan=False))
     png = out / "loss_curves.png"
     png.unlink(missing_ok=True)  # a plot left by an earlier run would not match results.json
     title = f"quant demo: {model_name} on {device} ({mode})"

@@ -100,16 +100,25 @@ def run_doctor() -> int:
     print(f"kernels in graph {lowering()}")
     print(f"backends         {', '.join(backends.available())}")
     capability = None
+    status = 0
+    devices = ["cpu"]
     if torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
         name = torch.cuda.get_device_name()
         print(f"GPU              {name} (compute capability {capability[0]}.{capability[1]})")
-        print(f"backend on GPU   {backends.get(None, 'cuda').name}")
+        devices.insert(0, "cuda")
     else:
         print("GPU              none")
-    print(f"backend on CPU   {backends.get(None, 'cpu').name}")
+    for device in devices:
+        label = f"backend on {'GPU' if device == 'cuda' else 'CPU'}"
+        problem = backends.environment_problem(device)
+        if problem is None:
+            print(f"{label:16s} {backends.get(None, device).name}")
+        else:
+            print(f"{label:16s} none: {problem}")
+            status = 1
     print()
     print(f"{'format':26s} {'GEMM':9s} why (quantization runs on every device, same bytes)")
     for name, support, why in format_support(capability):
         print(f"{name:26s} {support:9s} {why}")
-    return 0
+    return status
