@@ -123,3 +123,62 @@ def test_convert_refuses_what_it_cannot_convert(bad):
         qr.convert(bad)
     with pytest.raises(TypeError, match="recipe must be a quant_recipes.Recipe"):
         qr.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), recipe="mxfp8")
+
+
+def test_a_shared_layer_is_converted_at_every_name_and_stays_shared():
+    lin = torch.nn.Linear(32, 32)
+    seq = torch.nn.Sequential(lin, torch.nn.ReLU(), lin, torch.nn.ReLU(), lin)
+    qr.convert(seq, filter=lambda fqn, m: True)
+    assert type(seq[0]) is qr.Linear and seq[0] is seq[2] is seq[4]
+    assert seq[0].weight is lin.weight
+    qr.unconvert(seq)
+    assert type(seq[0]) is torch.nn.Linear and seq[0] is seq[2] is seq[4]
+    assert seq[0].weight is lin.weight
+
+
+def test_a_shared_layer_stays_when_the_filter_refuses_one_of_its_names():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+            self.mid = torch.nn.Linear(16, 16)
+            self.lm_head = self.proj  # the same module under a head name
+
+    model = qr.convert(Tied())
+    assert type(model.proj) is torch.nn.Linear and model.proj is model.lm_head
+    assert type(model.mid) is qr.Linear
+
+
+class _SameForward(torch.nn.Linear):
+    """A user's subclass that only adds an attribute."""
+
+    tag = "mine"
+
+
+class _OwnForward(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_subclasses_that_keep_linear_forward_are_converted_the_others_are_logged(caplog):
+    model = torch.nn.Sequential(_SameForward(16, 16), _OwnForward(16, 16), torch.nn.Linear(16, 8))
+    with caplog.at_level(logging.INFO, logger="quant_recipes"):
+        qr.convert(model)
+    assert type(model[0]) is qr.Linear
+    assert type(model[1]) is _OwnForward
+    assert "1 stays as it is: _OwnForward overrides nn.Linear.forward" in caplog.text
+
+
+def test_multihead_attention_still_runs_after_convert():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(32, 4, batch_first=True))
+    x = torch.randn(2, 5, 32)
+    want = model[0](x, x, x)[0]
+    qr.convert(model, filter=lambda fqn, m: True)
+    assert type(model[0].out_proj) is qr.Linear  # NonDynamicallyQuantizableLinear keeps forward
+    assert torch.equal(model[0](x, x, x)[0], want)  # attention reads out_proj's Parameters
+
+
+def test_a_bare_linear_subclass_is_refused():
+    with pytest.raises(TypeError, match="bare nn.Linear"):
+        qr.convert(_SameForward(8, 8))
