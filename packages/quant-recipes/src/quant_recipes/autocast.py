@@ -4,7 +4,14 @@ Each thread has its own stack (a list in a ``threading.local``, as ``torch.autoc
 state per thread) of :class:`Frame` named tuples; entering pushes, exiting truncates to the depth
 at entry, so the exact enclosing state returns (also on exceptions). The innermost frame decides
 for modules called inside it. Plain Python objects and list mutations only: no contextlib
-generator, no warnings, nothing Dynamo cannot trace (it traces ``threading.local`` attributes).
+generator, no warnings, nothing Dynamo cannot trace (it traces ``threading.local`` attributes;
+it cannot trace ``contextvars``).
+
+Regions must therefore nest on a thread. Asyncio tasks that enter autocast and await inside it
+interleave their regions on one thread; an eager exit that finds another region's frame above
+its own (entered later, still active) removes only its own frame and raises ``RuntimeError``,
+instead of dropping the other region's frame (whose modules would then run under the wrong
+recipe). Give each such task its own thread, or enter autocast outside the tasks.
 
 The default recipe is :class:`Float8CurrentScaling` (stateless, runs everywhere); it is never
 the stateful ``DelayedScaling``. ``DelayedScaling`` is eager-only: entering an autocast with it
@@ -100,7 +107,8 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
     An instance can be active once at a time; nest new instances. The state is per thread.
     """
 
-    __slots__ = ("enabled", "recipe", "calibrating", "amax_reduction_group", "_depth")
+    __slots__ = ("enabled", "recipe", "calibrating", "amax_reduction_group", "_depth",
+                 "_frame")
 
     def __init__(self, enabled: bool = True, *, recipe: Recipe | None = None,
                  calibrating: bool = False, amax_reduction_group=None) -> None:
@@ -109,6 +117,7 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
         self.calibrating = calibrating
         self.amax_reduction_group = amax_reduction_group
         self._depth = -1
+        self._frame = None
 
     def __enter__(self) -> autocast:
         if self._depth >= 0:
@@ -122,9 +131,11 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
             _check_recipe_support(recipe)
         stack = _stack()
         depth = len(stack)
-        stack.append(Frame(bool(self.enabled), recipe, bool(self.calibrating),
-                           self.amax_reduction_group))
+        frame = Frame(bool(self.enabled), recipe, bool(self.calibrating),
+                      self.amax_reduction_group)
+        stack.append(frame)
         self._depth = depth
+        self._frame = frame
         if depth == 0 and not compiling():
             region = _region()
             region.clear()
@@ -134,7 +145,12 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
     def __exit__(self, exc_type, exc, tb) -> None:
         depth = self._depth
         self._depth = -1
-        del _stack()[depth:]
+        stack = _stack()
+        if not compiling():  # find the frame itself: an earlier out-of-order exit shifts depths
+            depth = _position(stack, self._frame, depth)
+            if depth < len(stack) - 1:
+                _exit_out_of_order(stack, depth)
+        del stack[depth:]
         if depth == 0 and not compiling():
             regions = _region()
             region = regions.pop() if regions else None
@@ -145,3 +161,25 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
                 and torch.is_grad_enabled()
             ):
                 update_registered(region.forward)
+
+
+def _position(stack: list[Frame], frame: Frame | None, depth: int) -> int:
+    """Where ``frame`` is in ``stack``, by identity (equal frames are distinct regions); the
+    depth at entry when it is gone."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is frame:
+            return i
+    return min(depth, len(stack))
+
+
+def _exit_out_of_order(stack: list[Frame], depth: int) -> None:
+    """An exit with other regions' frames above its own (at ``depth``): remove only its own
+    frame and raise, leaving the later regions active."""
+    del stack[depth]
+    raise RuntimeError(
+        "quant_recipes.autocast: this region exited while a region entered after it on the same "
+        "thread was still active. autocast state is per thread (as torch.autocast's); asyncio "
+        "tasks that enter autocast and await inside it interleave their regions, so modules of "
+        "one task would run under another's recipe. Run such tasks in threads of their own, or "
+        "enter autocast outside the tasks."
+    )
