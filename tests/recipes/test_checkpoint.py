@@ -69,3 +69,48 @@ def test_checkpoint_inside_a_compiled_region(mode):
     y.float().pow(2).sum().backward()
     assert torch.equal(y, want[0]) and torch.equal(x.grad, want[1])
     assert torch.equal(layer.weight.grad, want[2])
+
+
+def _nested_grads(inner, mode, backward_inside: bool):
+    """A checkpointed layer under ``inner`` (a nested frame: another recipe, or
+    ``enabled=False``) inside an outer Float8CurrentScaling region; ``loss.backward()`` inside
+    or after the outer region."""
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 64, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with qr.autocast(recipe=RECIPES["current"]):
+        with inner():
+            y = layer(x) if mode is None else checkpoint(layer, x,
+                                                         use_reentrant=mode == "reentrant")
+        loss = y.float().pow(2).sum()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    return y, x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("backward_inside", [True, False])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("inner", ["disabled", "other_recipe"])
+def test_the_recompute_uses_the_forwards_frame_not_the_one_backward_runs_in(
+        inner, mode, backward_inside):
+    make = {"disabled": lambda: qr.autocast(enabled=False),
+            "other_recipe": lambda: qr.autocast(recipe=RECIPES["mxfp8"])}[inner]
+    want = _nested_grads(make, None, backward_inside)
+    got = _nested_grads(make, mode, backward_inside)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_recompute_after_a_forward_outside_autocast_is_high_precision():
+    """Backward inside a region, of a layer whose forward ran outside every region."""
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 64)
+    x = torch.randn(16, 64, requires_grad=True)
+    y = checkpoint(layer, x, use_reentrant=False)
+    with qr.autocast(recipe=RECIPES["mxfp8"]):
+        y.pow(2).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2, layer.weight, layer.bias).pow(2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)

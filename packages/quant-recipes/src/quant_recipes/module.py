@@ -41,19 +41,17 @@ def _in_backward() -> bool:
 
 
 def module_frame(module: torch.nn.Module) -> Frame | None:
-    """The frame ``module`` runs under: the active one; else, for an activation-checkpoint
-    recompute (a forward run by the autograd engine during backward, after the autocast region
-    exited), the frame of the module's own last forward (`behaviour.md` §7). Eager forwards
-    outside backward record their frame for that purpose."""
+    """The frame ``module`` runs under: the active one; but for a forward run by the autograd
+    engine during backward (an activation-checkpoint recompute), the frame of the module's own
+    last eager forward, whatever region backward runs in (`behaviour.md` §7): ``None`` when
+    that forward was outside every region or under ``enabled=False``. Eager forwards outside
+    backward record their frame for that purpose."""
     frame = active_frame()
     if compiling():
         return frame
     if _in_backward():
-        return frame if frame is not None else _FORWARD_FRAMES.get(module)
-    if frame is None:
-        _FORWARD_FRAMES.pop(module, None)
-    else:
-        _FORWARD_FRAMES[module] = frame
+        return _FORWARD_FRAMES.get(module, frame)
+    _FORWARD_FRAMES[module] = frame
     return frame
 
 
