@@ -180,3 +180,36 @@ def test_dynamic_shapes_stay_bitwise(name):
         t = q.quantize(_x(m, (m, 128)))
         torch.testing.assert_close(f(t), _dequantize_twice(t), rtol=0, atol=0)
     _no_graph_breaks()
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_quantizing_to_a_tensor_inside_a_compiled_function(name):
+    """``q.quantize(x)`` with the default ``internal=False`` builds a quantized tensor in the
+    traced code; the graph that builds it must be valid Python (its tags hold enum members)."""
+    if quant_dynamo.status()["mode"] == "none":
+        pytest.skip("no opaque-object API on this torch: fullgraph is not promised")
+    q, x = QUANTIZERS[name](), _x()
+    fn = torch.compile(lambda a: q.quantize(a).dequantize(), fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(x), q.quantize(x).dequantize())
+
+
+def test_a_fresh_process_compiles_a_quantize_before_any_eager_one():
+    """The backend registry is loaded with quant-dynamo, not lazily inside the first trace
+    (entry points and the choice of a backend do not trace)."""
+    import subprocess
+    import sys
+
+    if quant_dynamo.status()["mode"] == "none":
+        pytest.skip("no opaque-object API on this torch: fullgraph is not promised")
+    code = (
+        "import torch, quant_dynamo\n"
+        "from quant_core import MXFP8Quantizer\n"
+        "q = MXFP8Quantizer(internal=True)\n"
+        "fn = torch.compile(lambda a: q.quantize(a).dequantize(), fullgraph=True,\n"
+        "                   backend='aot_eager')\n"
+        "x = torch.randn(32, 64)\n"
+        "assert torch.equal(fn(x), q.quantize(x).dequantize())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -103,6 +103,15 @@ def using(name: str) -> Iterator[None]:
         _selected.name = previous
 
 
+def preload(device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """Load the registry and choose the backend of each device type now (where
+    ``$QUANT_BACKEND`` allows it), so that code ``torch.compile`` traces only looks them up:
+    loading entry points and choosing do not trace. quant-dynamo calls it at import."""
+    for device_type in device_types:
+        if environment_problem(device_type) is None:
+            get(None, device_type)
+
+
 def environment_problem(device: torch.device | str) -> str | None:
     """One line saying why ``$QUANT_BACKEND`` cannot serve ``device`` (an unknown name, or a
     backend that does not support the device), naming the variable and the allowed values;

@@ -232,7 +232,8 @@ class Quantizer(metaclass=QuantizerMeta):
                 shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
             )
         return _tensor_classes()[self._storage_class](
-            shape, dtype, quantizer=self, buffers=present, tags=self._storage_tags()
+            shape, dtype, quantizer=self, buffers=present,
+            tags=tuple(self._storage_tags().items()),
         )
 
     def alloc_tensors(self, shape, device=None) -> dict[str, torch.Tensor]:

@@ -90,7 +90,11 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, *, quantizer, buffers: dict[str, Any],
-                tags: dict[str, Any], requires_grad: bool = False, device=None):
+                tags, requires_grad: bool = False, device=None):
+        """``tags``: a dict or ``(name, value)`` pairs. Traced code passes pairs: a graph that
+        builds the tensor writes its arguments as Python source, and a tuple of pairs is written
+        with its enum members by name (a dict only by ``repr``, which is not source)."""
+        tags = dict(tags)
         if device is None:
             device = next(t.device for t in buffers.values() if t is not None)
         self = torch.Tensor._make_wrapper_subclass(

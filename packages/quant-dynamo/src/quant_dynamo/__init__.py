@@ -56,6 +56,8 @@ Public API
 
 from __future__ import annotations
 
+from quant_core import backends as _backends
+
 from ._api import probe as _probe
 from ._specialize import install as _install_specialisation
 from .capture import lower as lower_to_kernels
@@ -81,6 +83,9 @@ DERIVES_IN_GRAPH: bool = _probe().mode not in ("repr", "none")
 
 # Symbolic (dynamic=True) scalars passed to a registered class become guarded constants.
 _install_specialisation(_is_registered_class)
+
+# A traced quantize looks its backend up; loading the registry and choosing do not trace.
+_backends.preload()
 
 __all__ = [
     "status", "compile_supported", "register_value_opaque_quantizer", "is_value_opaque_quantizer",
