@@ -186,3 +186,27 @@ def _needs_compile_support():
     quant_dynamo = pytest.importorskip("quant_dynamo", reason="compiling needs quant-dynamo")
     if not quant_dynamo.compile_supported():
         pytest.skip(f"no opaque-object API on torch {torch.__version__}: quant compiles from 2.10")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_weight_quantized_in_another_element_format_is_refused_compiled_too(compiled):
+    """An E4M3 weight under a recipe whose weights are E5M2: its bytes would decode as E5M2
+    (NaN outputs); compiled code refuses it as eager code does."""
+    if compiled:
+        _needs_compile_support()
+        quant_dynamo = pytest.importorskip("quant_dynamo")
+        if not quant_dynamo.DERIVES_IN_GRAPH:
+            pytest.skip("torch 2.10 cannot derive a quantizer's tags in a graph")
+    _, quantized = _models(qr.Float8CurrentScaling())  # HYBRID: E4M3 weights
+    e5m2 = qr.Float8CurrentScaling(fp8_format=qr.Format.E5M2)
+
+    def forward(x):
+        with qr.autocast(recipe=e5m2):
+            return quantized(x)
+
+    fn = torch.compile(forward, fullgraph=True, backend="aot_eager") if compiled else forward
+    torch._dynamo.reset()
+    # compiled, Dynamo wraps the ValueError ("Observed exception") with its message inside
+    with pytest.raises(Exception, match=r"(?s)the weight is quantized by .*_fp8_dtype"
+                                        if compiled else "the weight is quantized by"):
+        fn(torch.randn(4, 64, dtype=torch.bfloat16))

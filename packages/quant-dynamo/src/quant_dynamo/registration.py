@@ -42,6 +42,7 @@ _READ_ONLY_MEMBERS = (
     "_value_fields", "_value_key", "get_usages", "is_requantization_safe",
     "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
     "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
+    "_storage_tags",
 )
 #: Overload names of the ``quant`` ops already taken. They are allocated here, not in ``ops``
 #: (which defines the overloads): ``_quant_op_overload`` is one of the members torch records at

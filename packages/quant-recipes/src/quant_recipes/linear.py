@@ -30,6 +30,7 @@ from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
 from quant_core.storage import Float8TensorStorage, QuantizedStorage, absent_buffer
+from quant_core.tensor import tags_of
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
@@ -84,12 +85,16 @@ def _rowwise(w: QuantizedStorage) -> torch.Tensor | None:
 
 def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None:
     """Refuse a quantized weight whose quantizer is not ``q`` up to usages and amax reduction,
-    or that lacks rowwise data. Under compile only the format is checked here (torch 2.10
-    cannot read a traced tensor's quantizer): check eagerly first; the compiled graph guards on
-    the weight's quantizer value."""
+    or that lacks rowwise data. Under compile (where torch 2.10 cannot read a traced tensor's
+    quantizer) the format and the storage tags that decide how its bytes decode (element
+    dtype, 2D blocks, swizzled scales) are compared with those ``q`` makes; the tags where
+    the torch can derive them in a graph. The compiled graph guards on the weight's quantizer
+    value."""
     if compiling():
         same = isinstance(w, _STORAGE_CLASSES[quantizer_meta(q)[0]])
-        wq = f"a {type(w).__name__}"
+        if same and dynamo().DERIVES_IN_GRAPH:
+            same = all(getattr(w, tag) == value for tag, value in q._storage_tags().items())
+        wq = f"a {type(w).__name__}" + ("" if same else f" with tags {tags_of(w)}")
     else:
         wq = w.quantizer
         same = is_value(wq) and is_value(q) and base(wq) == base(q)
