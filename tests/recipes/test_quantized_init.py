@@ -210,3 +210,68 @@ def test_a_weight_quantized_in_another_element_format_is_refused_compiled_too(co
     with pytest.raises(Exception, match=r"(?s)the weight is quantized by .*_fp8_dtype"
                                         if compiled else "the weight is quantized by"):
         fn(torch.randn(4, 64, dtype=torch.bfloat16))
+
+
+def test_master_weights_start_from_a_loaded_checkpoint_not_the_preserved_init():
+    """After ``load_state_dict`` the preserved initial value no longer describes the weight:
+    the masters start from the loaded weights, and the first step requantizes from them."""
+    recipe = RECIPES["fp8_current"]
+    _, trained = _models(recipe)
+    qr.requantize_(trained[0].weight, torch.full((96, 64), 0.25, dtype=torch.bfloat16))
+    _, fresh = _models(recipe, preserve_high_precision_init_val=True)
+    fresh.load_state_dict(trained.state_dict())
+    assert qr.get_high_precision_init_val(fresh[0].weight) is None
+    masters = qr.MasterWeights(fresh)
+    assert torch.equal(masters.pairs[0][1], trained[0].weight.dequantize(dtype=torch.float32))
+    masters.step(torch.optim.SGD(masters.parameters(), lr=0.1))  # no gradients: no change
+    assert _buffers_equal(fresh[0].weight, trained[0].weight)
+
+
+def test_reset_parameters_replaces_the_preserved_init_value():
+    with qr.quantized_model_init(RECIPES["fp8_current"], preserve_high_precision_init_val=True):
+        layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+    before = qr.get_high_precision_init_val(layer.weight).clone()
+    layer.reset_parameters()
+    after = qr.get_high_precision_init_val(layer.weight)
+    assert not torch.equal(before, after)
+    assert _buffers_equal(layer.weight.quantizer.quantize(after), layer.weight)
+
+
+def _train(model, masters, opt, steps, seed):
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, dtype=torch.bfloat16)
+        _step(model, RECIPES["fp8_current"], x)
+        masters.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def test_a_checkpoint_with_the_masters_resumes_bit_for_bit(tmp_path):
+    def build():
+        _, model = _models(RECIPES["fp8_current"], preserve_high_precision_init_val=True)
+        masters = qr.MasterWeights(model)
+        return model, masters, torch.optim.AdamW(masters.parameters(), lr=1e-2)
+
+    straight = build()
+    _train(*straight, steps=1, seed=1)
+    _train(*straight, steps=2, seed=2)
+
+    first = build()
+    _train(*first, steps=1, seed=1)
+    torch.save({"model": first[0].state_dict(), "masters": first[1].state_dict(),
+                "opt": first[2].state_dict()}, tmp_path / "ckpt.pt")
+    resumed = build()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    resumed[0].load_state_dict(ckpt["model"])
+    resumed[1].load_state_dict(ckpt["masters"])
+    resumed[2].load_state_dict(ckpt["opt"])
+    _train(*resumed, steps=2, seed=2)
+    for (p, m), (q, n) in zip(straight[1].pairs, resumed[1].pairs, strict=True):
+        assert torch.equal(m, n) and _buffers_equal(p, q)
+
+
+def test_master_weights_load_refuses_mismatched_names():
+    _, model = _models(RECIPES["fp8_current"])
+    masters = qr.MasterWeights(model)
+    with pytest.raises(KeyError, match=r"missing \['1.weight'\], unexpected \['x'\]"):
+        masters.load_state_dict({"0.weight": masters.state_dict()["0.weight"], "x": None})

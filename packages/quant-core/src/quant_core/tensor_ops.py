@@ -168,7 +168,16 @@ def _copy_(func, dst, src, non_blocking=False):
             raise RuntimeError(f"copy_ into {type(dst).__name__}: its quantizer does not produce "
                                f"{name}, which the destination holds")
         buf.copy_(new[name], non_blocking)
+    forget_high_precision_value(dst)
     return dst
+
+
+def forget_high_precision_value(t: torch.Tensor) -> None:
+    """Drop the high-precision value preserved beside a quantized tensor (the initial value
+    of a ``quantized_model_init`` parameter) once its bytes change: it no longer describes
+    them, and whatever starts from it (master weights) would discard the new value."""
+    if "_high_precision_init_val" in t.__dict__:
+        del t.__dict__["_high_precision_init_val"]
 
 
 def _make_empty(func, t, size=None, **kwargs):

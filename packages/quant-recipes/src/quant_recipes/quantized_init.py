@@ -13,7 +13,9 @@ gradient is the high-precision ``dW``. :class:`MasterWeights` keeps an fp32 mast
 quantized parameter (from the preserved initial value, else the dequantized weight), gives the
 optimizer those masters, moves each gradient onto its master, and after ``optimizer.step()``
 requantizes the parameter from its master in place (:func:`requantize_`). ``state_dict`` holds
-the quantized parameters; loading copies quantized buffers (``QuantizedTensor.copy_``).
+the quantized parameters; loading copies quantized buffers (``QuantizedTensor.copy_``), which
+drops a preserved initial value (it no longer describes the parameter). The masters have a
+``state_dict`` of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 
 import torch
 from quant_core.storage import QuantizedStorage
+from quant_core.tensor_ops import forget_high_precision_value
 
 from .recipes import Recipe
 
@@ -106,6 +109,7 @@ def requantize_(p: QuantizedStorage, value: torch.Tensor) -> None:
                                "tensor and its requantization")
         if mine is not None:
             mine.copy_(t)
+    forget_high_precision_value(p)
 
 
 class MasterWeights:
@@ -115,23 +119,56 @@ class MasterWeights:
     parameters, the other parameters themselves. ``step(optimizer)`` moves each quantized
     parameter's gradient onto its master (accumulating), runs ``optimizer.step()`` and
     requantizes every quantized parameter from its master.
+
+    A master starts from the parameter's preserved high-precision initial value while that
+    still describes the parameter, else from its dequantized value: a parameter loaded with
+    ``load_state_dict`` (or requantized) has dropped its initial value. ``state_dict()`` holds
+    the masters by parameter name; a checkpoint of the model, these masters and the optimizer
+    resumes a run bit for bit (``load_state_dict`` after building all three).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.names: list[str] = []
         self.others: list[torch.nn.Parameter] = []
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if isinstance(p, QuantizedStorage):
                 init = get_high_precision_init_val(p)
                 value = init if init is not None else p.dequantize(dtype=dtype)
                 master = torch.nn.Parameter(value.to(device=p.device, dtype=dtype).clone(),
                                             requires_grad=p.requires_grad)
                 self.pairs.append((p, master))
+                self.names.append(name)
             else:
                 self.others.append(p)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [m for _, m in self.pairs] + self.others
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The masters by the name of their parameter in the model."""
+        return {name: m.detach() for name, (_, m) in zip(self.names, self.pairs, strict=True)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, requantize: bool = True
+                        ) -> None:
+        """Copy masters saved by :meth:`state_dict` into these (every name must match), and
+        requantize each parameter from its master (``requantize=False`` keeps the parameters,
+        e.g. when the model's own ``state_dict`` was loaded from the same checkpoint; the bytes
+        are the same)."""
+        missing = sorted(set(self.names) - set(state))
+        unexpected = sorted(set(state) - set(self.names))
+        if missing or unexpected:
+            raise KeyError(f"MasterWeights.load_state_dict: missing {missing}, "
+                           f"unexpected {unexpected}")
+        for name, (p, m) in zip(self.names, self.pairs, strict=True):
+            value = state[name]
+            if tuple(value.shape) != tuple(m.shape):
+                raise ValueError(f"MasterWeights.load_state_dict: {name} has shape "
+                                 f"{tuple(value.shape)}, its master {tuple(m.shape)}")
+            m.copy_(value)
+            if requantize:
+                requantize_(p, m)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
