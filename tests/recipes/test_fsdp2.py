@@ -258,3 +258,81 @@ def test_sharded_weight_trains_saves_and_loads():
     for res in (out[0], out[1]):
         assert "call it before fully_shard" in res["refused"]
         assert res["moved"] and res["restored"] and res["local"] == "QuantizedAllGatherWeight"
+
+
+def _one_rank_worker(rank: int, port: int, out) -> None:
+    """Every recipe's quantized all-gather on a one-rank group (the README's example) equals
+    the plain step of the same model."""
+    device = init(rank, port, world=1)
+    dtype = torch.bfloat16
+    try:
+        results = {}
+        shapes = [(D_OUT, D_IN), (D_OUT, D_OUT)]
+        x = torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                                     dtype)
+        for name, (make, _) in RECIPES.items():
+            recipe = make()
+            ref = _model(shapes, device, dtype)
+            ref_loss = _step(ref, recipe, x, seed=3)
+            model = qr.enable_fsdp_quantized_all_gather(_model(shapes, device, dtype), recipe)
+            for layer in model:
+                _fully_shard()(layer)
+            _fully_shard()(model)
+            loss = _step(model, recipe, x, seed=3)
+            results[name] = torch.equal(loss, ref_loss) and all(
+                torch.equal(p.grad.to_local(), q.grad)
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_quantized_all_gather_on_one_rank():
+    try:
+        _fully_shard()
+    except ImportError:
+        pytest.skip("this torch has no FSDP2")
+    results = spawn(_one_rank_worker, world=1)[0]
+    assert all(results.values()), results
+
+
+def _frozen_worker(rank: int, port: int, out) -> None:
+    """A frozen layer between trainable ones (fine-tuning): its dgrad reads the weight's
+    columnwise copy, which must be gathered although the weight takes no gradient."""
+    device = init(rank, port)
+    dtype = torch.bfloat16
+    try:
+        results = {}
+        shapes = [(D_OUT, D_IN), (D_OUT, D_OUT), (D_OUT, D_OUT)]
+        xs = [torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(r))
+              .to(device, dtype) for r in range(2)]
+        for name in ("mxfp8", "fp8_block", "nvfp4"):
+            recipe = RECIPES[name][0]()
+            ref = _model(shapes, device, dtype)
+            ref[1].weight.requires_grad_(False)
+            ref_grads = []
+            for r in range(2):
+                ref.zero_grad(set_to_none=True)
+                _step(ref, recipe, xs[r], seed=10 + r)
+                ref_grads.append([p.grad for p in (ref[0].weight, ref[2].weight)])
+            mean = [(a + b) / 2 for a, b in zip(*ref_grads, strict=True)]
+            model = _model(shapes, device, dtype)
+            model[1].weight.requires_grad_(False)
+            qr.enable_fsdp_quantized_all_gather(model, recipe)
+            for layer in model:
+                _fully_shard()(layer)
+            _fully_shard()(model)
+            _step(model, recipe, xs[rank], seed=10 + rank)
+            grads = [model[0].weight.grad.to_local(), model[2].weight.grad.to_local()]
+            results[name] = all(torch.equal(g, m.chunk(2)[rank])
+                                for g, m in zip(grads, mean, strict=True))
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_quantized_all_gather_with_a_frozen_layer():
+    out = _spawn(_frozen_worker)
+    assert all(out[0].values()) and all(out[1].values()), out

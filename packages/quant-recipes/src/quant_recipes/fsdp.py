@@ -153,11 +153,21 @@ class QuantizedAllGatherWeight(torch.Tensor):
         group = mesh.get_group()
         world = mesh.size()
         dtype = (mp_policy.param_dtype if mp_policy is not None else None) or self.dtype
-        owner = getattr(module, "weight", None)  # dgrad needs the columnwise copy
-        p = fsdp_layout.plan(self._quantizer, outer_size, world,
-                             columnwise=getattr(owner, "requires_grad", True))
+        # dgrad reads the columnwise copy whenever the layer's input needs a gradient, frozen
+        # weight or not. Which inputs will is not known here (FSDP2 gathers under no_grad,
+        # before forward), and forward and backward must gather the same buffers: a layer in
+        # training mode, or with a trainable weight, gathers it
+        owner = getattr(module, "weight", None)
+        columnwise = bool(getattr(module, "training", True)
+                          or getattr(owner, "requires_grad", True))
+        p = fsdp_layout.plan(self._quantizer, outer_size, world, columnwise=columnwise)
+        if not isinstance(p, str) and world == 1 and len(p.gathered) > 1:
+            # FSDP2's one-rank path copies only the first all-gather input into place: send
+            # the weight itself (nothing crosses a wire; the layer quantizes it, same bytes)
+            p = "one rank: FSDP2 copies only one all-gather input"
         if isinstance(p, str):
-            _fallback_warning(outer_size, self._quantizer, p)
+            if world > 1:
+                _fallback_warning(outer_size, self._quantizer, p)
             inputs = (self._tensor.to(dtype),)
             meta = None
         else:
