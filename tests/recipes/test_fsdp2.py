@@ -336,3 +336,58 @@ def _frozen_worker(rank: int, port: int, out) -> None:
 def test_fsdp2_quantized_all_gather_with_a_frozen_layer():
     out = _spawn(_frozen_worker)
     assert all(out[0].values()) and all(out[1].values()), out
+
+
+def _checkpoint_worker(rank: int, port: int, folder: str, out) -> None:
+    """With the quantized all-gather enabled, a plain ``state_dict`` loads with
+    ``torch.load(weights_only=True)``, the full state dict too, and DCP round-trips."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    device = init(rank, port)
+    try:
+        recipe = qr.MXFP8BlockScaling()
+
+        def build(seed):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(qr.Linear(D_IN, D_OUT, bias=False, device=device),
+                                        qr.Linear(D_OUT, D_OUT, bias=False, device=device))
+            qr.enable_fsdp_quantized_all_gather(model, recipe)
+            for layer in model:
+                _fully_shard()(layer)
+            _fully_shard()(model)
+            return model
+
+        model = build(0)
+        results = {}
+        blob = io.BytesIO()
+        torch.save(model.state_dict(), blob)
+        blob.seek(0)
+        local = torch.load(blob, weights_only=True)
+        results["plain"] = all(torch.equal(local[k].to_local(), v.to_local())
+                               for k, v in model.state_dict().items())
+        full = get_model_state_dict(
+            model, options=__import__("torch.distributed.checkpoint.state_dict",
+                                      fromlist=["StateDictOptions"]).StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+        blob = io.BytesIO()
+        torch.save(full, blob)
+        blob.seek(0)
+        results["full"] = sorted(torch.load(blob, weights_only=True)) == sorted(full)
+        dcp.save(model.state_dict(), checkpoint_id=folder)
+        other = build(1)
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=folder)
+        results["dcp"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                             zip(model.parameters(), other.parameters(), strict=True))
+        x = torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(rank))
+        results["trains"] = bool(torch.isfinite(_step(other, recipe, x.to(device), seed=1)))
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_quantized_all_gather_checkpoints_load_the_standard_way(tmp_path):
+    out = _spawn(_checkpoint_worker, str(tmp_path / "dcp"))
+    assert all(out[0].values()) and all(out[1].values()), out

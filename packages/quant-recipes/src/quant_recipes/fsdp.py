@@ -206,11 +206,34 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return QuantizedTensor.from_storage(storage), ()
 
 
+def plain_weight(t):
+    """``t`` with a :class:`QuantizedAllGatherWeight` (also as a DTensor's local tensor)
+    replaced by the plain tensor it wraps, which shares its storage: what a state dict holds,
+    so that ``torch.load(weights_only=True)`` and ``torch.distributed.checkpoint`` take it, and
+    loading into it in place writes the parameter."""
+    if isinstance(t, QuantizedAllGatherWeight):
+        return t._tensor
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, QuantizedAllGatherWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t
+
+
+def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = plain_weight(state_dict[key])
+
+
 def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     """Make every ``quant_recipes.Linear`` weight in ``model`` all-gather in ``recipe``'s weight
     format under FSDP2; returns ``model``. Call it before ``fully_shard`` and run the layers
     under ``autocast(recipe=...)`` with an equal recipe (``Linear`` refuses a gathered weight
-    quantized for another weight quantizer)."""
+    quantized for another weight quantizer). State dicts hold the plain weights
+    (:func:`plain_weight`)."""
     from .linear import Linear
 
     if not isinstance(recipe, Recipe):
@@ -228,6 +251,7 @@ def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> 
                 "not on quantized parameters (quantized_model_init)")
         wrapped = QuantizedAllGatherWeight(w.data, module.weight_quantizer(recipe))
         module.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
+        module.register_state_dict_post_hook(_plain_state_dict)
     return model
 
 
