@@ -275,3 +275,28 @@ def test_master_weights_load_refuses_mismatched_names():
     masters = qr.MasterWeights(model)
     with pytest.raises(KeyError, match=r"missing \['1.weight'\], unexpected \['x'\]"):
         masters.load_state_dict({"0.weight": masters.state_dict()["0.weight"], "x": None})
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fully_shard"])
+def test_ddp_and_fully_shard_over_quantized_parameters_say_what_to_do(wrapper, tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        _, model = _models(RECIPES["fp8_current"])
+        with pytest.raises(NotImplementedError, match="enable_fsdp_quantized_all_gather"):
+            if wrapper == "ddp":
+                torch.nn.parallel.DistributedDataParallel(model)
+            else:
+                try:
+                    from torch.distributed.fsdp import fully_shard
+                except ImportError:
+                    pytest.skip("this torch has no FSDP2")
+                fully_shard(model)
+                with qr.autocast(recipe=RECIPES["fp8_current"]):
+                    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    finally:
+        dist.destroy_process_group()

@@ -22,18 +22,47 @@ from .tensor import QuantizedTensor, tags_of, traced, wrap
 aten = torch.ops.aten
 
 
+#: Said when a quantized tensor refuses to be flattened or cut into a flat piece: the wrappers
+#: that do this to every parameter (bucketing, sharding) are the usual callers.
+FLATTEN_HINT = (
+    "If this is a quantized parameter (quantized_model_init): DistributedDataParallel and FSDP2's "
+    "fully_shard flatten and shard parameters, which quantized parameters do not support. Keep "
+    "the parameters in high precision for them; under FSDP2, "
+    "quant_recipes.enable_fsdp_quantized_all_gather(model, recipe) before fully_shard still "
+    "all-gathers the weights quantized."
+)
+
+
 def dispatch(cls: type, func, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` through :data:`OPS`; ``NotImplementedError`` for an op it lacks."""
-    handler = OPS.get(func) or OPS.get(func.overloadpacket)
-    if handler is None:
-        name = next((type(a).__name__ for a in _flat(args) if isinstance(a, QuantizedTensor)),
-                    cls.__name__)
-        raise NotImplementedError(
-            f"{name} does not support {func}: a quantized tensor implements "
-            f"{', '.join(sorted(str(op) for op in OPS))}; call .dequantize() for a "
-            "high-precision tensor first"
-        )
-    return handler(func, *args, **kwargs)
+    """Run ``func`` through :data:`OPS`; ``NotImplementedError`` for an op it lacks or a use it
+    refuses (with :data:`PARAMETER_HINT` when a quantized parameter is involved)."""
+    try:
+        handler = OPS.get(func) or OPS.get(func.overloadpacket)
+        if handler is None:
+            name = next((type(a).__name__ for a in _flat(args)
+                         if isinstance(a, QuantizedTensor)), cls.__name__)
+            raise NotImplementedError(
+                f"{name} does not support {func}: a quantized tensor implements "
+                f"{', '.join(sorted(str(op) for op in OPS))}; call .dequantize() for a "
+                "high-precision tensor first"
+            )
+        return handler(func, *args, **kwargs)
+    except NotImplementedError as exc:
+        if _flattens(func, args, kwargs):
+            raise NotImplementedError(f"{exc}\n{FLATTEN_HINT}") from None
+        raise
+
+
+def _flattens(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` views or reshapes a multi-dimensional tensor into one dimension."""
+    if func.overloadpacket not in (aten.view, aten._unsafe_view, aten.reshape, aten.as_strided,
+                                   aten.flatten):
+        return False
+    t = args[0] if args else None
+    shape = args[1] if len(args) > 1 else kwargs.get("size", kwargs.get("shape"))
+    return (isinstance(t, torch.Tensor) and t.dim() > 1
+            and (func.overloadpacket is aten.flatten
+                 or (isinstance(shape, (list, tuple)) and len(shape) == 1)))
 
 
 def _flat(args):
