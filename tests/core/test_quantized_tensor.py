@@ -482,3 +482,65 @@ def test_deepcopy_pickle_and_torch_save(name):
     _bytes_equal(loaded, t)
     m = _Holder(t, as_parameter=True)
     _bytes_equal(copy.deepcopy(m).w, t)
+
+
+def _bytes(t):
+    return {n: b.clone() for n, b in t.buffers().items() if b is not None}
+
+
+def _same_bytes(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_copy_into_a_piece_is_refused_and_changes_nothing(name):
+    """A piece shares the whole tensor's scales, amaxes and columnwise copy: quantizing a
+    source into it alone would corrupt rows outside it or leave the columnwise copy stale."""
+    t = QUANTIZERS[name]().quantize(_x())
+    before, rows = _bytes(t), ROW_BLOCK[name]
+    piece = t[:rows] if rows < t.shape[0] else t[: t.shape[0] // 2]
+    with pytest.raises(NotImplementedError, match="copy_ into a piece"):
+        piece.copy_(_x(tuple(piece.shape), seed=3))
+    with pytest.raises(NotImplementedError, match="copy_ into a piece"):
+        t.split(rows)[0].detach().copy_(_x((rows, 128), seed=3))  # a piece's alias too
+    assert _same_bytes(_bytes(t), before)
+    t[:].copy_(_x(seed=4))  # the whole tensor: requantized in place
+    assert _same_bytes(_bytes(t), _bytes(t.quantizer.quantize(_x(seed=4))))
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "block2d", "nvfp4"])
+def test_data_assignment_replaces_what_the_tensor_holds(name):
+    q = QUANTIZERS[name]()
+    p = torch.nn.Parameter(q.quantize(_x()))
+    other = q.quantize(_x(seed=5))
+    p.data = other
+    assert _same_bytes(_bytes(p), _bytes(other)) and isinstance(p, QuantizedTensor)
+    p.data = _x(seed=6)  # a high-precision tensor is quantized
+    assert _same_bytes(_bytes(p), _bytes(q.quantize(_x(seed=6))))
+    with pytest.raises(ValueError, match="keeps its shape"):
+        p.data = _x((128, 128))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["current", "mxfp8", "block1d", "nvfp4"])
+def test_module_dtype_conversion_keeps_quantized_parameters(name, dtype):
+    """``Module.to(dtype)`` / ``.half()`` assign ``p.data = p.to(dtype)``: the parameter keeps
+    its bytes and reports (and dequantizes to) the new dtype, with no hidden dense storage."""
+    q = QUANTIZERS[name]()
+    layer = torch.nn.Linear(128, 256, bias=False)
+    layer.weight = torch.nn.Parameter(q.quantize(_x(dtype=torch.float32)))
+    before = _bytes(layer.weight)
+    layer.to(dtype)
+    w = layer.weight
+    assert isinstance(w, QuantizedTensor) and w.dtype == dtype
+    assert w.dequantize().dtype == dtype and layer.state_dict()["weight"].dtype == dtype
+    assert _same_bytes(_bytes(w), before)
+    assert w.data_ptr() == 0  # a wrapper: no dense storage of its own
+
+
+def test_an_edited_dequantization_is_quantized_again():
+    t = QUANTIZERS["current"]().quantize(_x())
+    d = t.to(torch.float32)
+    d.mul_(2)  # no longer t's dequantization
+    t.data = d
+    assert _same_bytes(_bytes(t), _bytes(t.quantizer.quantize(d)))

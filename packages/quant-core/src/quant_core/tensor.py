@@ -134,6 +134,50 @@ class QuantizedTensor(torch.Tensor):
             return _Dequantize.apply(self, dtype)
         return self._storage_type.dequantize(self, dtype)
 
+    # ------------------------------------------------------------------ ``.data``
+    @property
+    def data(self) -> QuantizedTensor:
+        """A detached tensor over the same buffers (as ``torch.Tensor.data``)."""
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """Replace what this tensor holds, in place (``param.data = new``, and how
+        ``Module.to``/``half()`` convert parameters): a quantized tensor of this class is adopted
+        as it is (buffers, quantizer, tags, nominal dtype); this tensor's own dequantization
+        (``self.to(dtype)``) changes only the nominal dtype, keeping the bytes; any other
+        high-precision tensor is quantized with this tensor's quantizer. The shape must stay.
+        A preserved high-precision value is dropped. (``torch.Tensor``'s own setter would swap
+        the tensor underneath and leave the quantized buffers stale.)"""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.data must be a tensor, got "
+                            f"{type(value).__name__}")
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"{type(self).__name__}.data = a tensor of shape "
+                             f"{tuple(value.shape)}: a quantized tensor keeps its shape "
+                             f"{tuple(self.shape)}")
+        if isinstance(value, QuantizedTensor):
+            if type(value) is not type(self):
+                raise TypeError(f"{type(self).__name__}.data = a {type(value).__name__}: "
+                                "assign a tensor of the same format, or a high-precision "
+                                "tensor to quantize")
+            new = value
+        elif _dequantization_of(value) is self:
+            new = type(self)(self.shape, value.dtype, quantizer=self.quantizer,
+                             buffers=self.buffers(), tags=tags_of(self))
+        else:
+            new = self.quantizer.quantize(value.detach())
+            if not isinstance(new, QuantizedTensor):  # an internal quantizer gives a storage
+                new = QuantizedTensor.from_storage(new)
+        torch._C.TensorBase.data.__set__(self, new)  # the wrapper's dtype and device
+        self._dtype = new._dtype
+        self.quantizer = new.quantizer
+        for name in self._storage_type._buffer_names:
+            setattr(self, name, getattr(new, name))
+        for name in self._storage_type._tag_names:
+            setattr(self, name, getattr(new, name))
+        tensor_ops.forget_high_precision_value(self)
+
     def _backend(self):
         # traced buffers (fake/functional) take the pure-torch reference, which traces; every
         # backend produces its bytes (contract 3)
@@ -237,6 +281,15 @@ def allow_weights_only_load(quantizer_classes, enums) -> None:
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is not None:
         add([_rebuild, _rebuild_quantizer, *TENSOR_CLASSES.values(), *quantizer_classes, *enums])
+
+
+def _dequantization_of(t: torch.Tensor):
+    """The quantized tensor ``t`` is the unmodified dequantization of (``q.to(dtype)``), else
+    None."""
+    source = getattr(t, "_dequantized_from", None)
+    if source is None or source[1] != t._version:
+        return None
+    return source[0]()
 
 
 def tags_of(obj) -> dict[str, Any]:

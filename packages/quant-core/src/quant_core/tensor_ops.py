@@ -10,6 +10,7 @@ Handlers take ``(func, *args, **kwargs)`` and read the format only through the t
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -73,11 +74,16 @@ def _flat(args):
             yield a
 
 
-def _like(t: QuantizedTensor, shape=None, buffers=None) -> QuantizedTensor:
+def _like(t: QuantizedTensor, shape=None, buffers=None, piece: bool | None = None
+          ) -> QuantizedTensor:
     """A tensor of ``t``'s class, quantizer and tags with ``shape`` and ``buffers`` (default:
-    ``t``'s)."""
-    return type(t)(t.shape if shape is None else shape, t._dtype, quantizer=t.quantizer,
-                   buffers=t.buffers() if buffers is None else buffers, tags=tags_of(t))
+    ``t``'s); a piece of a larger tensor (``piece``, default: whether ``t`` is one) refuses to
+    be written into."""
+    out = type(t)(t.shape if shape is None else shape, t._dtype, quantizer=t.quantizer,
+                  buffers=t.buffers() if buffers is None else buffers, tags=tags_of(t))
+    if getattr(t, "_piece", False) if piece is None else piece:
+        out._piece = True
+    return out
 
 
 def _detach(func, t):
@@ -156,7 +162,11 @@ def _to_copy(func, t, *, dtype=None, device=None, **kwargs):
         moved = {n: None if b is None else b.to(device) for n, b in t.buffers().items()}
         return type(t)(t.shape, t._dtype, quantizer=t.quantizer, buffers=moved,
                        tags=tags_of(t), device=device)
-    return _dequantized(t, dtype).to(device)
+    out = _dequantized(t, dtype).to(device)
+    if device == t.device and dtype in INPUT_DTYPES and not traced(out):
+        # assigned back (``t.data = t.to(dtype)``: Module.to), it changes the nominal dtype only
+        out._dequantized_from = (weakref.ref(t), out._version)
+    return out
 
 
 def _dequantized(t: QuantizedTensor, dtype) -> torch.Tensor:
@@ -186,6 +196,13 @@ def _buffers_like_quantized(dst: QuantizedTensor, src) -> dict[str, torch.Tensor
 def _copy_(func, dst, src, non_blocking=False):
     if not isinstance(dst, QuantizedTensor):  # a high-precision destination: dequantize
         return dst.copy_(_dequantized(src, dst.dtype))
+    if getattr(dst, "_piece", False):
+        raise NotImplementedError(
+            f"copy_ into a piece (a slice, split or narrow) of a {type(dst).__name__}: the piece "
+            "shares its scales, amaxes and columnwise copy with the rest of the tensor, which "
+            "quantizing the source alone would change or leave stale. Copy into the whole "
+            "tensor (its dequantized value with the piece replaced), or quantize the piece "
+            "on its own")
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"copy_ into {type(dst).__name__} of shape {tuple(dst.shape)} needs a "
                          f"source of the same shape, got {tuple(src.shape)}")
@@ -220,7 +237,7 @@ def _clone(func, t, memory_format=None):
     return _like(t, buffers={
         n: None if b is None else b.clone(memory_format=torch.contiguous_format)
         for n, b in t.buffers().items()
-    })
+    }, piece=False)
 
 
 def _is_same_size(func, a, b):
@@ -258,10 +275,12 @@ def _rows(func, t: QuantizedTensor, start: int, end: int) -> QuantizedTensor:
     """Rows ``start:end`` of dim 0: buffers are views of ``t``'s, scales re-padded (copies)
     where the piece's padding differs."""
     shape = (end - start, *t.shape[1:])
+    whole = start == 0 and end == t.shape[0]
+    piece = None if whole else True
     if t.dim() == 1:  # only a Float8Tensor gets here: one scale, both buffers are [K]
         return _like(t, shape, {n: None if b is None else (b if n == "_scale_inv"
                                                            else b[start:end])
-                                for n, b in t.buffers().items()})
+                                for n, b in t.buffers().items()}, piece=piece)
     inner = math.prod(t.shape[1:-1])
     m, _ = m_k(t.shape)
     r0, r1 = start * inner, end * inner
@@ -280,9 +299,9 @@ def _rows(func, t: QuantizedTensor, start: int, end: int) -> QuantizedTensor:
             continue
         nd, axis, unit, pad = spec
         lo, hi = r0 // unit, ceil_div(r1, unit)
-        piece = _padded(_as_2d(buf, nd, m).narrow(axis, lo, hi - lo), axis, roundup(hi - lo, pad))
-        bufs[name] = _nd_shaped(piece, nd, shape)
-    return _like(t, shape, bufs)
+        rows = _padded(_as_2d(buf, nd, m).narrow(axis, lo, hi - lo), axis, roundup(hi - lo, pad))
+        bufs[name] = _nd_shaped(rows, nd, shape)
+    return _like(t, shape, bufs, piece=piece)
 
 
 def _split_sizes(func, t, sizes, dim=0):
