@@ -226,3 +226,32 @@ def test_traces_under_torch_compile():
     compiled = torch.compile(run, backend="eager", fullgraph=True)
     for a, b in zip(compiled(x), run(x), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["quantize", "calibrate"])
+def test_threads_recording_into_one_delayed_amax_lose_no_update(method):
+    """Four threads quantize (or calibrate) with one delayed-scaling quantizer at once: the
+    recorded amax is the largest of theirs in every trial (the update is one atomic step)."""
+    import threading
+
+    from quant_core import Float8Quantizer
+
+    amax = torch.zeros(1)
+    q = Float8Quantizer(torch.ones(1), amax)
+    xs = [torch.full((64, 64), float(i + 1)) for i in range(4)]
+    lost = 0
+    for _ in range(300):
+        amax.zero_()
+        barrier = threading.Barrier(4)
+
+        def work(i):
+            barrier.wait()
+            getattr(q, method)(xs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        lost += amax.item() != 4.0
+    assert lost == 0

@@ -9,6 +9,7 @@ from ..distributed import reduce_amax
 from ..dtypes import DType, check_fp8
 from ..inputs import as_2d, check_amax_epsilon, transposed_shape
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
+from ..reference.fp8_tensor import accumulate_amax
 from ..storage import Float8TensorStorage
 
 
@@ -82,8 +83,7 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
     def calibrate(self, x: torch.Tensor) -> None:
         """Record ``max|x|`` into ``amax`` without quantizing."""
         be = backends.get(None, x.device)
-        amax = be.amax(as_2d(x, "Float8Quantizer"))
-        self.amax.view(1).copy_(torch.maximum(self.amax.view(1), amax))
+        accumulate_amax(self.amax.view(1), be.amax(as_2d(x, "Float8Quantizer")))
 
     def supports_only_rowwise_all_gather(self) -> bool:
         return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..constants import FLT_MAX  # the value_for_inf of current scaling (also imported from here)
@@ -23,6 +25,19 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
     return nan_to_zero_abs(x).amax().reshape(1)  # >= 0: NaN became 0
+
+
+#: One read-modify-write of a shared amax at a time: threads running one module record into
+#: the same delayed-scaling amax, and two unguarded updates can lose one of them.
+_AMAX_LOCK = threading.Lock()
+
+
+def accumulate_amax(amax_out: torch.Tensor, value: torch.Tensor) -> None:
+    """``amax_out = max(amax_out, value)`` in place, atomically across threads (the Triton
+    kernels do it with an atomic max)."""
+    value = value.to(amax_out.device).reshape(amax_out.shape)
+    with _AMAX_LOCK:
+        amax_out.copy_(torch.maximum(amax_out, value))
 
 
 def current_scale(
@@ -62,7 +77,7 @@ def fp8_quantize(
     data = fp8_encode(wide * scale, fp8_dtype) if rowwise else None
     scale_inv = div_rn(torch.ones_like(scale), scale)
     if amax_out is not None:
-        amax_out.copy_(torch.maximum(amax_out, amax(x).to(amax_out.device)))
+        accumulate_amax(amax_out, amax(x))
     transpose = None
     if columnwise:
         # the byte transpose of the rowwise data; alone, the cast of the transposed input (the
