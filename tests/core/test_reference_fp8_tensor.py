@@ -244,7 +244,7 @@ def test_threads_recording_into_one_delayed_amax_lose_no_update(method):
         amax.zero_()
         barrier = threading.Barrier(4)
 
-        def work(i):
+        def work(i, barrier=barrier):
             barrier.wait()
             getattr(q, method)(xs[i])
 

@@ -55,3 +55,14 @@ def make_input(seed: int = 0) -> torch.Tensor:
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+def run_in_fresh_process(code: str) -> None:
+    """Run ``code`` in a new Python process (nothing of this one loaded); fail with its stderr
+    unless it exits 0."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

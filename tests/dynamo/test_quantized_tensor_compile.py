@@ -196,12 +196,11 @@ def test_quantizing_to_a_tensor_inside_a_compiled_function(name):
 def test_a_fresh_process_compiles_a_quantize_before_any_eager_one():
     """The backend registry is loaded with quant-dynamo, not lazily inside the first trace
     (entry points and the choice of a backend do not trace)."""
-    import subprocess
-    import sys
+    from _dynamo_helpers import run_in_fresh_process
 
     if quant_dynamo.status()["mode"] == "none":
         pytest.skip("no opaque-object API on this torch: fullgraph is not promised")
-    code = (
+    run_in_fresh_process(
         "import torch, quant_dynamo\n"
         "from quant_core import MXFP8Quantizer\n"
         "q = MXFP8Quantizer(internal=True)\n"
@@ -210,6 +209,3 @@ def test_a_fresh_process_compiles_a_quantize_before_any_eager_one():
         "x = torch.randn(32, 64)\n"
         "assert torch.equal(fn(x), q.quantize(x).dequantize())\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
