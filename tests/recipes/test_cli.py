@@ -317,3 +317,17 @@ def test_demo_writes_what_finished_when_a_later_recipe_fails(tmp_path, monkeypat
               "--no-compile", "--no-plot"])
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r["recipe"] for r in runs] == ["baseline"]
+
+
+def test_doctor_names_the_lowered_form(capsys, monkeypatch):
+    pytest.importorskip("quant_dynamo")
+    from quant_dynamo import capture
+
+    if not capture.supported():
+        pytest.skip("this torch cannot record Triton launches")
+    monkeypatch.setenv("QUANT_LOWERING", "ops")
+    main(["doctor"])
+    assert "FP8 current scaling as torch ops first (QUANT_LOWERING=ops)" in capsys.readouterr().out
+    monkeypatch.setenv("QUANT_LOWERING", "kernels")
+    main(["doctor"])
+    assert "kernels only (QUANT_LOWERING=kernels)" in capsys.readouterr().out

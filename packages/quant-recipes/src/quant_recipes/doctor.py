@@ -37,7 +37,13 @@ def lowering() -> str:
         return f"no (torch {torch.__version__} lacks wrap_triton / register_torch_dispatch)"
     if not capture.enabled():
         return "no (QUANT_LOWERING=0)"
-    return "yes on " + ", ".join(sorted(capture.KERNEL_DEVICES)) + " with a capturable backend"
+    forms = capture.forms()
+    line = "yes on " + ", ".join(sorted(capture.KERNEL_DEVICES)) + " with a capturable backend"
+    if forms and forms[0] == "ops":
+        line += "; FP8 current scaling as torch ops first (QUANT_LOWERING=ops)"
+    elif "ops" not in forms:
+        line += ", kernels only (QUANT_LOWERING=kernels)"
+    return line
 
 
 def _has_kernels() -> bool:
