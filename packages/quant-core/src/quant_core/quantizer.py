@@ -278,8 +278,9 @@ class Quantizer(metaclass=QuantizerMeta):
         return False
 
     def lowerings(self) -> tuple[str, ...]:
-        """The forms in which a compiled graph may run this quantizer's ``quantize``, best first
-        (quant-dynamo picks the first its device and settings allow; none: an opaque op):
+        """The forms in which a compiled graph may run this quantizer's ``quantize`` (which of
+        them, in which order of preference, quant-dynamo's ``QUANT_LOWERING`` decides, with the
+        device; none: an opaque op):
 
         - ``"ops"``: the pure-torch reference (:mod:`quant_core.reference`), traced into the
           graph as torch ops that the compiler fuses with their neighbours, merges where two

@@ -112,11 +112,12 @@ def _plain(types: Any) -> bool:
 def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
           device_of: Callable[..., torch.device],
           ops_body: Callable[..., Any] | None = None) -> bool:
-    """Lower custom op ``op`` under functionalization to ``ops_body`` (traced torch ops) for
-    calls whose ``device_of(*args)`` is :func:`traceable`, else to ``body`` (recorded kernel
-    launches) where it is :func:`capturable`; either has the op's arguments and results and
-    raises ``NotCapturable`` before its first op or launch where it does not apply. Returns
-    whether the lowering was registered (False on a torch without the API)."""
+    """Lower custom op ``op`` under functionalization to ``body`` (recorded kernel launches)
+    for calls whose ``device_of(*args)`` is :func:`capturable`, or to ``ops_body`` (traced
+    torch ops) where it is :func:`traceable`, trying the forms in :func:`forms`' order; either
+    body has the op's arguments and results and raises ``NotCapturable`` before its first op or
+    launch where it does not apply (the next form is then tried, else the op stays opaque).
+    Returns whether the lowering was registered (False on a torch without the API)."""
     if not supported():
         return False
     from torch._subclasses.functional_tensor import FunctionalTensorMode

@@ -97,20 +97,14 @@ def _lowered(q: Any, form: str) -> Any:
     return q
 
 
-def _quantize_kernels(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    return _lowered(q, "kernels").quantize(x).buffer_list(x)
+def _quantize_in(form: str):
+    """The body of ``quantize`` lowered to ``form``."""
+    return lambda x, q: _lowered(q, form).quantize(x).buffer_list(x)
 
 
-def _qdq_kernels(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return _lowered(q, "kernels").quantize(x).dequantize(dtype=x.dtype)
-
-
-def _quantize_ops(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    return _lowered(q, "ops").quantize(x).buffer_list(x)
-
-
-def _qdq_ops(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return _lowered(q, "ops").quantize(x).dequantize(dtype=x.dtype)
+def _qdq_in(form: str):
+    """The body of ``qdq`` lowered to ``form``."""
+    return lambda x, q: _lowered(q, form).quantize(x).dequantize(dtype=x.dtype)
 
 
 def _amax_ops(x: torch.Tensor, q: Any) -> torch.Tensor:
@@ -200,8 +194,8 @@ def _define(overload: str, q_type: str, unpack) -> None:
         _lib.impl(f"{name}.{overload}", impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"quant::{name}.{overload}", fake_fn, lib=_lib)
     for name, kernels, ops in (
-        ("quantize", _quantize_kernels, _quantize_ops),
-        ("qdq", _qdq_kernels, _qdq_ops),
+        ("quantize", _quantize_in("kernels"), _quantize_in("ops")),
+        ("qdq", _qdq_in("kernels"), _qdq_in("ops")),
         ("amax", None, _amax_ops),
     ):
         capture.lower(getattr(getattr(torch.ops.quant, name), overload),

@@ -148,6 +148,6 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         return True
 
     def lowerings(self) -> tuple[str, ...]:
-        """Traced reference ops, else the backend's kernels: the amax reduction, the scale (an
-        fp64 division rounded once) and the cast compile to the reference's bytes."""
+        """The backend's kernels, and the traced reference ops: the amax reduction, the scale
+        (an fp64 division rounded once) and the cast compile to the reference's bytes."""
         return ("ops", "kernels")
