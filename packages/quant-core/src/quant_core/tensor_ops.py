@@ -36,7 +36,7 @@ FLATTEN_HINT = (
 
 def dispatch(cls: type, func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through :data:`OPS`; ``NotImplementedError`` for an op it lacks or a use it
-    refuses (with :data:`PARAMETER_HINT` when a quantized parameter is involved)."""
+    refuses (with :data:`FLATTEN_HINT` when the op flattens the tensor)."""
     try:
         handler = OPS.get(func) or OPS.get(func.overloadpacket)
         if handler is None:
@@ -218,12 +218,16 @@ def _copy_(func, dst, src, non_blocking=False):
     return dst
 
 
+#: The attribute holding a high-precision value preserved beside a quantized tensor (the
+#: initial value of a ``quantized_model_init`` parameter).
+HIGH_PRECISION_VALUE = "_high_precision_init_val"
+
+
 def forget_high_precision_value(t: torch.Tensor) -> None:
-    """Drop the high-precision value preserved beside a quantized tensor (the initial value
-    of a ``quantized_model_init`` parameter) once its bytes change: it no longer describes
-    them, and whatever starts from it (master weights) would discard the new value."""
-    if "_high_precision_init_val" in t.__dict__:
-        del t.__dict__["_high_precision_init_val"]
+    """Drop the high-precision value preserved beside a quantized tensor once its bytes change:
+    it no longer describes them, and whatever starts from it (master weights) would discard the
+    new value."""
+    t.__dict__.pop(HIGH_PRECISION_VALUE, None)
 
 
 def _make_empty(func, t, size=None, **kwargs):

@@ -228,14 +228,18 @@ class Linear(QuantizedModule):
 
     def reset_parameters(self) -> None:
         if isinstance(self.weight, QuantizedStorage):  # initialise in high precision, requantize
-            from .quantized_init import get_high_precision_init_val, requantize_
+            from .quantized_init import (
+                get_high_precision_init_val,
+                keep_high_precision_init_val,
+                requantize_,
+            )
 
             w = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
             torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
             preserved = get_high_precision_init_val(self.weight) is not None
             requantize_(self.weight, w)
             if preserved:  # the new initial value replaces the old one
-                self.weight._high_precision_init_val = w.cpu()
+                keep_high_precision_init_val(self.weight, w)
         else:
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:

@@ -25,7 +25,7 @@ import threading
 
 import torch
 from quant_core.storage import QuantizedStorage
-from quant_core.tensor_ops import forget_high_precision_value
+from quant_core.tensor_ops import HIGH_PRECISION_VALUE, forget_high_precision_value
 
 from .recipes import Recipe
 
@@ -78,18 +78,22 @@ def quantize_at_init(module) -> None:
     param = torch.nn.Parameter(QuantizedTensor.from_storage(storage),
                                requires_grad=module.weight.requires_grad)
     if preserve:
-        param._high_precision_init_val = w.cpu()
+        keep_high_precision_init_val(param, w)
     module.weight = param
+
+
+def keep_high_precision_init_val(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Keep ``value`` (on the CPU) as the high-precision initial value of quantized ``p``."""
+    setattr(p, HIGH_PRECISION_VALUE, value.cpu())
 
 
 def get_high_precision_init_val(p: torch.Tensor) -> torch.Tensor | None:
     """The preserved high-precision initial value of a quantized parameter (CPU), or None."""
-    return getattr(p, "_high_precision_init_val", None)
+    return getattr(p, HIGH_PRECISION_VALUE, None)
 
 
 def clear_high_precision_init_val(p: torch.Tensor) -> None:
-    if hasattr(p, "_high_precision_init_val"):
-        del p._high_precision_init_val
+    forget_high_precision_value(p)
 
 
 @torch.no_grad()
