@@ -5,29 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
 #: ``torch.manual_seed`` takes a seed below 2^64; the demo derives seeds up to ``seed + 2``.
 _MAX_SEED = 2**63 - 3
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value <= _MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected 0 to {_MAX_SEED}, got {value}")
-    return value
+def _whole_number(low: int, high: int | None = None):
+    """An argparse type: a whole number of at least ``low`` (and at most ``high``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"expected a number > {low - 1}, got {value}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _whole_number(1)
+_seed = _whole_number(0, _MAX_SEED)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,20 +71,27 @@ def default_filter(model: torch.nn.Module) -> Callable[[str, torch.nn.Module], b
 
 
 def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: int,
-                      dtype: torch.dtype) -> str | None:
-    """Why ``recipe`` cannot quantize a Linear of this shape (its block sizes), or None."""
+                      dtype: torch.dtype, rows: int | None = None) -> str | None:
+    """Why ``recipe`` cannot quantize a Linear of this shape (its block sizes), or None. With
+    ``rows`` (the tokens of one step) the input and the gradient are quantized on the meta
+    device, so the rules on rows and input dtypes apply too (NVFP4's Hadamard transform)."""
     slots = (("forward", ("input", "weight", "output")),
              ("backward", ("grad_output", "grad_input")))
-    shapes = {"input": (16, in_features), "weight": (out_features, in_features),
-              "grad_output": (16, out_features)}
+    m = 16 if rows is None else rows
+    shapes = {"input": (m, in_features), "weight": (out_features, in_features),
+              "grad_output": (m, out_features)}
     for mode, types in slots:
         roles = [QuantizerRole("linear", t, fqn) for t in types]
         state = RecipeState.create(recipe, mode=mode, num_quantizers=len(roles), roles=roles)
         for role, q in zip(roles, state.make_quantizers(), strict=True):
             if q is None or role.tensor_type not in shapes:
                 continue
+            shape = shapes[role.tensor_type]
             try:
-                q.make_empty(shapes[role.tensor_type], dtype=dtype, device="meta")
+                if rows is not None and role.tensor_type != "weight":
+                    q.quantize(torch.empty(shape, dtype=dtype, device="meta"))
+                else:
+                    q.make_empty(shape, dtype=dtype, device="meta")
             except ValueError as e:
                 return f"{role.tensor_type}: {e}"
     return None

@@ -402,15 +402,22 @@ def _check_compile_backend(name: str) -> None:
                          f"backend; allowed: {', '.join(sorted(known))}")
 
 
-def _check_shapes(names: list[str], task) -> None:
-    """Refuse, before any training, a recipe whose quantizers cannot take the task's GEMM rows
-    (NVFP4's random Hadamard transform mixes 16 rows, so it needs a multiple of 16 tokens)."""
+def _check_shapes(names: list[str], factories, task) -> None:
+    """Refuse, before any training, a recipe whose quantizers cannot take the task's
+    activations: its bf16 GEMM inputs of ``tokens_per_step`` rows (NVFP4's Hadamard transform
+    mixes 16 rows, for one), asked of the recipe's own quantizers."""
+    from .convert import unsupported_shape
+
     rows = task.tokens_per_step
-    if "nvfp4" in names and rows % 16:
-        raise SystemExit(
-            f"quant demo: recipe nvfp4 needs a multiple of 16 tokens per step (its random "
-            f"Hadamard transform mixes 16 rows); --batch {task.batch} gives {rows}: choose a "
-            "--batch that makes it a multiple of 16, or leave nvfp4 out of --recipes")
+    for name in names:
+        factory = factories[name]
+        why = None if factory is None else unsupported_shape(
+            factory(), "demo", 128, 128, torch.bfloat16, rows=rows)
+        if why is not None:
+            raise SystemExit(
+                f"quant demo: recipe {name} cannot quantize this run's {rows} tokens per step "
+                f"(--batch {task.batch}): {why}. Choose another --batch, or leave {name} out "
+                "of --recipes")
 
 
 def run_demo(args) -> int:
@@ -437,7 +444,7 @@ def run_demo(args) -> int:
             _check_compile_backend(args.compile_backend)
     factories = _recipes()
     task = make_task(args.model, device, args.seed, args.batch)
-    _check_shapes(names, task)
+    _check_shapes(names, factories, task)
     out = _output_folder(args.out)
     backend = backends.get(None, device).name
     mode = "eager" if args.no_compile else (args.compile_backend or _default_backend(device))
