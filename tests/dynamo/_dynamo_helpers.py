@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import quant_dynamo
 import torch
@@ -21,6 +23,11 @@ requires_api = pytest.mark.skipif(
     not HAS_API,
     reason=f"torch {torch.__version__} has no opaque-object API (mode 'none'): quantizers cannot "
     "be custom-op arguments, so fullgraph=True is not promised (docs/torch-versions.md §3)",
+)
+#: Lowering ops into compiled graphs needs register_torch_dispatch and wrap_triton.
+requires_lowering = pytest.mark.skipif(
+    not quant_dynamo.capture.supported(),
+    reason=f"torch {torch.__version__} lacks register_torch_dispatch / wrap_triton",
 )
 #: torch 2.10 rebuilds a value with repr() and only its own class name in scope: no nesting.
 requires_nesting = pytest.mark.skipif(
@@ -66,3 +73,24 @@ def run_in_fresh_process(code: str) -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def capturable_reference(monkeypatch, **functions):
+    """A capturable CPU backend made of the reference's functions (``functions`` replace some),
+    preferred on the CPU, with the CPU among the kernel devices: what lowering to kernels does
+    there records the reference's ops (Triton's interpreter cannot be recorded)."""
+    import types
+
+    from quant_core import backends, reference
+    from quant_dynamo import capture
+
+    fns = {name: getattr(reference, name) for name in backends.FUNCTIONS} | functions
+    backend = types.SimpleNamespace(name="traced_reference", priority=1000, capturable=True,
+                                    supports=lambda device: True, **fns)
+    backends.register(backend)
+    monkeypatch.setattr(capture, "KERNEL_DEVICES", {"cuda", "cpu"})
+    try:
+        yield backend
+    finally:
+        backends.unregister("traced_reference")

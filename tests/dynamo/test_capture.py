@@ -9,12 +9,10 @@ lowering itself is checked on the GPU (bench/check_compile_cuda.py).
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import quant_dynamo
 import torch
-from _dynamo_helpers import requires_api
+from _dynamo_helpers import capturable_reference, requires_api, requires_lowering
 from functorch.compile import make_boxed_func
 from quant_core import (
     Float8BlockQuantizer,
@@ -22,16 +20,11 @@ from quant_core import (
     MXFP8Quantizer,
     NVFP4Quantizer,
     backends,
-    reference,
 )
 from quant_core.kernel_capture import NotCapturable, capture, capturing
-from quant_dynamo import capture as lowering
 from torch._dynamo.backends.common import aot_autograd
 
-pytestmark = [
-    requires_api,
-    pytest.mark.skipif(not lowering.supported(), reason="torch lacks wrap_triton"),
-]
+pytestmark = [requires_api, requires_lowering]
 
 QUANTIZERS = {
     "current": Float8CurrentScalingQuantizer(columnwise_usage=True),
@@ -44,13 +37,8 @@ QUANTIZERS = {
 @pytest.fixture
 def traced_backend(monkeypatch):
     """A capturable CPU backend made of the reference's functions, preferred on the CPU."""
-    fns = {name: getattr(reference, name) for name in backends.FUNCTIONS}
-    backend = types.SimpleNamespace(name="traced_reference", priority=1000,
-                                    supports=lambda device: True, capturable=True, **fns)
-    backends.register(backend)
-    monkeypatch.setattr(lowering, "KERNEL_DEVICES", {"cuda", "cpu"})
-    yield backend
-    backends.unregister("traced_reference")
+    with capturable_reference(monkeypatch) as backend:
+        yield backend
 
 
 def _compile_graphs(fn):

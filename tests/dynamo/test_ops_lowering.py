@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import quant_dynamo
 import torch
-from _dynamo_helpers import requires_api
+from _dynamo_helpers import capturable_reference, requires_api, requires_lowering
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from quant_core import (
     DType,
@@ -25,10 +25,7 @@ from quant_core.reference._rounding import to_fp32
 from quant_dynamo import capture as lowering
 from torch._dynamo.backends.common import aot_autograd
 
-pytestmark = [
-    requires_api,
-    pytest.mark.skipif(not lowering.supported(), reason="torch lacks register_torch_dispatch"),
-]
+pytestmark = [requires_api, requires_lowering]
 
 CURRENT = Float8CurrentScalingQuantizer(columnwise_usage=True)
 
@@ -138,10 +135,8 @@ def test_stochastic_rounding_and_other_formats_keep_their_forms(ops_on_cpu):
 
 @pytest.fixture
 def recording_backend(monkeypatch):
-    """A capturable CPU backend made of the reference's functions, preferred on the CPU, whose
-    current-scaling quantize records whether it ran while launches were being recorded."""
-    import types
-
+    """A capturable CPU backend made of the reference's functions whose current-scaling
+    quantize records whether it ran while launches were being recorded."""
     from quant_core import reference
     from quant_core.kernel_capture import capturing
 
@@ -151,13 +146,8 @@ def recording_backend(monkeypatch):
         calls.append(capturing())
         return reference.fp8_current_quantize(*args, **kwargs)
 
-    fns = {name: getattr(reference, name) for name in backends.FUNCTIONS}
-    fns["fp8_current_quantize"] = fp8_current_quantize
-    backends.register(types.SimpleNamespace(name="recording", priority=1000, capturable=True,
-                                            supports=lambda device: True, **fns))
-    monkeypatch.setattr(lowering, "KERNEL_DEVICES", {"cuda", "cpu"})
-    yield calls
-    backends.unregister("recording")
+    with capturable_reference(monkeypatch, fp8_current_quantize=fp8_current_quantize):
+        yield calls
 
 
 @pytest.mark.parametrize("value, form", [("1", "kernels"), ("kernels", "kernels"),
