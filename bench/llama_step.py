@@ -24,8 +24,9 @@ quantization (``quant_dynamo.capture``). ``<quant config>@ops`` compiles it as t
 torch ops, which Inductor fuses, merges and recomputes (``QUANT_LOWERING=ops``), ``@kernels`` as
 the recorded Triton kernels only, ``@opaque`` as opaque custom ops: an A/B in one process.
 ``<quant config>:requant`` converts with ``save_weight_copy=False`` (backward quantizes the
-weights again instead of keeping their copies from forward); ``fp8_current:requant@ops``
-combines the two.
+weights again instead of keeping their copies from forward), ``:requant_input`` with
+``save_input_copy=False`` (the inputs, as torchao does), ``:requant_all`` with both;
+``fp8_current:requant@ops`` combines a variant and a form.
 
 ``python bench/llama_step.py --size 1b --steps 150 [--configs bf16,fp8_current,...]
 [--json OUT] [--device cpu]``; ``--size tiny --device cpu`` is a smoke run. The packages must be
@@ -67,6 +68,10 @@ PEERS = ("ao_fp8_tensorwise", "ao_fp8_rowwise")
 DEFAULT_CONFIGS = ("bf16", *PEERS, *OURS)
 #: ``@form`` suffix -> QUANT_LOWERING while the config compiles.
 FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
+#: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
+#: quantizes again instead of keeping them from forward.
+VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
+            "requant_all": ("save_weight_copy", "save_input_copy")}
 WARMUP = 3
 
 
@@ -120,8 +125,8 @@ def parse(config: str) -> tuple[str, str, str]:
             form = value
     if form and form not in FORMS:
         raise ValueError(f"{config!r}: unknown form {form!r}; known: {', '.join(FORMS)}")
-    if variant and variant != "requant":
-        raise ValueError(f"{config!r}: unknown variant {variant!r}; known: requant")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"{config!r}: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     return name, variant, form
 
 
@@ -158,10 +163,10 @@ def prepare(config: str, model):
 
         recipe = recipe_of(name)
         qr.convert(model, recipe=recipe)
-        if variant == "requant":
-            for m in model.modules():
-                if isinstance(m, qr.Linear):
-                    m.save_weight_copy = False
+        for m in model.modules():
+            if isinstance(m, qr.Linear):
+                for attr in VARIANTS.get(variant, ()):
+                    setattr(m, attr, False)
 
         def forward(ids):
             with qr.autocast(recipe=recipe):

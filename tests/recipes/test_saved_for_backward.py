@@ -146,3 +146,65 @@ def test_weight_requantized_in_backward_compiles_to_the_same_bits(name):
         outs.append((y.detach(), t.grad, m.weight.grad))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_input_requantized_in_backward_saves_the_input_itself_and_gives_the_same_bits(name):
+    """``save_input_copy=False``: the input itself is saved instead of its quantized copy (as
+    torchao does), and backward's copy has the forward copy's bytes."""
+    torch.manual_seed(0)
+    saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    requant = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_input_copy=False)
+    requant.load_state_dict(saving.state_dict())
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    _, saved = _saved_in_forward(requant, x, RECIPES[name]())
+    assert any(t is x for t in saved)
+    assert _signature([t for t in saved if t is not x]) == _expected(
+        requant, x, COLUMNWISE, which=(1,))
+    for a, b in zip(_grads(saving, x, RECIPES[name]()), _grads(requant, x, RECIPES[name]()),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def test_input_and_weight_both_requantized_save_no_copy_at_all():
+    torch.manual_seed(0)
+    m = qr.Linear(64, 32, bias=False, save_input_copy=False, save_weight_copy=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    _, saved = _saved_in_forward(m, x, qr.Float8CurrentScaling())
+    assert all(t is x or t is m.weight for t in saved) and len(saved) == 2
+    assert "save_weight_copy=False, save_input_copy=False" in repr(m)
+
+
+def test_delayed_scaling_keeps_the_input_copy():
+    m = qr.Linear(64, 32, bias=False, save_input_copy=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    _, saved = _saved_in_forward(m, x, qr.DelayedScaling())
+    assert not any(t is x for t in saved)
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_input_requantized_in_backward_compiles_to_the_same_bits(name):
+    dynamo = pytest.importorskip("quant_dynamo")
+    if not dynamo.compile_supported():
+        pytest.skip("no opaque-object API on this torch")
+    torch.manual_seed(0)
+    m = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_input_copy=False)
+    saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    saving.load_state_dict(m.state_dict())
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    recipe = RECIPES[name]()
+
+    def fn(t):
+        with qr.autocast(recipe=recipe):
+            return m(t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    want = _grads(saving, x, recipe)
+    for f in (fn, compiled):
+        t = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = f(t)
+        y.float().pow(2).sum().backward()
+        for a, b in zip((y.detach(), t.grad, m.weight.grad), want, strict=True):
+            assert torch.equal(a, b)

@@ -22,9 +22,10 @@ RECIPE = qr.Float8CurrentScaling()
 class Block(torch.nn.Module):
     """Three projections of one input (as q, k, v), then a gated pair (as gate, up) and down."""
 
-    def __init__(self, save_weight_copy: bool = True):
+    def __init__(self, save_weight_copy: bool = True, save_input_copy: bool = True):
         super().__init__()
-        kw = {"bias": False, "dtype": torch.bfloat16, "save_weight_copy": save_weight_copy}
+        kw = {"bias": False, "dtype": torch.bfloat16, "save_weight_copy": save_weight_copy,
+              "save_input_copy": save_input_copy}
         self.q, self.k, self.v = (qr.Linear(64, n, **kw) for n in (64, 32, 32))
         self.gate, self.up = qr.Linear(128, 96, **kw), qr.Linear(128, 96, **kw)
         self.down = qr.Linear(96, 48, **kw)
@@ -161,3 +162,33 @@ def test_a_compiled_block_keeps_one_copy_of_a_shared_input(ops_on_cpu, save_weig
         assert kept, saved
     else:  # backward quantizes the weights again: no copy of theirs is held from forward
         assert kept == [], saved
+
+
+
+class NormedBlock(Block):
+    """Block behind an RMS norm, as a decoder layer's projections are."""
+
+    def forward(self, x):
+        f = x.float()  # one rounding, compiled or not
+        n = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return super().forward(n)
+
+
+@compiled_tests
+def test_a_compiled_block_that_requantizes_its_inputs_recomputes_the_normed_input(ops_on_cpu):
+    """``save_input_copy=False``: backward quantizes the input again, so the partitioner may
+    recompute a norm's output from what the norm's backward keeps anyway (its input and the
+    reciprocal root) instead of holding an FP8 copy of it; the results stay eager mode's. (It
+    still keeps the FP8 copy of a GEMM's output, gate/up's input: one byte an element instead
+    of the two of the bf16 tensor.)"""
+    torch.manual_seed(0)
+    kept = []
+    for save_input_copy in (True, False):
+        block = NormedBlock(save_weight_copy=False, save_input_copy=save_input_copy)
+        x = _x()
+        saved, got = _saved_by_inductor(block, x)
+        want = _run(block, block, x)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert i == 1 or torch.equal(a, b), i
+        kept.append([s for s, dtype in saved if dtype == torch.uint8 and 0 not in s])
+    assert (64, 40) in kept[0] and (64, 40) not in kept[1], kept

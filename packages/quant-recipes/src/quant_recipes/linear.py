@@ -130,7 +130,8 @@ class _QLinearFn(torch.autograd.Function):
     """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
 
     @staticmethod
-    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region, weight_bwd_q):
+    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region, weight_bwd_q,
+                input_bwd_q):
         m, k = x.shape
         n = w.shape[0]
         xb = quantize_buffers(x, input_q, group)
@@ -139,9 +140,12 @@ class _QLinearFn(torch.autograd.Function):
         xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
         y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
         ctx.weight_bwd_q = None
+        ctx.input_bwd_q = input_bwd_q
+        # x itself when backward quantizes it again, else what the wgrad GEMM reads of xb
+        kept_x = [x] if input_bwd_q is not None else _saved(
+            xb, xm, override, ctx.needs_input_grad[1])
         if ctx.weight_quantized:  # the weight tensor itself (FSDP2 refills its buffers)
-            saved = (x,) if override == "high_precision" else _saved(
-                xb, xm, override, ctx.needs_input_grad[1])
+            saved = (x,) if override == "high_precision" else kept_x
             ctx.save_for_backward(*saved, w)
             ctx.nx = len(saved)
             if override == "high_precision":
@@ -152,13 +156,12 @@ class _QLinearFn(torch.autograd.Function):
             ctx.nx = 1
         elif weight_bwd_q is not None and override is None and ctx.needs_input_grad[0]:
             # the weight itself (a parameter: no new memory), quantized again in backward
-            ctx.save_for_backward(*_saved(xb, xm, override, ctx.needs_input_grad[1]), w)
+            ctx.save_for_backward(*kept_x, w)
             ctx.weight_bwd_q = weight_bwd_q
-            ctx.nx = len(xb)
+            ctx.nx = len(kept_x)
         else:
-            ctx.save_for_backward(*_saved(xb, xm, override, ctx.needs_input_grad[1]),
-                                  *_saved(wb, wm, override, ctx.needs_input_grad[0]))
-            ctx.nx = len(xb)
+            ctx.save_for_backward(*kept_x, *_saved(wb, wm, override, ctx.needs_input_grad[0]))
+            ctx.nx = len(kept_x)
         ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
         ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region
         ctx.weight_q = weight_q
@@ -170,6 +173,8 @@ class _QLinearFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
         xm, wm, (m, k), (n, _), x_dtype, w_dtype = ctx.meta
+        if ctx.input_bwd_q is not None:  # the columnwise copy, from the input saved as is
+            xb = quantize_buffers(xb[0], ctx.input_bwd_q, ctx.group)
         if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
             wb = quantize_buffers(wb[0], ctx.weight_bwd_q, ctx.group)
         elif ctx.weight_quantized:
@@ -196,7 +201,7 @@ class _QLinearFn(torch.autograd.Function):
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         if ctx.region is not None:
             update_registered(ctx.region.backward)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class Linear(QuantizedModule):
@@ -208,7 +213,8 @@ class Linear(QuantizedModule):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None, name: str = "", save_weight_copy: bool = True) -> None:
+                 device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
+                 save_input_copy: bool = True) -> None:
         super().__init__(name=name)
         self.in_features = in_features
         self.out_features = out_features
@@ -217,6 +223,14 @@ class Linear(QuantizedModule):
         #: memory held through the step, one more weight quantize per backward, the same bytes.
         #: False suits FSDP2, which frees the gathered weight after forward.
         self.save_weight_copy = save_weight_copy
+        #: Keep the input's quantized columnwise copy from forward for the weight-gradient GEMM
+        #: (default), or save the input itself and quantize it again in backward (False), as
+        #: torchao's float8 training does: the same bytes, one more input quantize per backward.
+        #: Eagerly this holds the high-precision input (more bytes than the copy unless
+        #: something else keeps it anyway); compiled, the partitioner may instead recompute the
+        #: input from what its producer's backward keeps (a norm's input and reciprocal root),
+        #: so the layer holds nothing of its own between forward and backward.
+        self.save_input_copy = save_input_copy
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
@@ -305,7 +319,9 @@ class Linear(QuantizedModule):
         # copy for backward, the two quantizations being one expression)
         requant = (not self.save_weight_copy and not quantized_w and dgrad
                    and frame.recipe.backward_override is None and _requantizable(qset.fwd[1]))
-        input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad, **red)
+        requant_x = (not self.save_input_copy and wgrad and frame.recipe.backward_override is None
+                     and _requantizable(qset.fwd[0]))
+        input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad and not requant_x, **red)
         weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and not requant, **red)
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
@@ -313,6 +329,10 @@ class Linear(QuantizedModule):
         if requant:
             weight_bwd_q = qset.variant(qset.fwd[1], rowwise_usage=False, columnwise_usage=True,
                                         **red)
+        input_bwd_q = None
+        if requant_x:
+            input_bwd_q = qset.variant(qset.fwd[0], rowwise_usage=False, columnwise_usage=True,
+                                       **red)
         region = None
         if not compiling():
             fwd_ds, bwd_ds = self.delayed_states(qset)
@@ -327,10 +347,12 @@ class Linear(QuantizedModule):
         y = _QLinearFn.apply(
             x if flat else x.reshape(lead.numel(), self.in_features), w, self.bias, input_q,
             weight_q, grad_q, group, frame.recipe.backward_override, region, weight_bwd_q,
+            input_bwd_q,
         )
         return y if flat else y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         extra = "" if self.save_weight_copy else ", save_weight_copy=False"
+        extra += "" if self.save_input_copy else ", save_input_copy=False"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, name={self.name!r}{extra}")
