@@ -115,3 +115,20 @@ def test_save_pretrained_round_trips(tmp_path):
     ids = _batch()
     assert torch.equal(_loss(loaded, ids, qr.MXFP8BlockScaling()),
                        _loss(model, ids, qr.MXFP8BlockScaling()))
+
+
+def test_convert_of_gpt2_says_that_its_conv1d_projections_are_not_converted(caplog):
+    """GPT-2 builds its projections from ``transformers.pytorch_utils.Conv1D`` (weight stored
+    ``[in, out]``): convert must say, by name, that it left them, and that nothing converted."""
+    import logging
+
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=1,
+                                  n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model)
+    text = caplog.text
+    assert "4 layers left as they are: transformers Conv1D" in text
+    assert "transformer.h.0.attn.c_attn" in text
+    assert "1 layer left as it is: the default filter keeps output heads" in text  # lm_head
+    assert "no layer of GPT2LMHeadModel was converted" in text and "Conv1D x4" in text

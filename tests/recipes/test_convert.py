@@ -54,7 +54,7 @@ def test_convert_shares_parameters_and_names_layers_by_fqn():
     assert list(model.state_dict()) == keys
 
 
-def test_default_filter_keeps_the_last_linear_and_named_heads():
+def test_default_filter_keeps_the_output_layer_of_a_sequential_and_named_heads():
     seq = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
     qr.convert(seq)
     assert type(seq[0]) is qr.Linear and type(seq[2]) is torch.nn.Linear
@@ -79,8 +79,8 @@ def test_layers_a_recipe_cannot_take_are_skipped_with_a_warning(caplog):
     # N = 48 (grad_output K) and K = 48 are not multiples of 32; N = 8 neither
     assert [type(m) is qr.Linear for m in seq] == [False, False, True, False]
     text = caplog.text
-    assert "0 stays in high precision: MXFP8BlockScaling cannot take in_features=64, " \
-           "out_features=48" in text
+    assert "3 layers left as they are: MXFP8BlockScaling cannot take their shapes" in text
+    assert "0 (in_features=64, out_features=48" in text
     assert "multiple of 32" in text
 
 
@@ -166,7 +166,7 @@ def test_subclasses_that_keep_linear_forward_are_converted_the_others_are_logged
         qr.convert(model)
     assert type(model[0]) is qr.Linear
     assert type(model[1]) is _OwnForward
-    assert "1 stays as it is: _OwnForward overrides nn.Linear.forward" in caplog.text
+    assert "1 layer left as it is: _OwnForward overrides nn.Linear.forward (1)" in caplog.text
 
 
 def test_multihead_attention_still_runs_after_convert():
@@ -182,3 +182,86 @@ def test_multihead_attention_still_runs_after_convert():
 def test_a_bare_linear_subclass_is_refused():
     with pytest.raises(TypeError, match="bare nn.Linear"):
         qr.convert(_SameForward(8, 8))
+
+
+class Conv1D(torch.nn.Module):
+    """As ``transformers.pytorch_utils.Conv1D``: ``x @ W + b`` with ``W [in, out]``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf))
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+Conv1D.__module__ = "transformers.pytorch_utils"
+
+
+def test_a_model_of_transposed_linears_is_refused_by_name_and_nothing_converted_is_a_warning(
+        caplog):
+    model = torch.nn.Sequential(Conv1D(32, 16), torch.nn.GELU(), Conv1D(16, 32))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model)
+    assert all(type(m) is not qr.Linear for m in model)
+    text = caplog.text
+    assert "2 layers left as they are: transformers Conv1D stores its weight [in, out]" in text
+    assert "(0, 2)" in text
+    assert "no layer of Sequential was converted" in text and "Conv1D x2, GELU x1" in text
+
+
+def test_converting_something_does_not_warn_that_nothing_was_converted(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model)
+    assert "no layer" not in caplog.text
+    assert "1 layer left as it is: the default filter keeps output heads" in caplog.text
+
+
+def test_a_lone_transformer_layer_converts_its_last_projection():
+    """Its last Linear is its own feed-forward projection, not a model head."""
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)
+    qr.convert(layer)
+    assert type(layer.linear1) is qr.Linear and type(layer.linear2) is qr.Linear
+
+
+class _WithOutputEmbeddings(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(32, 32)
+        self.proj_out = torch.nn.Linear(32, 64)
+        self.extra = torch.nn.Linear(64, 64)  # registered last, not the head
+
+    def get_output_embeddings(self):
+        return self.proj_out
+
+    def forward(self, x):
+        return self.proj_out(self.body(x))
+
+
+def test_the_output_embedding_of_a_hugging_face_style_model_stays_in_high_precision():
+    model = _WithOutputEmbeddings()
+    qr.convert(model)
+    assert type(model.proj_out) is torch.nn.Linear
+    assert type(model.body) is qr.Linear and type(model.extra) is qr.Linear
+
+
+def test_nvfp4_on_float32_layers_is_refused_at_convert_with_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"layer '0' has torch.float32 parameters.*"
+                                         r"torch.bfloat16.*disable_rht=True"):
+        qr.convert(model, recipe=qr.NVFP4BlockScaling())
+    qr.convert(model, recipe=qr.NVFP4BlockScaling(disable_rht=True))  # no transform: fp32 is fine
+    assert type(model[0]) is qr.Linear
+    bf16 = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).bfloat16()
+    qr.convert(bf16, recipe=qr.NVFP4BlockScaling())
+    assert type(bf16[0]) is qr.Linear
+
+
+def test_nvfp4_token_count_rule_names_the_fix_at_the_first_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).bfloat16()
+    qr.convert(model, recipe=qr.NVFP4BlockScaling())
+    with pytest.raises(ValueError, match=r"M = 12 \(M is the number of tokens.*pad the batch"):
+        with qr.autocast(recipe=qr.NVFP4BlockScaling()):
+            model(torch.randn(3, 4, 32, dtype=torch.bfloat16))

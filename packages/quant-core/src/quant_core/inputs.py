@@ -92,10 +92,16 @@ def check_block_scaling_dim(block_scaling_dim: int) -> None:
 def check_rht_input(x: torch.Tensor) -> None:
     """``ValueError`` unless ``x [M, K]`` can take the NVFP4 16x16 RHT: bf16 and ``M % 16 == 0``."""
     if x.dtype != torch.bfloat16:
-        raise ValueError(f"NVFP4 with RHT needs a bfloat16 input, got {x.dtype}")
+        raise ValueError(
+            f"NVFP4 with RHT needs a bfloat16 input, got {x.dtype}: cast the model and its "
+            "inputs to torch.bfloat16, or turn the Hadamard transform off "
+            "(NVFP4BlockScaling(disable_rht=True))")
     if x.shape[0] % 16:
-        raise ValueError("NVFP4 with RHT mixes 16 rows: M must be a multiple of 16, got "
-                         f"M = {x.shape[0]}")
+        raise ValueError(
+            "NVFP4 with RHT mixes 16 rows: M must be a multiple of 16, got "
+            f"M = {x.shape[0]} (M is the number of tokens, all dimensions but the last): pad "
+            "the batch or the sequence to a multiple of 16, or turn the Hadamard transform off "
+            "(NVFP4BlockScaling(disable_rht=True))")
 
 
 def check_nvfp4_modes(with_rht: bool, with_2d_quantization: bool, stochastic_rounding: bool,

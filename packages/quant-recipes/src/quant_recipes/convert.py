@@ -3,21 +3,30 @@
 
 Which modules are Linear layers: ``torch.nn.Linear`` and its subclasses that keep its
 ``forward`` (such as ``NonDynamicallyQuantizableLinear``); a subclass that overrides ``forward``
-computes something else, so it is left as it is (logged at INFO, with the reason). A module
-registered under several names (a shared layer) is replaced by one new layer at all of them.
+computes something else, so it is left as it is. Hugging Face's ``transformers`` ``Conv1D``
+(GPT-2's projections) is a linear layer whose weight is stored ``[in, out]``; it is not an
+``nn.Linear`` and is left as it is. A module registered under several names (a shared layer) is
+replaced by one new layer at all of them.
 
 Which layers stay in high precision (the default ``filter``, as TransformerEngine and torchao
-users choose by hand): the output layer and language-model heads, whose logits feed a softmax
-over the vocabulary and lose the most to quantization, that is every Linear named ``lm_head``,
-``head``, ``output``, ``classifier`` or ``score`` and the last Linear of the model in
-registration order. Pass ``filter=lambda fqn, module: True`` to convert every layer, or your own
-rule (``fqn`` is the layer's fully qualified name in the model); a shared layer is converted
-when the filter accepts every name it has.
+users choose by hand): the output heads, whose logits feed a softmax over the vocabulary and lose
+the most to quantization. They are every Linear named ``lm_head``, ``head``, ``output``,
+``classifier`` or ``score``; the model's output embedding when it has
+``get_output_embeddings()`` (Hugging Face models); and the last module of an ``nn.Sequential``
+model when it is a Linear (the layer that produces the model's output). Pass
+``filter=lambda fqn, module: True`` to convert every layer, or your own rule (``fqn`` is the
+layer's fully qualified name in the model); a shared layer is converted when the filter accepts
+every name it has.
+
+Every layer left as it is is reported once at WARNING on the ``quant_recipes`` logger, with its
+name and the reason (one line per reason), and a call that converts nothing says so with the
+layer types it saw: a model that silently trains in full precision is the failure to avoid.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -50,24 +59,65 @@ def _occurrences(model: torch.nn.Module, wanted: Callable[[torch.nn.Module], boo
     return list(names.values())
 
 
-def _log_overridden_forwards(model: torch.nn.Module) -> None:
-    for m, fqns in _occurrences(model, lambda m: isinstance(m, torch.nn.Linear)
-                                and not isinstance(m, Linear) and not _is_plain_linear(m)):
-        log.info("convert: %s stays as it is: %s overrides nn.Linear.forward", fqns[0],
-                 type(m).__name__)
+def _is_transposed_linear(m: torch.nn.Module) -> bool:
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D``: ``x @ W + b`` with ``W [in, out]``."""
+    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
+
+
+def _unconvertible(m: torch.nn.Module) -> str | None:
+    """Why a linear-like module that ``convert`` does not replace is left as it is, or None."""
+    if isinstance(m, torch.nn.Linear) and not isinstance(m, Linear) and not _is_plain_linear(m):
+        return f"{type(m).__name__} overrides nn.Linear.forward"
+    if _is_transposed_linear(m):
+        return ("transformers Conv1D stores its weight [in, out] and is not an nn.Linear; "
+                "convert supports nn.Linear layers only")
+    return None
+
+
+def _output_heads(model: torch.nn.Module) -> set[int]:
+    """``id`` of the modules that produce ``model``'s output: Hugging Face's output embedding
+    and the last module of a (nested) ``nn.Sequential`` model."""
+    heads = set()
+    get = getattr(model, "get_output_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, torch.nn.Module):
+        heads.add(id(emb))
+    last = model
+    while isinstance(last, torch.nn.Sequential) and len(last):
+        last = last[-1]
+    if last is not model:
+        heads.add(id(last))
+    return heads
 
 
 def default_filter(model: torch.nn.Module) -> Callable[[str, torch.nn.Module], bool]:
-    """The default rule for ``model``: convert every Linear but the heads (:data:`HEAD_NAMES`)
-    and the model's last Linear."""
-    found = [fqn for fqn, m in model.named_modules(remove_duplicate=False)
-             if fqn and _is_plain_linear(m)]
-    last = found[-1] if found else None
+    """The default rule for ``model``: convert every Linear but the output heads (named as in
+    :data:`HEAD_NAMES`, the output embedding, the last module of a Sequential model)."""
+    heads = _output_heads(model)
 
     def keep_quantized(fqn: str, module: torch.nn.Module) -> bool:
-        return fqn != last and fqn.rsplit(".", 1)[-1] not in HEAD_NAMES
+        return id(module) not in heads and fqn.rsplit(".", 1)[-1] not in HEAD_NAMES
 
     return keep_quantized
+
+
+def _names(fqns: list[str], most: int = 8) -> str:
+    shown = ", ".join(fqns[:most])
+    return shown if len(fqns) <= most else f"{shown} and {len(fqns) - most} more"
+
+
+def _report(model: torch.nn.Module, skipped: dict[str, list[str]], converted: int) -> None:
+    """One WARNING per reason a layer was left as it is; one more when nothing was converted."""
+    for why, fqns in skipped.items():
+        log.warning("convert: %s layer%s left as %s: %s (%s)", len(fqns),
+                    "" if len(fqns) == 1 else "s", "it is" if len(fqns) == 1 else "they are",
+                    why, _names(fqns))
+    if converted == 0:
+        seen = Counter(type(m).__name__ for _, m in model.named_modules() if m is not model
+                       and not list(m.children()))
+        kinds = ", ".join(f"{n} x{c}" for n, c in seen.most_common(12)) or "none"
+        log.warning("convert: no layer of %s was converted, so it will train in full "
+                    "precision; layer types found: %s", type(model).__name__, kinds)
 
 
 def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: int,
@@ -95,6 +145,29 @@ def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: 
             except ValueError as e:
                 return f"{role.tensor_type}: {e}"
     return None
+
+
+def check_input_dtype(recipe: Recipe, fqn: str, dtype: torch.dtype) -> None:
+    """``ValueError`` when ``recipe`` quantizes bfloat16 inputs of layer ``fqn`` but not inputs
+    of its parameters' ``dtype`` (NVFP4's Hadamard transform takes bfloat16 only); the
+    quantizer's message names the fix."""
+    roles = [QuantizerRole("linear", t, fqn) for t in ("input", "weight", "output")]
+    state = RecipeState.create(recipe, mode="forward", num_quantizers=3, roles=roles)
+    q = state.make_quantizers()[0]
+    if q is None or dtype == torch.bfloat16:
+        return
+
+    def refusal(dt: torch.dtype) -> ValueError | None:
+        try:
+            q.quantize(torch.empty((16, 16), dtype=dt, device="meta"))
+        except ValueError as e:
+            return e
+        return None
+
+    why = refusal(dtype)
+    if why is not None and refusal(torch.bfloat16) is None:
+        raise ValueError(f"convert: layer {fqn!r} has {dtype} parameters, which "
+                         f"{type(recipe).__name__} cannot take: {why}") from None
 
 
 def _swap(model: torch.nn.Module, fqns: list[str], new: torch.nn.Module) -> None:
@@ -134,22 +207,31 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"convert: recipe must be a quant_recipes.Recipe, got {recipe!r}")
     accept = filter if filter is not None else default_filter(model)
-    _log_overridden_forwards(model)
+    skipped: dict[str, list[str]] = {}
+    for m, fqns in _occurrences(model, lambda m: _unconvertible(m) is not None):
+        skipped.setdefault(_unconvertible(m), []).append(fqns[0])
+    converted = 0
     for old, fqns in _occurrences(model, _is_plain_linear):
         fqn = fqns[0]
         if not all(accept(name, old) for name in fqns):
-            log.info("convert: %s stays in high precision (filter)", ", ".join(fqns))
+            why = ("the default filter keeps output heads in high precision" if filter is None
+                   else "the filter keeps them in high precision")
+            skipped.setdefault(why, []).append(", ".join(fqns))
             continue
-        why = (unsupported_shape(recipe, fqn, old.in_features, old.out_features,
-                                 old.weight.dtype) if recipe is not None else None)
-        if why is not None:
-            log.warning("convert: %s stays in high precision: %s cannot take "
-                        "in_features=%d, out_features=%d (%s)", fqn, type(recipe).__name__,
-                        old.in_features, old.out_features, why)
-            continue
+        if recipe is not None:
+            check_input_dtype(recipe, fqn, old.weight.dtype)
+            why = unsupported_shape(recipe, fqn, old.in_features, old.out_features,
+                                    old.weight.dtype)
+            if why is not None:
+                skipped.setdefault(f"{type(recipe).__name__} cannot take their shapes", []).append(
+                    f"{fqn} (in_features={old.in_features}, out_features={old.out_features}: "
+                    f"{why})")
+                continue
         new = Linear(old.in_features, old.out_features, bias=old.bias is not None,
                      device="meta", dtype=old.weight.dtype, name=fqn)
         _swap(model, fqns, _adopt(new, old))
+        converted += 1
+    _report(model, skipped, converted)
     return model
 
 
@@ -164,4 +246,5 @@ def unconvert(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["convert", "unconvert", "default_filter", "unsupported_shape", "HEAD_NAMES"]
+__all__ = ["convert", "unconvert", "default_filter", "unsupported_shape", "check_input_dtype",
+           "HEAD_NAMES"]
