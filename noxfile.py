@@ -213,10 +213,28 @@ def compat(session: nox.Session, torch: str) -> None:
     )
 
 
+def _demo_uses_inductor(args: list[str]) -> bool:
+    """Whether ``quant demo args`` compiles with Inductor (``--compile-backend inductor``, or
+    the default on a GPU: ``--device cuda``, or ``auto`` where ``nvidia-smi`` is on PATH), which
+    builds code with a compiler."""
+    flat = " ".join(args).replace("=", " ").split()
+    value = (lambda flag: flat[flat.index(flag) + 1] if flag in flat[:-1] else None)
+    if "--no-compile" in flat:
+        return False
+    backend = value("--compile-backend")
+    if backend is not None:
+        return backend == "inductor"
+    device = value("--device") or "auto"
+    return device.startswith("cuda") or (device == "auto" and bool(shutil.which("nvidia-smi")))
+
+
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
-    """The main job: `quant demo` with its defaults (a small model trained under every recipe)."""
-    _require_cxx(session)
+    """The main job: `quant demo` with its defaults (a small model trained under every recipe).
+    It needs a C++ compiler only when asked to compile with Inductor on the CPU (by default the
+    demo compiles with aot_eager there, which generates no code)."""
+    if _demo_uses_inductor(session.posargs):
+        _require_cxx(session)
     _stamp_install(
         session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7"]
     )
