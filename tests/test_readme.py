@@ -1,7 +1,8 @@
-"""The README's usage example runs as written (so it cannot rot)."""
+"""Every python block of the README runs on its own, as written (so none can rot)."""
 
 from __future__ import annotations
 
+import linecache
 import pathlib
 import re
 
@@ -11,27 +12,80 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
-def test_readme_usage_example_runs():
+def _python_blocks() -> list[tuple[int, str]]:
+    """Each python block of the README with the line its code starts on (1-based)."""
     text = README.read_text()
-    usage = text[text.index("## Usage"):]
-    blocks = re.findall(r"```python\n(.*?)```", usage, flags=re.S)
-    assert blocks, "the README's Usage section has no python example"
-    namespace: dict = {}
-    for block in blocks:  # in order, one namespace: later blocks use earlier names
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
-    assert namespace["q_rowwise"].columnwise_usage is False
-    assert namespace["model"][0].weight.grad is not None
-    net = namespace["net"]
-    import quant_recipes
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
+            for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S)]
 
-    assert type(net[0]) is quant_recipes.Linear and type(net[2]) is namespace["torch"].nn.Linear
+
+BLOCKS = _python_blocks()
+
+
+def _check_q_rowwise(ns):
+    assert ns["q_rowwise"].columnwise_usage is False
+
+
+def _check_model(ns):
+    assert ns["model"][0].weight.grad is not None
+
+
+def _check_net(ns):
+    import quant_recipes
+    import torch
+
+    net = ns["net"]
+    assert type(net[0]) is quant_recipes.Linear and type(net[2]) is torch.nn.Linear
     assert net[0].weight.grad is not None
-    # Multi-GPU: the two layers' 2 x 256 x 1024 FP8 bytes, gathered for forward and for backward
-    assert namespace["gathered"] == 2 * 2 * 256 * 1024
+
+
+def _check_gathered(ns):
+    # the two layers' 2 x 256 x 1024 FP8 bytes, gathered for forward and for backward
+    assert ns["gathered"] == 2 * 2 * 256 * 1024
+
+
+def _check_qnet(ns):
     from quant_core import QuantizedTensor
 
-    assert isinstance(namespace["qnet"][0].weight, QuantizedTensor)
-    assert namespace["qnet"][0].weight.grad is None  # moved onto its master by the step
+    assert isinstance(ns["qnet"][0].weight, QuantizedTensor)
+    assert ns["qnet"][0].weight.grad is None  # moved onto its master by the step
+
+
+#: What a block that defines each name must leave behind.
+CHECKS = {"q_rowwise": _check_q_rowwise, "model": _check_model, "net": _check_net,
+          "gathered": _check_gathered, "qnet": _check_qnet}
+
+
+def test_readme_has_the_checked_examples():
+    assert BLOCKS, "the README has no python example"
+    defined = set()
+    for _, code in BLOCKS:
+        defined |= {name for name in CHECKS if re.search(rf"^\s*{name} = ", code, flags=re.M)}
+    assert defined == set(CHECKS), f"no README block defines {sorted(set(CHECKS) - defined)}"
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)),
+                         ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_usage_example_runs(index):
+    """Block ``index`` runs in a fresh namespace (its own imports and setup), and the names it
+    defines hold what the README says."""
+    import torch.distributed as dist
+
+    line, code = BLOCKS[index]
+    # padded with newlines so that a traceback names the block's line in the README; the source
+    # is registered under its own name, since inspect (Dynamo) reads the source of what it traces
+    source = "\n" * (line - 1) + code
+    filename = f"{README}:block{index}"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict = {"__name__": f"readme_block_{index}"}
+    try:
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # a failed block must not leave its group behind
+    for name, check in CHECKS.items():
+        if name in namespace:
+            check(namespace)
 
 
 def _load_noxfile(monkeypatch):
