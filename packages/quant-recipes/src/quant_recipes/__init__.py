@@ -43,6 +43,7 @@ from .states import (
     NVFP4BlockScalingRecipeState,
     RecipeState,
 )
+from .weight_cache import cached_weights
 
 __version__ = "0.1.0"
 
@@ -58,5 +59,5 @@ __all__ = [
     "reset_gemm_paths",
     "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
-    "get_high_precision_init_val", "clear_high_precision_init_val",
+    "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",
 ]

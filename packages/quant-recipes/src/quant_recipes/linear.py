@@ -41,6 +41,7 @@ from .module import QuantizedModule, intern, is_value, module_frame
 from .reuse import shared_quantization
 from .role import QuantizerRole
 from .states import RecipeState
+from .weight_cache import cached_quantization
 
 
 def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
@@ -57,8 +58,12 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
             amax = reduce_amax(ops.amax(x, q), group)
             return list(ops.quantize_with_amax(x, amax, q))
         return list(ops.quantize(x, q))
-    return shared_quantization(
-        x, q, group, lambda: q.quantize(x, amax_reduction_group=group).buffer_list(x))
+    def quantize():
+        return q.quantize(x, amax_reduction_group=group).buffer_list(x)
+
+    if isinstance(x, torch.nn.Parameter):
+        return cached_quantization(x, q, group, quantize)
+    return shared_quantization(x, q, group, quantize)
 
 
 def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
