@@ -145,8 +145,7 @@ def recipe_of(name: str):
     """The quant recipe of config ``name`` (one of ``OURS``), with its defaults."""
     import quant_recipes as qr
 
-    return {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
-            "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}[name]()
+    return qr.recipe(name)
 
 
 def prepare(config: str, model):

@@ -19,6 +19,7 @@ from .quantized_init import (
     quantized_model_init,
     requantize_,
 )
+from .recipe_names import RECIPE_NAMES, recipe
 from .recipes import (
     CustomRecipe,
     DelayedScaling,
@@ -60,4 +61,5 @@ __all__ = [
     "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
     "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",
+    "recipe", "RECIPE_NAMES",
 ]

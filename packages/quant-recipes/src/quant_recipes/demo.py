@@ -41,22 +41,12 @@ def _mixed_factory(role):
 
 
 def _recipes() -> dict[str, Callable[[], object] | None]:
-    from . import (
-        CustomRecipe,
-        Float8BlockScaling,
-        Float8CurrentScaling,
-        MXFP8BlockScaling,
-        NVFP4BlockScaling,
-    )
+    from . import CustomRecipe
+    from .recipe_names import recipe
 
-    return {
-        "baseline": None,
-        "fp8_current": Float8CurrentScaling,
-        "fp8_block": Float8BlockScaling,
-        "mxfp8": MXFP8BlockScaling,
-        "nvfp4": NVFP4BlockScaling,
-        "custom_mixed": lambda: CustomRecipe(qfactory=_mixed_factory),
-    }
+    named = {n: (lambda n=n: recipe(n)) for n in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}
+    return {"baseline": None, **named,
+            "custom_mixed": lambda: CustomRecipe(qfactory=_mixed_factory)}
 
 
 RECIPES = ("baseline", "fp8_current", "fp8_block", "mxfp8", "nvfp4", "custom_mixed")
