@@ -262,3 +262,19 @@ def test_sparse_input_is_a_clear_error():
 def test_quantizer_role_fields_are_strings():
     with pytest.raises(TypeError, match="QuantizerRole.name must be a str"):
         qr.QuantizerRole("linear", "weight", 3)
+
+
+def test_linear_is_an_nn_linear_with_its_keys_attributes_and_initialisation():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 24)
+    torch.manual_seed(0)
+    layer = qr.Linear(48, 24)
+    assert isinstance(layer, torch.nn.Linear)
+    assert list(layer.state_dict()) == list(plain.state_dict()) == ["weight", "bias"]
+    assert (layer.in_features, layer.out_features) == (48, 24)
+    # the same draws from the same generator: nn.Linear's initialisation
+    assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+    layer.load_state_dict(plain.state_dict())
+    assert repr(layer).startswith("Linear(in_features=48, out_features=24, bias=True")
+    x = torch.randn(4, 48)
+    assert torch.equal(layer(x), plain(x))  # outside autocast: nn.Linear's forward

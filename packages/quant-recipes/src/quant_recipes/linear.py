@@ -209,8 +209,12 @@ class _QLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
-class Linear(QuantizedModule):
+class Linear(QuantizedModule, torch.nn.Linear):
     """A linear layer whose GEMMs are quantized inside :func:`autocast`.
+
+    It is an ``nn.Linear`` (same constructor, attributes, ``state_dict`` keys and
+    initialisation), so code that looks for ``isinstance(m, nn.Linear)`` (Hugging Face's weight
+    init, PEFT's target matching, module filters) treats it as one; only ``forward`` differs.
 
     Roles: forward ``[("linear", "input", name), ("linear", "weight", name),
     output_quantizer_role]``, backward ``[("linear", "grad_output", name),
@@ -220,9 +224,8 @@ class Linear(QuantizedModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
                  save_input_copy: bool = True) -> None:
-        super().__init__(name=name)
-        self.in_features = in_features
-        self.out_features = out_features
+        # nn.Linear makes weight and bias and initialises them (reset_parameters, below)
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype, name=name)
         #: Keep the weight's quantized columnwise copy from forward for the input-gradient GEMM
         #: (default), or save the weight itself and quantize it again in backward (False): less
         #: memory held through the step, one more weight quantize per backward, the same bytes.
@@ -236,11 +239,7 @@ class Linear(QuantizedModule):
         #: input from what its producer's backward keeps (a norm's input and reciprocal root),
         #: so the layer holds nothing of its own between forward and backward.
         self.save_input_copy = save_input_copy
-        factory = {"device": device, "dtype": dtype}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._roles_changed()
-        self.reset_parameters()
         from .quantized_init import quantize_at_init
 
         quantize_at_init(self)

@@ -130,10 +130,12 @@ def is_value(q: Quantizer) -> bool:
 
 
 class QuantizedModule(torch.nn.Module):
-    """Base of modules that quantize their GEMM operands inside :func:`autocast`."""
+    """Base of modules that quantize their GEMM operands inside :func:`autocast`. It is
+    cooperative: positional and other keyword arguments go to the next class in the MRO (the
+    ``torch.nn`` module a subclass also is, such as ``nn.Linear``)."""
 
-    def __init__(self, *, name: str = "") -> None:
-        super().__init__()
+    def __init__(self, *args: Any, name: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.name = name
         self._output_quantizer_role: QuantizerRole | None = None
         self._grad_input_quantizer_role: QuantizerRole | None = None
