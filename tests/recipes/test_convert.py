@@ -265,3 +265,11 @@ def test_nvfp4_token_count_rule_names_the_fix_at_the_first_forward():
     with pytest.raises(ValueError, match=r"M = 12 \(M is the number of tokens.*pad the batch"):
         with qr.autocast(recipe=qr.NVFP4BlockScaling()):
             model(torch.randn(3, 4, 32, dtype=torch.bfloat16))
+
+
+def test_stateful_recipes_convert_float32_models():
+    """The input-dtype probe runs on the meta device, where a delayed-scaling quantizer's state
+    (on the CPU) cannot go: it must not stop the conversion."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    qr.convert(model, recipe=qr.DelayedScaling())
+    assert type(model[0]) is qr.Linear

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from .linear import Linear
+from .module import check_bindable
 from .recipes import Recipe
 from .role import QuantizerRole
 from .states import RecipeState
@@ -162,6 +163,8 @@ def check_input_dtype(recipe: Recipe, fqn: str, dtype: torch.dtype) -> None:
             q.quantize(torch.empty((16, 16), dtype=dt, device="meta"))
         except ValueError as e:
             return e
+        except (RuntimeError, NotImplementedError):  # state on a real device: no probe on meta
+            return None
         return None
 
     why = refusal(dtype)
@@ -186,7 +189,7 @@ def _adopt(new: torch.nn.Module, old: torch.nn.Module) -> torch.nn.Module:
 
 
 def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], bool] | None = None,
-            recipe: Recipe | None = None) -> torch.nn.Module:
+            recipe: Recipe | None = None, always_quantize: bool = False) -> torch.nn.Module:
     """Replace, in place, each Linear layer of ``model`` (an ``nn.Linear``, or a subclass that
     keeps its ``forward``) that ``filter(fqn, module)`` accepts (default:
     :func:`default_filter`) by a :class:`~quant_recipes.Linear` named ``fqn``
@@ -195,6 +198,12 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
     keys are unchanged. With ``recipe``, layers whose shapes it cannot take (K or N not a
     multiple of its block) are left as they are, with a warning naming the layer. Forward hooks
     registered on a replaced layer are not carried over. Returns ``model``.
+
+    With ``always_quantize=True`` the converted layers are bound to ``recipe``
+    (:attr:`~quant_recipes.QuantizedModule.bound_recipe`): they quantize with it even when no
+    :func:`~quant_recipes.autocast` is active, for training loops a framework owns. An
+    enclosing autocast still decides (its recipe, or ``enabled=False``). The default keeps
+    quantization inside autocast only, as TransformerEngine does.
 
     A model that is itself a bare ``nn.Linear`` cannot be replaced in place: wrap it first. A
     layer registered under several names is replaced by one new layer at all of them (named by
@@ -206,6 +215,11 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
         raise TypeError("convert: model is a bare nn.Linear; convert a module that contains it")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"convert: recipe must be a quant_recipes.Recipe, got {recipe!r}")
+    if always_quantize:
+        if recipe is None:
+            raise ValueError("convert: always_quantize=True needs the recipe to quantize with "
+                             "(recipe=...)")
+        check_bindable(recipe)  # before any swap
     accept = filter if filter is not None else default_filter(model)
     skipped: dict[str, list[str]] = {}
     for m, fqns in _occurrences(model, lambda m: _unconvertible(m) is not None):
@@ -229,6 +243,8 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
                 continue
         new = Linear(old.in_features, old.out_features, bias=old.bias is not None,
                      device="meta", dtype=old.weight.dtype, name=fqn)
+        if always_quantize:
+            new.bound_recipe = recipe
         _swap(model, fqns, _adopt(new, old))
         converted += 1
     _report(model, skipped, converted)

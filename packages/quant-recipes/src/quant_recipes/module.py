@@ -47,6 +47,8 @@ def module_frame(module: torch.nn.Module) -> Frame | None:
     that forward was outside every region or under ``enabled=False``. Eager forwards outside
     backward record their frame for that purpose."""
     frame = active_frame()
+    if frame is None and current_frame() is None:  # outside every autocast: a bound recipe
+        frame = getattr(module, "_bound_frame", None)
     if compiling():
         return frame
     if _in_backward():
@@ -129,6 +131,17 @@ def is_value(q: Quantizer) -> bool:
     return is_value_quantizer(q)
 
 
+def check_bindable(recipe: Recipe) -> None:
+    """``TypeError``/``ValueError`` unless ``recipe`` can be a module's bound recipe: a recipe
+    without state that autocast's region exits update (not ``DelayedScaling``)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"bound_recipe must be a quant_recipes.Recipe or None, got {recipe!r}")
+    if recipe.delayed():
+        raise ValueError("bound_recipe: DelayedScaling updates its scales when an autocast "
+                         "region exits, so it needs autocast; bind a stateless recipe "
+                         "(Float8CurrentScaling, ...) or use autocast")
+
+
 class QuantizedModule(torch.nn.Module):
     """Base of modules that quantize their GEMM operands inside :func:`autocast`. It is
     cooperative: positional and other keyword arguments go to the next class in the MRO (the
@@ -141,6 +154,21 @@ class QuantizedModule(torch.nn.Module):
         self._grad_input_quantizer_role: QuantizerRole | None = None
         self._qset: QuantizerSet | None = None
         self.quantizer_builds = 0
+
+    # -------------------------------------------------------------- bound recipe
+    @property
+    def bound_recipe(self) -> Recipe | None:
+        """The recipe the module quantizes with outside every :func:`autocast` (``None``: high
+        precision there, the default). An enclosing autocast still decides: its recipe, or
+        ``enabled=False``."""
+        frame = getattr(self, "_bound_frame", None)
+        return None if frame is None else frame.recipe
+
+    @bound_recipe.setter
+    def bound_recipe(self, recipe: Recipe | None) -> None:
+        if recipe is not None:
+            check_bindable(recipe)
+        self._bound_frame = None if recipe is None else Frame(True, recipe, False, None)
 
     # -------------------------------------------------------------- roles
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
