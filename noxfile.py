@@ -28,7 +28,8 @@ nox.options.envdir = os.environ.get(
 )
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "hf", "compat"]
+nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "hf",
+                        "integrations", "compat"]
 
 
 def _skip_uv_probe() -> None:
@@ -54,6 +55,8 @@ COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
 #: Hugging Face Transformers for tests/hf only (never a runtime dependency).
 TRANSFORMERS = "transformers==5.24.0"
+#: The training frameworks of the integrations session (test dependencies only).
+INTEGRATIONS = ["accelerate==1.15.0", "peft==0.21.2", "lightning==2.6.6"]
 #: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy. Triton
 #: 3.6's interpreter turns a loop bound into a Python int with ``int(array)``, which numpy 2.4
 #: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.
@@ -195,6 +198,18 @@ def hf(session: nox.Session) -> None:
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", TRANSFORMERS, *TEST_TOOLS])
     _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
     _pytest(session, "tests/hf")
+
+
+@nox.session(python="3.11")
+def integrations(session: nox.Session) -> None:
+    """The frameworks people train with: Hugging Face Trainer (accelerate) and PEFT, Lightning
+    (tests/integrations, and the README's snippets for them); their packages are test
+    dependencies of this session only."""
+    _require_cxx(session)  # the README's first snippet compiles with Inductor
+    _stamp_install(session, "deps",
+                   [f"torch=={TEST_TORCH}", TRANSFORMERS, *INTEGRATIONS, *TEST_TOOLS])
+    _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
+    _pytest(session, "tests/integrations", "tests/test_readme.py")
 
 
 @nox.session(python="3.11")

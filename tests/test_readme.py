@@ -51,6 +51,10 @@ def _check_qnet(ns):
     assert ns["qnet"][0].weight.grad is None  # moved onto its master by the step
 
 
+#: Packages of the integrations (their own nox session installs them): a block importing one
+#: is skipped where it is absent.
+_INTEGRATIONS = ("lightning", "transformers", "peft", "accelerate")
+
 #: What a block that defines each name must leave behind.
 CHECKS = {"q_rowwise": _check_q_rowwise, "model": _check_model, "net": _check_net,
           "gathered": _check_gathered, "qnet": _check_qnet}
@@ -66,12 +70,16 @@ def test_readme_has_the_checked_examples():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)),
                          ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_usage_example_runs(index):
-    """Block ``index`` runs in a fresh namespace (its own imports and setup), and the names it
-    defines hold what the README says."""
+def test_readme_usage_example_runs(index, tmp_path, monkeypatch):
+    """Block ``index`` runs in a fresh namespace (its own imports and setup) and a fresh working
+    directory (for what it writes), and the names it defines hold what the README says."""
+    monkeypatch.chdir(tmp_path)
     import torch.distributed as dist
 
     line, code = BLOCKS[index]
+    for package in _INTEGRATIONS:  # these blocks run in the session that installs the package
+        if re.search(rf"^\s*(import|from) {package}\b", code, flags=re.M):
+            pytest.importorskip(package)
     # padded with newlines so that a traceback names the block's line in the README; the source
     # is registered under its own name, since inspect (Dynamo) reads the source of what it traces
     source = "\n" * (line - 1) + code

@@ -56,4 +56,18 @@ def recipe(name: str, **options) -> Recipe:
     return cls(**options)
 
 
-__all__ = ["recipe", "RECIPE_NAMES"]
+def as_recipe(value: Recipe | str, who: str, **options) -> Recipe:
+    """``value`` when it is a recipe, else :func:`recipe` of the name with ``options``; the
+    errors name ``who`` (the caller taking a recipe or its name)."""
+    if isinstance(value, str):
+        return recipe(value, **options)
+    if options:
+        raise TypeError(f"{who}: options {sorted(options)} are for a recipe name, not a recipe "
+                        "object")
+    if not isinstance(value, Recipe):
+        raise TypeError(f"{who}: recipe must be a quant_recipes.Recipe or its name, got "
+                        f"{value!r}")
+    return value
+
+
+__all__ = ["recipe", "as_recipe", "RECIPE_NAMES"]
