@@ -1,4 +1,4 @@
-"""The reference GEMMs of row operands (DESIGN.md contract 6) and the storages' GEMM operands.
+"""The reference GEMMs of row operands (architecture.md contract 6) and the storages' GEMM operands.
 
 The expected values are computed from the storages' own ``dequantize()`` (an independent path
 through the §8 rules) or from the spec's formulas restated here, never from the code under test.

@@ -1,6 +1,6 @@
 """The Triton GEMMs (MXFP8, NVFP4; every implementation) against ``quant_core.reference``.
 
-Two kinds of check (DESIGN.md contract 6: only the order of the fp32 accumulation may differ):
+Two kinds of check (architecture.md contract 6: only the order of the fp32 accumulation may differ):
 - bit for bit on operands whose products and partial sums are all exact in fp32;
 - on random operands, elementwise within the bound of two fp32 summations of the same exact
   products in different orders: ``|fast - ref| <= 2 * K * 2^-24 * (|A| @ |B|ᵀ)`` (each order's

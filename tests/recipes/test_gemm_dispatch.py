@@ -1,5 +1,5 @@
-"""GEMM dispatch (DESIGN.md contract 6): operands from storages, the path per format and backend,
-the emulated fallbacks, and the custom op's contract."""
+"""GEMM dispatch (architecture.md contract 6): operands from storages, the path per format and
+backend, the emulated fallbacks, and the custom op's contract."""
 
 from __future__ import annotations
 

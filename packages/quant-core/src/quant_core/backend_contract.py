@@ -1,4 +1,4 @@
-"""The backend contract (DESIGN.md contract 3), one documented method per function.
+"""The backend contract (architecture.md contract 3), one documented method per function.
 
 A backend is any object with these attributes; :mod:`quant_core.reference` is the definition
 (every backend returns its bytes; GEMMs may differ only in the order of the fp32 accumulation)

@@ -1,4 +1,4 @@
-"""The backend registry (DESIGN.md contract 3).
+"""The backend registry (architecture.md contract 3).
 
 A backend is an object with ``name: str``, ``priority: int``, ``supports(device) -> bool`` and the
 functions of :mod:`quant_core.reference` with the same signatures. An optional

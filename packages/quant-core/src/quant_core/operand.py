@@ -1,4 +1,4 @@
-"""GEMM operands: how a quantized tensor hands itself to a GEMM (DESIGN.md contract 6).
+"""GEMM operands: how a quantized tensor hands itself to a GEMM (architecture.md contract 6).
 
 A GEMM ``op(A) @ op(B)`` contracts over one dim of each quantized tensor ``X [m, k]``. Seen from
 the GEMM every operand is a *row operand* ``R [rows, K]`` with the contraction along dim 1: ``X``

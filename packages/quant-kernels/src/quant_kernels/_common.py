@@ -64,7 +64,7 @@ def fp8_data(shape: tuple[int, ...], fp8_dtype: DType,
 
     Recorded into a compiled graph, the buffer is torch's FP8 dtype and the data a uint8 view of
     it: a GEMM's FP8 view of that data is then the buffer itself in Inductor's code, where a
-    uint8 buffer costs an ``aten.view.dtype`` call per GEMM operand on every step (issue 13)."""
+    uint8 buffer costs an ``aten.view.dtype`` call per GEMM operand on every step."""
     if capturing():
         buf = torch.empty(shape, dtype=fp8_dtype.torch_dtype, device=device)
         return buf, buf.view(torch.uint8)

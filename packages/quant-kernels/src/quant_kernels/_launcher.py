@@ -1,4 +1,4 @@
-"""Direct launches of already compiled kernels: the eager host path of issue 13.
+"""Direct launches of already compiled kernels: the eager host path.
 
 ``kernel[grid](*args)`` spends 14-21 us on the H200's hosts in Triton's Python (its binder, a
 cache key built with ``str(options)``, ``driver.active`` lookups, the used-globals check, launch

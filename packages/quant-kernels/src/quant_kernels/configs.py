@@ -28,8 +28,8 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "amax": {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
              "interp": {"BLOCK": 4096, "per_sm": 1}},
     # current scaling's amax: fewer programs, whose partial maxima every cast program reads.
-    # amax_partials and fp8_cast: winners of the sixth session's sweep (bench/kernels.py, H200,
-    # 4096^2 and 8192^2): 29.8 us for both launches at 4096^2, against ~35 us before
+    # amax_partials and fp8_cast: the winners of a tile sweep (bench/kernels.py, H200, 4096^2
+    # and 8192^2): 29.8 us for both launches at 4096^2
     "amax_partials": {"gpu": {"BLOCK": 4096, "num_warps": 8, "per_sm": 4},
                       "interp": {"BLOCK": 4096, "per_sm": 1}},
     # fp8_tensor.py
@@ -103,8 +103,8 @@ _LAUNCH_CONFIGS: dict[tuple[str, bool], tuple[Mapping[str, int], dict[str, int]]
 def launch_config(name: str) -> tuple[Mapping[str, int], dict[str, int]]:
     """``(config, keywords)`` of kernel ``name`` in the current mode: the config read-only, and
     the keywords a launch passes (:func:`tile_args` plus :func:`launch_kwargs`). Built once per
-    name and mode, since every quantize call goes through here (issue 13: rebuilding the dicts
-    was a quarter of a kernel wrapper's host time). Spread the keywords (``**``); don't modify
+    name and mode, since every quantize call goes through here (rebuilding the dicts would be
+    a quarter of a kernel wrapper's host time). Spread the keywords (``**``); don't modify
     them."""
     key = (name, interpreting())
     found = _LAUNCH_CONFIGS.get(key)

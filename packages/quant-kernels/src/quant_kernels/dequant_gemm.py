@@ -1,5 +1,5 @@
 """Block-scaled GEMMs as exact bf16 dequantization plus the bf16 tensor-core GEMM of cuBLAS: the
-fastest MXFP8 / NVFP4 path measured on Hopper (bench/RESULTS.md, issue 11), which has no
+fastest MXFP8 / NVFP4 path measured on Hopper (bench/RESULTS.md), which has no
 block-scaled tensor cores.
 
 Every MXFP8 element ``fp8 * 2^(e - 127)`` and every NVFP4 element ``e2m1 * e4m3`` is a bf16 value
@@ -143,7 +143,7 @@ def _rows_per_block(m, n, direct: bool, recorded_blocks: bool = True) -> int | N
     whose eager body runs the blocks: that layer's compiled step peaked at 1.02 GiB against 1.27
     with the whole product recorded. Without it (MXFP8) the whole product is recorded: there the
     opaque blocks peaked higher (1.51 against 1.38 GiB; eager mode 1.76), because the step's
-    other eager allocations cost more than the product saves (sixth session, bench/RESULTS.md)."""
+    other eager allocations cost more than the product saves (bench/RESULTS.md)."""
     if (direct or not (isinstance(m, int) and isinstance(n, int))
             or m * n * 4 <= MAX_FP32_PRODUCT_BYTES):
         return None

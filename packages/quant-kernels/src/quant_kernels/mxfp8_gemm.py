@@ -9,7 +9,7 @@ Three implementations, picked by ``mode``:
   the fp32 accumulator times the exact power-of-two scales of its rows and columns
   (``acc += (P * 2^ea) * 2^eb``). The products are exact; the sum of one block's 32 products is
   the tensor core's (Hopper's FP8 MMA adds with fewer than fp32's bits, see ``bench/RESULTS.md``),
-  so this mode is outside DESIGN.md contract 6: only a benchmark selects it (:data:`MODE`).
+  so this mode is outside architecture.md contract 6: only a benchmark selects it (:data:`MODE`).
 - ``"bf16"``: each tile is dequantized exactly into bf16 (an FP8 value times ``2^e`` is a bf16
   value unless it falls below 2^-133 or the scale is 255/NaN) and multiplied on the bf16 tensor
   cores with fp32 accumulation.

@@ -1,4 +1,4 @@
-"""FSDP2 all-gather of quant ``Linear`` weights in the quantized format (issue 18 item 2).
+"""FSDP2 all-gather of quant ``Linear`` weights in the quantized format.
 
 ``enable_fsdp_quantized_all_gather(model, recipe)``, called *before* ``fully_shard``, wraps each
 ``Linear`` weight in :class:`QuantizedAllGatherWeight`: the sharded parameter stays in high

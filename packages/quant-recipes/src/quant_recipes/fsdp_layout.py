@@ -1,4 +1,4 @@
-"""How a weight's quantized buffers travel through FSDP2's dim-0 all-gather (issue 18 item 2).
+"""How a weight's quantized buffers travel through FSDP2's dim-0 all-gather.
 
 FSDP2 shards a weight ``[M, K]`` into row chunks and all-gathers what each rank's
 ``fsdp_pre_all_gather`` returns, concatenated along dim 0. A format qualifies when the

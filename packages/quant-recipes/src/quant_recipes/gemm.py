@@ -1,4 +1,4 @@
-"""GEMMs on quantized operands, and which path ran (DESIGN.md contract 6).
+"""GEMMs on quantized operands, and which path ran (architecture.md contract 6).
 
 Operands travel as buffer lists (a storage's buffers in declaration order, an absent one as an
 empty tensor) plus integer metadata, so the GEMM is one custom op with plain types

@@ -1,4 +1,4 @@
-"""The fast GEMM paths (DESIGN.md contract 6): for two row operands of one format
+"""The fast GEMM paths (architecture.md contract 6): for two row operands of one format
 (``quant_core.GemmOperand``), the fastest implementation this torch, GPU and backend offer whose
 result is the reference's products accumulated in fp32, in another order.
 

@@ -1,5 +1,5 @@
-"""Reference GEMMs of block-scaled operands (DESIGN.md contract 6): the definition the fast paths
-are held to, and the emulated path on every device.
+"""Reference GEMMs of block-scaled operands (architecture.md contract 6): the definition the
+fast paths are held to, and the emulated path on every device.
 
 Both operands are *row operands* (``quant_core.gemm_operand``): ``A [M, K]`` and ``B [N, K]``
 with the contraction along dim 1 of both; the result is ``A @ B.T (+ bias)`` cast once (RNE) to
