@@ -56,12 +56,11 @@ DEFAULT_RECIPES = RECIPES
 #: models (percent), and why: FP8 rounds each value to 3 mantissa bits (E4M3), NVFP4 to 1 (E2M1),
 #: with one scale per 16 values; at this size and length the loss is dominated by that noise.
 EXPECTED_GAP = {
-    "fp8_current": (5.0, "FP8 (E4M3) values"),
-    "fp8_block": (5.0, "FP8 (E4M3) values"),
-    "mxfp8": (5.0, "FP8 (E4M3) values"),
+    "fp8_current": (5.0, "FP8 values"),
+    "fp8_block": (5.0, "FP8 values"),
+    "mxfp8": (5.0, "FP8 values"),
     "custom_mixed": (5.0, "FP8 values"),
-    "nvfp4": (50.0, "4-bit (E2M1) values, one scale per 16; a model this small, trained this "
-                    "briefly, feels that noise most"),
+    "nvfp4": (50.0, "4-bit values"),
 }
 
 
@@ -277,8 +276,8 @@ def _gap_note(r: RunResult, base: RunResult) -> str | None:
     ref = _final(base)
     gap = 100 * (_final(r) - ref) / ref
     verdict = ("within" if abs(gap) <= bound else "beyond")
-    return (f"{r.recipe}: {gap:+.1f}% is {verdict} the {bound:g}% expected of {why} at this size"
-            + ("" if verdict == "within" else ": unexpected, worth a look"))
+    return (f"{r.recipe}: {gap:+.1f}%, {verdict} the {bound:g}% expected of {why} at this size"
+            + ("" if verdict == "within" else ": worth a look"))
 
 
 def format_table(results: list[RunResult], columns: int | None = None,
@@ -322,8 +321,8 @@ def format_table(results: list[RunResult], columns: int | None = None,
     if speed:
         notes.append("ms/step: median after a warm-up (the first tenth)")
     else:
-        notes.append("no speed on a CPU: every quantized GEMM is emulated in fp32 here, so the "
-                     "times (in results.json) say nothing about the formats")
+        notes.append("no speed on a CPU: quantized GEMMs are emulated in fp32 (times in "
+                     "results.json)")
     if any("emulated" in r.gemm_path for r in results):
         notes.append("gemm 'emulated': no tensor-core path for this format here (fp32 GEMM)")
     return "\n".join(fit(line, columns) for line in [*lines, *notes])
