@@ -273,3 +273,11 @@ def test_stateful_recipes_convert_float32_models():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
     qr.convert(model, recipe=qr.DelayedScaling())
     assert type(model[0]) is qr.Linear
+
+
+def test_converting_a_converted_model_again_does_not_claim_full_precision(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    qr.convert(model, filter=lambda fqn, m: True)
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model)
+    assert "no layer" not in caplog.text

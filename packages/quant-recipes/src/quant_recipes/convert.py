@@ -108,12 +108,13 @@ def _names(fqns: list[str], most: int = 8) -> str:
 
 
 def _report(model: torch.nn.Module, skipped: dict[str, list[str]], converted: int) -> None:
-    """One WARNING per reason a layer was left as it is; one more when nothing was converted."""
+    """One WARNING per reason a layer was left as it is; one more when nothing was converted
+    and the model holds no quant layer (converting a converted model again is not a mistake)."""
     for why, fqns in skipped.items():
         log.warning("convert: %s layer%s left as %s: %s (%s)", len(fqns),
                     "" if len(fqns) == 1 else "s", "it is" if len(fqns) == 1 else "they are",
                     why, _names(fqns))
-    if converted == 0:
+    if converted == 0 and not any(isinstance(m, Linear) for m in model.modules()):
         seen = Counter(type(m).__name__ for _, m in model.named_modules() if m is not model
                        and not list(m.children()))
         kinds = ", ".join(f"{n} x{c}" for n, c in seen.most_common(12)) or "none"
