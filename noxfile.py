@@ -246,8 +246,9 @@ def _demo_uses_inductor(args: list[str]) -> bool:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: `quant demo` with its defaults (a small model trained under every recipe).
-    It needs a C++ compiler only when asked to compile with Inductor on the CPU (by default the
-    demo compiles with aot_eager there, which generates no code)."""
+    It needs a C++ compiler only when the demo compiles with Inductor (``--compile-backend
+    inductor``, or the default on a GPU); on a CPU it compiles with aot_eager, which generates
+    no code."""
     if _demo_uses_inductor(session.posargs):
         _require_cxx(session)
     _stamp_install(
