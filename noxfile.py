@@ -28,8 +28,8 @@ nox.options.envdir = os.environ.get(
 )
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "core", "kernels", "dynamo", "recipes", "tests", "hf",
-                        "integrations", "compat"]
+nox.options.sessions = ["lint", "core", "kernels", "kernels_newest_triton", "dynamo", "recipes",
+                        "tests", "hf", "integrations", "compat"]
 
 
 def _skip_uv_probe() -> None:
@@ -50,6 +50,9 @@ _skip_uv_probe()
 TEST_TORCH = "2.13.0"
 #: Triton as on the H200 GPU machine, so interpreter and hardware see the same compiler.
 TRITON = "3.6.0"
+#: The newest Triton, which pip picks for quant-kernels (``triton>=3.4``) where no CUDA torch pins
+#: one (a CPU-only machine): the kernels are tested through its interpreter too.
+NEWEST_TRITON = "3.9.0"
 #: Releases whose opaque-object API differs (docs/torch-versions.md).
 COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
@@ -152,6 +155,18 @@ def kernels(session: nox.Session) -> None:
     )
     _stamp_install(session, "local", _editable("quant-core", "quant-kernels"))
     _assert_absent(session, "quant_dynamo", "quant_recipes")
+    _pytest(session, "tests/kernels", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(python="3.11")
+def kernels_newest_triton(session: nox.Session) -> None:
+    """The kernels session with the newest Triton (:data:`NEWEST_TRITON`) instead of the GPU
+    machine's."""
+    _stamp_install(
+        session, "deps",
+        [f"torch=={TEST_TORCH}", f"triton=={NEWEST_TRITON}", *INTERPRETER, *TEST_TOOLS],
+    )
+    _stamp_install(session, "local", _editable("quant-core", "quant-kernels"))
     _pytest(session, "tests/kernels", env={"TRITON_INTERPRET": "1"})
 
 

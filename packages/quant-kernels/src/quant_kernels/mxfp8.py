@@ -135,7 +135,9 @@ def _mxfp8_slab(
             so = scale_offset(rk, rb, CS_SW_C, True)
         else:
             so = scale_offset(rb, rk, CS_C, False)
-        tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & (rb < (M + 31) // 32))
+        # the slab's own bound as a vector, as the mask of a vector store must be
+        slab_in = (rb + tl.zeros_like(rk)) < (M + 31) // 32
+        tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & slab_in)
 
 
 def mxfp8_quantize(
