@@ -3,8 +3,9 @@ templates with the dequantization fused into their prologue.
 
 quant's MXFP8 GEMM on GPUs without MX tensor cores dequantizes both operands exactly to bf16
 (one Triton kernel each) and multiplies them with cuBLAS (``quant_kernels.mxfp8_gemm``, mode
-``"dequant"``). The alternative measured here writes the dequantization as torch ops
-(``fp8 -> fp32 * 2^(e8m0 - 127) -> bf16``, exact) in front of ``a @ b.T`` and compiles it with
+``"dequant"``). The alternative measured here puts the reference's dequantization
+(``quant_core.reference.mxfp8_dequantize``: torch ops, exact) in front of ``a @ b.T`` and
+compiles it with
 ``mode="max-autotune-no-cudagraphs"`` and prologue fusion, so that Inductor may choose a Triton
 template that decodes the FP8 tiles in its mainloop instead of writing bf16 copies. Per shape
 (the forward GEMMs of the Llama benchmark's layers) it reports the median of CUDA-event timed
@@ -25,16 +26,17 @@ import statistics
 # Inductor reads its GEMM backends when its config is first imported
 os.environ.setdefault("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", "TRITON,ATEN")
 import torch  # noqa: E402
+from quant_core import reference  # noqa: E402
+from quant_core.dtypes import DType  # noqa: E402
 
 DEFAULT_SHAPES = "8192x4096x4096,8192x4096x14336,8192x14336x4096"  # M x K x N
 
 
 def dequant_ops(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Rowwise MXFP8 ``[M, K]`` (unswizzled, padded E8M0 scales) as bf16, in torch ops."""
-    m, k = data.shape
-    s = scale[:m, : k // 32].to(torch.int32) - 127
-    vals = data.view(torch.float8_e4m3fn).to(torch.float32).reshape(m, k // 32, 32)
-    return (vals * torch.exp2(s.to(torch.float32)).unsqueeze(-1)).reshape(m, k).to(torch.bfloat16)
+    """Rowwise E4M3 MXFP8 ``[M, K]`` (unswizzled scales) as bf16: the reference's rule, in torch
+    ops that Inductor compiles."""
+    return reference.mxfp8_dequantize(data, scale, fp8_dtype=DType.E4M3, columnwise=False,
+                                      swizzled=False, dtype=torch.bfloat16)
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -58,7 +60,6 @@ def fused(ad, asc, bd, bsc):
 
 def measure(shape: str, be, q) -> dict:
     """One shape's row: times, what Inductor chose, and the two results' difference."""
-    from quant_core.dtypes import DType
     from torch._inductor.utils import run_and_get_code
 
     m, k, n = (int(v) for v in shape.split("x"))

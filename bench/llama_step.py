@@ -141,13 +141,6 @@ def lowering(config: str):
         yield
 
 
-def recipe_of(name: str):
-    """The quant recipe of config ``name`` (one of ``OURS``), with its defaults."""
-    import quant_recipes as qr
-
-    return qr.recipe(name)
-
-
 def prepare(config: str, model):
     """Convert ``model`` in place for ``config``; returns ``forward(ids) -> loss``."""
     name, variant, _ = parse(config)
@@ -160,7 +153,7 @@ def prepare(config: str, model):
     elif name in OURS:
         import quant_recipes as qr
 
-        recipe = recipe_of(name)
+        recipe = qr.recipe(name)
         qr.convert(model, recipe=recipe)
         for m in model.modules():
             if isinstance(m, qr.Linear):

@@ -68,7 +68,7 @@ def report(config: str, size: str, device: torch.device) -> float:
         if name in llama_step.OURS:
             import quant_recipes as qr
 
-            with qr.autocast(recipe=llama_step.recipe_of(name)):
+            with qr.autocast(recipe=qr.recipe(name)):
                 y = fn(x)
         else:
             y = fn(x)

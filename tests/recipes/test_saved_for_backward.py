@@ -93,74 +93,28 @@ def _grads(m, x, recipe, seed=0):
     return y.detach(), x.grad, m.weight.grad
 
 
+#: ``Linear`` switch -> (the operand it keeps as is, the other operand's index in ``_expected``).
+REQUANTIZED = {"save_weight_copy": (lambda m, x: m.weight, 0),
+               "save_input_copy": (lambda m, x: x, 1)}
+
+
+@pytest.mark.parametrize("switch", sorted(REQUANTIZED))
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_weight_requantized_in_backward_saves_no_weight_copy_and_gives_the_same_bits(name):
-    """``save_weight_copy=False``: the weight itself (a parameter, no new memory) is saved
-    instead of its quantized copy, and backward's copy has the forward copy's bytes."""
+def test_an_operand_requantized_in_backward_is_saved_as_is_and_gives_the_same_bits(name, switch):
+    """``save_weight_copy=False`` / ``save_input_copy=False``: the weight (a parameter, no new
+    memory) or the input itself is saved instead of its quantized copy (as torchao does for the
+    input), and backward's copy has the forward copy's bytes."""
     torch.manual_seed(0)
     saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
-    requant = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_weight_copy=False)
+    requant = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, **{switch: False})
     requant.load_state_dict(saving.state_dict())
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    kept_of, other = REQUANTIZED[switch]
+    kept = kept_of(requant, x)
     _, saved = _saved_in_forward(requant, x, RECIPES[name]())
-    assert any(t is requant.weight for t in saved)
-    assert _signature([t for t in saved if t is not requant.weight]) == _expected(
-        requant, x, COLUMNWISE, which=(0,))
-    for a, b in zip(_grads(saving, x, RECIPES[name]()), _grads(requant, x, RECIPES[name]()),
-                    strict=True):
-        assert torch.equal(a, b)
-
-
-def test_delayed_scaling_keeps_the_weight_copy():
-    """A delayed-scaling scale changes when the region exits, before backward: requantizing
-    would not give the forward's bytes, so the copy is saved."""
-    m = qr.Linear(64, 32, bias=False, save_weight_copy=False)
-    x = torch.randn(16, 64, requires_grad=True)
-    _, saved = _saved_in_forward(m, x, qr.DelayedScaling())
-    assert not any(t is m.weight for t in saved)
-    assert "save_weight_copy=False" in repr(m)
-
-
-@pytest.mark.parametrize("name", ["current", "mxfp8"])
-def test_weight_requantized_in_backward_compiles_to_the_same_bits(name):
-    dynamo = pytest.importorskip("quant_dynamo")
-    if not dynamo.compile_supported():
-        pytest.skip("no opaque-object API on this torch")
-    torch.manual_seed(0)
-    m = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_weight_copy=False)
-    x = torch.randn(32, 128, dtype=torch.bfloat16)
-    recipe = RECIPES[name]()
-
-    def fn(t):
-        with qr.autocast(recipe=recipe):
-            return m(t)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    outs = []
-    for f in (fn, compiled):
-        t = x.clone().requires_grad_()
-        m.zero_grad(set_to_none=True)
-        y = f(t)
-        y.float().pow(2).sum().backward()
-        outs.append((y.detach(), t.grad, m.weight.grad))
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_input_requantized_in_backward_saves_the_input_itself_and_gives_the_same_bits(name):
-    """``save_input_copy=False``: the input itself is saved instead of its quantized copy (as
-    torchao does), and backward's copy has the forward copy's bytes."""
-    torch.manual_seed(0)
-    saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
-    requant = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_input_copy=False)
-    requant.load_state_dict(saving.state_dict())
-    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
-    _, saved = _saved_in_forward(requant, x, RECIPES[name]())
-    assert any(t is x for t in saved)
-    assert _signature([t for t in saved if t is not x]) == _expected(
-        requant, x, COLUMNWISE, which=(1,))
+    assert any(t is kept for t in saved)
+    assert _signature([t for t in saved if t is not kept]) == _expected(
+        requant, x, COLUMNWISE, which=(other,))
     for a, b in zip(_grads(saving, x, RECIPES[name]()), _grads(requant, x, RECIPES[name]()),
                     strict=True):
         assert torch.equal(a, b)
@@ -175,20 +129,26 @@ def test_input_and_weight_both_requantized_save_no_copy_at_all():
     assert "save_weight_copy=False, save_input_copy=False" in repr(m)
 
 
-def test_delayed_scaling_keeps_the_input_copy():
-    m = qr.Linear(64, 32, bias=False, save_input_copy=False)
+@pytest.mark.parametrize("switch", sorted(REQUANTIZED))
+def test_delayed_scaling_keeps_the_copy(switch):
+    """A delayed-scaling scale changes when the region exits, before backward: requantizing
+    would not give the forward's bytes, so the copy is saved."""
+    m = qr.Linear(64, 32, bias=False, **{switch: False})
     x = torch.randn(16, 64, requires_grad=True)
     _, saved = _saved_in_forward(m, x, qr.DelayedScaling())
-    assert not any(t is x for t in saved)
+    assert not any(t is REQUANTIZED[switch][0](m, x) for t in saved)
+    assert f"{switch}=False" in repr(m)
 
 
-@pytest.mark.parametrize("name", ["current", "block"])
-def test_input_requantized_in_backward_compiles_to_the_same_bits(name):
+@pytest.mark.parametrize("switch", sorted(REQUANTIZED))
+@pytest.mark.parametrize("name", ["current", "mxfp8", "block"])
+def test_an_operand_requantized_in_backward_compiles_to_the_same_bits(name, switch):
+    """Compiled and eager, the requantizing layer gives the saving layer's eager bits."""
     dynamo = pytest.importorskip("quant_dynamo")
     if not dynamo.compile_supported():
         pytest.skip("no opaque-object API on this torch")
     torch.manual_seed(0)
-    m = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, save_input_copy=False)
+    m = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16, **{switch: False})
     saving = qr.Linear(128, 64, bias=False, dtype=torch.bfloat16)
     saving.load_state_dict(m.state_dict())
     x = torch.randn(32, 128, dtype=torch.bfloat16)

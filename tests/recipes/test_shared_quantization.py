@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from _counting import count_quantizations
 from quant_core import Float8CurrentScalingQuantizer
 from quant_recipes import reuse
 
@@ -52,14 +53,7 @@ def _x():
 @pytest.fixture
 def quantized_shapes(monkeypatch):
     """The shapes current scaling quantizes, in order."""
-    calls = []
-    real = Float8CurrentScalingQuantizer.quantize
-
-    def counting(self, x, **kw):
-        calls.append(tuple(x.shape))
-        return real(self, x, **kw)
-
-    monkeypatch.setattr(Float8CurrentScalingQuantizer, "quantize", counting)
+    calls = count_quantizations(monkeypatch, Float8CurrentScalingQuantizer)
     reuse.forget()
     return calls
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 import quant_recipes as qr
 import torch
+from _counting import count_quantizations
 from quant_core import Float8CurrentScalingQuantizer, MXFP8Quantizer
 from torch.utils.checkpoint import checkpoint
 
@@ -20,16 +21,7 @@ RECIPES = {"current": (qr.Float8CurrentScaling, Float8CurrentScalingQuantizer),
 def recipe_and_count(request, monkeypatch):
     """The recipe, and the shapes its quantizer class is asked to quantize, in order."""
     recipe_cls, quantizer_cls = RECIPES[request.param]
-    calls = []
-    real = quantizer_cls.quantize
-
-    def counting(self, x, **kw):
-        calls.append(tuple(x.shape))
-        return real(self, x, **kw)
-
-    monkeypatch.setattr(quantizer_cls, "quantize", counting)
-    return recipe_cls(), calls
-
+    return recipe_cls(), count_quantizations(monkeypatch, quantizer_cls)
 
 W = (32, 64)  # the layer's weight shape
 

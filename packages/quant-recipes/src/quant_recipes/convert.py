@@ -122,30 +122,35 @@ def _report(model: torch.nn.Module, skipped: dict[str, list[str]], converted: in
                     "precision; layer types found: %s", type(model).__name__, kinds)
 
 
+def _layer_quantizers(recipe: Recipe, fqn: str):
+    """``(tensor type, quantizer or None)`` of each slot ``recipe`` gives a Linear named
+    ``fqn``, forward slots first."""
+    for mode, types in (("forward", ("input", "weight", "output")),
+                        ("backward", ("grad_output", "grad_input"))):
+        roles = [QuantizerRole("linear", t, fqn) for t in types]
+        state = RecipeState.create(recipe, mode=mode, num_quantizers=len(roles), roles=roles)
+        yield from zip(types, state.make_quantizers(), strict=True)
+
+
 def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: int,
                       dtype: torch.dtype, rows: int | None = None) -> str | None:
     """Why ``recipe`` cannot quantize a Linear of this shape (its block sizes), or None. With
     ``rows`` (the tokens of one step) the input and the gradient are quantized on the meta
     device, so the rules on rows and input dtypes apply too (NVFP4's Hadamard transform)."""
-    slots = (("forward", ("input", "weight", "output")),
-             ("backward", ("grad_output", "grad_input")))
     m = 16 if rows is None else rows
     shapes = {"input": (m, in_features), "weight": (out_features, in_features),
               "grad_output": (m, out_features)}
-    for mode, types in slots:
-        roles = [QuantizerRole("linear", t, fqn) for t in types]
-        state = RecipeState.create(recipe, mode=mode, num_quantizers=len(roles), roles=roles)
-        for role, q in zip(roles, state.make_quantizers(), strict=True):
-            if q is None or role.tensor_type not in shapes:
-                continue
-            shape = shapes[role.tensor_type]
-            try:
-                if rows is not None and role.tensor_type != "weight":
-                    q.quantize(torch.empty(shape, dtype=dtype, device="meta"))
-                else:
-                    q.make_empty(shape, dtype=dtype, device="meta")
-            except ValueError as e:
-                return f"{role.tensor_type}: {e}"
+    for tensor_type, q in _layer_quantizers(recipe, fqn):
+        if q is None or tensor_type not in shapes:
+            continue
+        shape = shapes[tensor_type]
+        try:
+            if rows is not None and tensor_type != "weight":
+                q.quantize(torch.empty(shape, dtype=dtype, device="meta"))
+            else:
+                q.make_empty(shape, dtype=dtype, device="meta")
+        except ValueError as e:
+            return f"{tensor_type}: {e}"
     return None
 
 
@@ -153,9 +158,7 @@ def check_input_dtype(recipe: Recipe, fqn: str, dtype: torch.dtype) -> None:
     """``ValueError`` when ``recipe`` quantizes bfloat16 inputs of layer ``fqn`` but not inputs
     of its parameters' ``dtype`` (NVFP4's Hadamard transform takes bfloat16 only); the
     quantizer's message names the fix."""
-    roles = [QuantizerRole("linear", t, fqn) for t in ("input", "weight", "output")]
-    state = RecipeState.create(recipe, mode="forward", num_quantizers=3, roles=roles)
-    q = state.make_quantizers()[0]
+    q = dict(_layer_quantizers(recipe, fqn))["input"]
     if q is None or dtype == torch.bfloat16:
         return
 

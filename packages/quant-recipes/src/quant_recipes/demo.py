@@ -268,15 +268,14 @@ def _final(r: RunResult) -> float:
     return sum(r.losses[-5:]) / len(r.losses[-5:])
 
 
-def _gap_note(r: RunResult, base: RunResult) -> str | None:
-    """Whether ``r``'s gap to the baseline is within what its recipe is expected to cost."""
-    if r.recipe not in EXPECTED_GAP:
+def _gap_note(recipe: str, gap: float) -> str | None:
+    """Whether ``recipe``'s loss gap to the baseline (percent) is within what it is expected to
+    cost."""
+    if recipe not in EXPECTED_GAP:
         return None
-    bound, why = EXPECTED_GAP[r.recipe]
-    ref = _final(base)
-    gap = 100 * (_final(r) - ref) / ref
-    verdict = ("within" if abs(gap) <= bound else "beyond")
-    return (f"{r.recipe}: {gap:+.1f}%, {verdict} the {bound:g}% expected of {why} at this size"
+    bound, why = EXPECTED_GAP[recipe]
+    verdict = "within" if abs(gap) <= bound else "beyond"
+    return (f"{recipe}: {gap:+.1f}%, {verdict} the {bound:g}% expected of {why} at this size"
             + ("" if verdict == "within" else ": worth a look"))
 
 
@@ -302,8 +301,9 @@ def format_table(results: list[RunResult], columns: int | None = None,
         gap = "-"
         if base is not None and r is not base:
             ref = _final(base)
-            gap = f"{100 * (final - ref) / ref:+.1f}%"
-            note = _gap_note(r, base)
+            pct = 100 * (final - ref) / ref
+            gap = f"{pct:+.1f}%"
+            note = _gap_note(r.recipe, pct)
             if note:
                 notes.append(note)
         if tokens:

@@ -329,14 +329,10 @@ class Linear(QuantizedModule, torch.nn.Linear):
         weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and not requant, **red)
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
-        weight_bwd_q = None
-        if requant:
-            weight_bwd_q = qset.variant(qset.fwd[1], rowwise_usage=False, columnwise_usage=True,
-                                        **red)
-        input_bwd_q = None
-        if requant_x:
-            input_bwd_q = qset.variant(qset.fwd[0], rowwise_usage=False, columnwise_usage=True,
-                                       **red)
+        # what backward quantizes again: the columnwise copy alone
+        weight_bwd_q, input_bwd_q = (
+            qset.variant(q, rowwise_usage=False, columnwise_usage=True, **red) if again else None
+            for q, again in ((qset.fwd[1], requant), (qset.fwd[0], requant_x)))
         region = None
         if not compiling():
             fwd_ds, bwd_ds = self.delayed_states(qset)

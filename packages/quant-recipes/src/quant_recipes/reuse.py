@@ -26,6 +26,13 @@ from quant_core import Quantizer
 _last = threading.local()
 
 
+def contents_key(x: torch.Tensor, group) -> tuple:
+    """What a remembered quantization of ``x`` under amax reduction ``group`` is valid for: the
+    tensor's version (an in-place change bumps it), its memory and layout, and the group."""
+    return (x._version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device,
+            id(group))
+
+
 def shared_quantization(x: torch.Tensor, q: Quantizer, group,
                         quantize: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """``quantize()`` (``q``'s buffers of ``x`` under amax reduction ``group``), or the buffers
@@ -35,7 +42,7 @@ def shared_quantization(x: torch.Tensor, q: Quantizer, group,
         return quantize()
     # the quantizer by identity: equal value quantizers are one interned object in the modules
     # (and comparing a deprecated group-holding quantizer by value raises)
-    key = (x._version, x.data_ptr(), x.shape, x.dtype, x.device, id(group))
+    key = contents_key(x, group)
     entry = getattr(_last, "entry", None)
     if entry is not None and entry[0]() is x and entry[1] == key and entry[3] is q:
         return list(entry[2])
@@ -55,4 +62,4 @@ def forget() -> None:
     _last.entry = None
 
 
-__all__ = ["shared_quantization", "forget"]
+__all__ = ["shared_quantization", "forget", "contents_key"]

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 import torch
 from quant_core import Quantizer
 
+from .reuse import contents_key
+
 _state = threading.local()
 
 
@@ -59,9 +61,8 @@ def cached_quantization(w: torch.Tensor, q: Quantizer, group,
     cache = getattr(_state, "cache", None)
     if cache is None or not q.is_requantization_safe():
         return quantize()
-    storage = w.untyped_storage()
-    key = (w._version, storage.data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()),
-           w.dtype, id(group))
+    storage = w.untyped_storage()  # held by the entry: its address cannot come back meanwhile
+    key = contents_key(w, group)
     k = id(w)  # a tensor is no dict key: its == is elementwise
     slot = cache.get(k)
     if slot is None or slot[0]() is not w:
