@@ -1,4 +1,4 @@
-"""The Triton GEMMs (MXFP8, NVFP4; every implementation) against ``quant_core.reference``.
+"""The Triton GEMMs (MXFP8, NVFP4; both implementations) against ``quant_core.reference``.
 
 Two kinds of check (architecture.md contract 6: only the order of the fp32 accumulation may differ):
 - bit for bit on operands whose products and partial sums are all exact in fp32;
@@ -9,11 +9,14 @@ Two kinds of check (architecture.md contract 6: only the order of the fp32 accum
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _kernels_util import DEVICE
 from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer, reference
-from quant_kernels import dequant_gemm, mxfp8, mxfp8_gemm, nvfp4_gemm
+from quant_kernels import _gemm, dequant_gemm, mxfp8, mxfp8_gemm, nvfp4_gemm
+from quant_kernels._common import interpreting
 from quant_kernels.backend import BACKEND
 
 
@@ -27,14 +30,8 @@ def _x(m, k, seed, integer=False):
             * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g))).to(DEVICE)
 
 
-#: Hopper's FP8 MMA keeps about 14 bits while it adds (DeepSeek-V3 report, 3.3.2, on H800), not
-#: fp32's 24: the sums of MXFP8 mode "fp8" (a benchmark mode, outside the exactness contract) are
-#: bounded by this share of sum |a||b| on top of the accumulation-order bound.
-FP8_MMA_REL = 2.0**-13
-
-
-def _within_bound(got, ref, a_abs, b_abs, k, mma_rel=0.0):
-    bound = (2 * k * 2.0**-24 + mma_rel) * (a_abs @ b_abs.t()) + 1e-30
+def _within_bound(got, ref, a_abs, b_abs, k):
+    bound = 2 * k * 2.0**-24 * (a_abs @ b_abs.t()) + 1e-30
     close = (got.float() - ref.float()).abs() <= bound + 2.0**-7 * ref.float().abs() * (
         got.dtype != torch.float32)
     return bool(close.all())
@@ -45,37 +42,30 @@ def _operands(q, x, w, ta, tb):
     return xs.gemm_operand(ta), ws.gemm_operand(tb)
 
 
-MX_MODES = ["bf16", "dequant", "dequant_blocks"] + (["fp8"] if DEVICE == "cuda" else [])
-#: "dequant_blocks": the dequant mode with its fp32 product in blocks of 10-20 output rows (the
-#: last one ragged), as a large GEMM runs it.
+#: Both implementations, and "dequant_blocks": the dequant one with its fp32 product in blocks of
+#: 10-20 output rows (the last one ragged), as a large GEMM runs it.
+IMPLEMENTATIONS = ["fused", "dequant", "dequant_blocks"]
 _SMALL_PRODUCT_BYTES = 5000
 
 
-def _mode(request, monkeypatch) -> str:
+@pytest.fixture
+def impl(request, monkeypatch) -> str:
+    """The implementation to pass to ``*_gemm_using`` (the ``IMPLEMENTATIONS`` entry)."""
     if request.param == "dequant_blocks":
         monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", _SMALL_PRODUCT_BYTES)
         return "dequant"
     return request.param
 
 
-@pytest.fixture
-def mx_mode(request, monkeypatch):
-    yield _mode(request, monkeypatch)
-    mxfp8_gemm.MODE = None
-
-
-@pytest.mark.parametrize("mx_mode", MX_MODES, indirect=True)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True)
 @pytest.mark.parametrize("ta, tb, shape", [
     (False, False, (64, 96, 128)),    # fprop x @ Wᵀ
     (False, True, (72, 64, 96)),      # dgrad gy @ W (W's columnwise operand), ragged M
     (True, True, (64, 96, 200)),      # wgrad gyᵀ @ x, contraction over a ragged 200
 ])
 @pytest.mark.parametrize("swizzle", [False, True])
-def test_mxfp8_gemm_matches_reference(mx_mode, ta, tb, shape, swizzle):
+def test_mxfp8_gemm_matches_reference(impl, ta, tb, shape, swizzle):
     m, n, k = shape
-    mxfp8_gemm.MODE = mx_mode
-    if mx_mode == "fp8" and (ta or tb):
-        pytest.skip("the FP8 MMA mainloop takes K-contiguous operands only")
     q = MXFP8Quantizer(DType.E4M3, optimize_for_gemm=swizzle)
     for integer in (True, False):
         x = _x(k, m, 1, integer) if ta else _x(m, k, 1, integer)
@@ -86,21 +76,20 @@ def test_mxfp8_gemm_matches_reference(mx_mode, ta, tb, shape, swizzle):
         kw = dict(a_dtype=ra.fp_dtype, b_dtype=rb.fp_dtype, a_swizzled=swizzle,
                   b_swizzled=swizzle, bias=bias)
         for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            got = BACKEND.mxfp8_gemm(*args, **kw, out_dtype=out_dtype)
+            got = mxfp8_gemm.mxfp8_gemm_using(impl, *args, **kw, out_dtype=out_dtype)
             ref = reference.mxfp8_gemm(*args, **kw, out_dtype=out_dtype)
             assert got.shape == (m, n) and got.dtype == out_dtype
             if integer:
-                assert torch.equal(got, ref), (mx_mode, out_dtype)
+                assert torch.equal(got, ref), (impl, out_dtype)
             else:
                 av = reference.gemm._mxfp8_operand(ra.data, ra.scale, ra.fp_dtype, swizzle)
                 bv = reference.gemm._mxfp8_operand(rb.data, rb.scale, rb.fp_dtype, swizzle)
-                rel = FP8_MMA_REL if mx_mode == "fp8" else 0.0
-                assert _within_bound(got, ref, av.abs(), bv.abs(), k, rel), (mx_mode, out_dtype)
+                assert _within_bound(got, ref, av.abs(), bv.abs(), k), (impl, out_dtype)
 
 
-@pytest.mark.parametrize("mx_mode", MX_MODES[:3], indirect=True)
-def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(mx_mode):
-    mxfp8_gemm.MODE = mx_mode
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True)
+def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(impl):
+    gemm = functools.partial(mxfp8_gemm.mxfp8_gemm_using, impl)
     x, w = _x(32, 64, 3, True), _x(48, 64, 4, True)
     ra = MXFP8Quantizer(DType.E5M2).quantize(x).gemm_operand(False)
     rb = MXFP8Quantizer(DType.E4M3).quantize(w).gemm_operand(False)
@@ -108,30 +97,22 @@ def test_mxfp8_gemm_mixed_formats_nan_scale_and_empty(mx_mode):
     scale[3, 1] = 255  # the E8M0 NaN byte: row 3 of the product is NaN, as in the reference
     kw = dict(a_dtype=DType.E5M2, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
               bias=None, out_dtype=torch.float32)
-    got = BACKEND.mxfp8_gemm(ra.data, scale, rb.data, rb.scale, **kw)
+    got = gemm(ra.data, scale, rb.data, rb.scale, **kw)
     ref = reference.mxfp8_gemm(ra.data, scale, rb.data, rb.scale, **kw)
     assert torch.isnan(got[3]).all() and not torch.isnan(got[:3]).any()
     assert torch.equal(got.nan_to_num(), ref.nan_to_num())
-    empty = BACKEND.mxfp8_gemm(ra.data[:0], scale, rb.data, rb.scale, **kw)
+    empty = gemm(ra.data[:0], scale, rb.data, rb.scale, **kw)
     assert empty.shape == (0, 48)
     bias = torch.arange(48.0, device=DEVICE)
-    zero_k = BACKEND.mxfp8_gemm(ra.data[:, :0], scale, rb.data[:, :0], rb.scale,
-                                **{**kw, "bias": bias})
+    zero_k = gemm(ra.data[:, :0], scale, rb.data[:, :0], rb.scale, **{**kw, "bias": bias})
     assert torch.equal(zero_k, bias.expand(32, 48))
 
 
-@pytest.fixture
-def nv_mode(request, monkeypatch):
-    yield _mode(request, monkeypatch)
-    nvfp4_gemm.MODE = None
-
-
-@pytest.mark.parametrize("nv_mode", ["fused", "dequant", "dequant_blocks"], indirect=True)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True)
 @pytest.mark.parametrize("rht", [False, True])
 @pytest.mark.parametrize("swizzle", [False, True])
-def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
+def test_nvfp4_gemm_matches_reference(impl, rht, swizzle):
     """fprop-like (rowwise, no RHT) and wgrad-like (columnwise, both in the RHT basis)."""
-    nvfp4_gemm.MODE = nv_mode
     m, n, k = 48, 80, 96
     q = NVFP4Quantizer(DType.E2M1, with_rht=rht, with_post_rht_amax=rht,
                        optimize_for_gemm=swizzle)
@@ -146,16 +127,15 @@ def test_nvfp4_gemm_matches_reference(nv_mode, rht, swizzle):
         bias = torch.randn(n, device=DEVICE).round().bfloat16()
         kw = dict(a_swizzled=swizzle, b_swizzled=swizzle, bias=bias)
         for out_dtype in (torch.float32, torch.bfloat16):
-            got = BACKEND.nvfp4_gemm(*args, **kw, out_dtype=out_dtype)
+            got = nvfp4_gemm.nvfp4_gemm_using(impl, *args, **kw, out_dtype=out_dtype)
             ref = reference.nvfp4_gemm(*args, **kw, out_dtype=out_dtype)
             if integer:
-                assert torch.equal(got, ref), (nv_mode, out_dtype)
+                assert torch.equal(got, ref), (impl, out_dtype)
             else:
                 av = reference.gemm._nvfp4_operand(ra.data, ra.scale, swizzle)
                 bv = reference.gemm._nvfp4_operand(rb.data, rb.scale, swizzle)
                 alpha = float(ra.amax) * float(rb.amax) / 2688**2
-                assert _within_bound(got, ref, av.abs() * alpha, bv.abs(), k), (nv_mode,
-                                                                               out_dtype)
+                assert _within_bound(got, ref, av.abs() * alpha, bv.abs(), k), (impl, out_dtype)
 
 
 @pytest.mark.parametrize("fmt, ta, out_dtype, blocks", [
@@ -306,3 +286,27 @@ def test_gemm_argument_errors():
     with pytest.raises(ValueError, match="contiguous along K"):
         BACKEND.nvfp4_gemm(a.t(), s, s, a.t(), s, s, a_swizzled=False, b_swizzled=False, bias=None,
                            out_dtype=torch.float32)
+
+
+def test_the_backend_runs_the_devices_implementation(monkeypatch):
+    """The backend's GEMMs run ``"dequant"`` on GPUs and ``"fused"`` under the interpreter, and
+    an implementation that is not one of ``_gemm.IMPLEMENTATIONS`` is named."""
+    assert _gemm.default_implementation() == ("fused" if interpreting() else "dequant")
+    ran = []
+    for module, name in ((mxfp8_gemm, "mxfp8_gemm"), (nvfp4_gemm, "nvfp4_gemm")):
+        monkeypatch.setattr(module, f"{name}_using", lambda impl, *a, **kw: ran.append(impl))
+    a = torch.zeros(4, 32, dtype=torch.uint8, device=DEVICE)
+    BACKEND.mxfp8_gemm(a, a, a, a, a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False,
+                       b_swizzled=False, bias=None, out_dtype=torch.float32)
+    BACKEND.nvfp4_gemm(a, a, a, a, a, a, a_swizzled=False, b_swizzled=False, bias=None,
+                       out_dtype=torch.float32)
+    assert ran == [_gemm.default_implementation()] * 2
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"mxfp8_gemm: implementation must be one of "
+                                         r"\('dequant', 'fused'\), got 'fp8'"):
+        mxfp8_gemm.mxfp8_gemm_using("fp8", a, a, a, a, a_dtype=DType.E4M3, b_dtype=DType.E4M3,
+                                    a_swizzled=False, b_swizzled=False, bias=None,
+                                    out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="nvfp4_gemm: implementation must be one of"):
+        nvfp4_gemm.nvfp4_gemm_using("bf16", a, a, a, a, a, a, a_swizzled=False, b_swizzled=False,
+                                    bias=None, out_dtype=torch.float32)

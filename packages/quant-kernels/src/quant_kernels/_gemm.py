@@ -15,8 +15,26 @@ import triton
 import triton.language as tl
 from quant_core.shapes import ceil_div
 
+from ._common import interpreting
 from ._layout import swizzle_offset
 from ._rounding import to_out
+
+#: The implementations of each block-scaled GEMM: ``"dequant"`` (exact bf16 dequantization, then
+#: cuBLAS: :mod:`quant_kernels.dequant_gemm`) and ``"fused"`` (the dequantization in the mainloop
+#: of a Triton GEMM).
+IMPLEMENTATIONS = ("dequant", "fused")
+
+
+def default_implementation() -> str:
+    """The implementation the backend's GEMMs run: ``"dequant"`` on GPUs (the fastest on the
+    H200, bench/RESULTS.md), ``"fused"`` under the interpreter."""
+    return "fused" if interpreting() else "dequant"
+
+
+def check_implementation(implementation: str, name: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{name}: implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
 
 
 @triton.jit

@@ -67,11 +67,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "nvfp4_dequant": {"gpu": {"BM": 32, "BK": 64, "num_warps": 4}, "interp": {"BM": 64, "BK": 32}},
     # mxfp8_gemm.py
     # Tile configs of the fused mainloops (winners of the 2026-11-30 H200 sweep, bench/RESULTS.md).
-    "mxfp8_gemm_fp8": {
-        "gpu": {"BM": 128, "BN": 128, "BK": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
-        "interp": {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 1},
-    },
-    "mxfp8_gemm_bf16": {
+    "mxfp8_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
         "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
     },

@@ -1,22 +1,19 @@
 """MXFP8 GEMM for GPUs without MX tensor-core instructions (Hopper): ``A @ B.T`` on the FP8 data
 and E8M0 block scales as the storages hold them (`numerics.md` §5, §8).
 
-Three implementations, picked by ``mode``:
+Two implementations (``_gemm.IMPLEMENTATIONS``): :func:`mxfp8_gemm`, the backend's, runs the
+device's (``_gemm.default_implementation``), :func:`mxfp8_gemm_using` the one it is given:
 
-- ``"dequant"`` (the default on GPUs): exact bf16 dequantization, then cuBLAS
-  (:mod:`quant_kernels.dequant_gemm`), the fastest on the H200;
-- ``"fp8"``: FP8 tensor cores on each 32-wide K block, whose fp32 partial product is promoted into
-  the fp32 accumulator times the exact power-of-two scales of its rows and columns
-  (``acc += (P * 2^ea) * 2^eb``). The products are exact; the sum of one block's 32 products is
-  the tensor core's (Hopper's FP8 MMA adds with fewer than fp32's bits, see ``bench/RESULTS.md``),
-  so this mode is outside architecture.md contract 6: only a benchmark selects it (:data:`MODE`).
-- ``"bf16"``: each tile is dequantized exactly into bf16 (an FP8 value times ``2^e`` is a bf16
-  value unless it falls below 2^-133 or the scale is 255/NaN) and multiplied on the bf16 tensor
-  cores with fp32 accumulation.
+- ``"dequant"`` (on GPUs): exact bf16 dequantization, then cuBLAS
+  (:mod:`quant_kernels.dequant_gemm`), the fastest on the H200 for every operand layout
+  (bench/RESULTS.md);
+- ``"fused"`` (under ``TRITON_INTERPRET=1``): a Triton mainloop dequantizes each tile exactly into
+  bf16 (an FP8 value times ``2^e`` is a bf16 value unless it falls below 2^-133 or the scale is
+  255/NaN) and multiplies on the bf16 tensor cores with fp32 accumulation; under the interpreter
+  the tiles are fp32 and the product is fp32.
 
-Under ``TRITON_INTERPRET=1`` tiles are dequantized to fp32 in software and multiplied in fp32.
-The result is the reference GEMM (dequantize both to fp32, matmul, + bias, cast) up to the
-accumulation order.
+Either way the result is the reference GEMM (dequantize both to fp32, matmul, + bias, cast) up to
+the accumulation order.
 """
 
 from __future__ import annotations
@@ -28,19 +25,9 @@ from quant_core.dtypes import DType, check_fp8
 from quant_core.shapes import ceil_div
 
 from . import _gemm, dequant_gemm
-from ._common import interpreting, launch, out_code
+from ._common import launch, out_code
 from ._rounding import NATIVE_FP8, e8m0_decode, fp8_decode
 from .configs import launch_config
-
-MODES = ("dequant", "bf16", "fp8")
-
-
-@triton.jit
-def _fp8(x, IS_E4M3: tl.constexpr):
-    if IS_E4M3:
-        return x.to(tl.float8e4nv, bitcast=True)
-    else:
-        return x.to(tl.float8e5, bitcast=True)
 
 
 @triton.jit
@@ -55,10 +42,11 @@ def _mxfp8_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K,
     s_am, s_ak, s_bn, s_bk, t_am, t_ak, t_bn, t_bk, SA_C, SB_C, s_cm, s_cn,
     A_SWZ: tl.constexpr, B_SWZ: tl.constexpr, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
-    FP8_MMA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One ``[BM, BN]`` output tile of ``dequant(A) @ dequant(B).T (+ bias)`` (:func:`mxfp8_gemm`).
+    """One ``[BM, BN]`` output tile of ``dequant(A) @ dequant(B).T (+ bias)``, the ``"fused"``
+    implementation of :func:`mxfp8_gemm_using`.
 
     a_ptr: uint8 FP8 row operand A ``[M, K]``, strides ``s_am``, ``s_ak``.
     b_ptr: uint8 FP8 row operand B ``[N, K]``, strides ``s_bn``, ``s_bk``.
@@ -85,8 +73,6 @@ def _mxfp8_gemm_kernel(
     B_SWZ: B's scales in the GEMM swizzle.
     A_E4M3: A is E4M3, else E5M2.
     B_E4M3: B is E4M3, else E5M2.
-    FP8_MMA: FP8 tensor-core products per 32-wide K block (mode "fp8", ``BK == 32``), else the
-        tiles dequantized exactly to bf16 (fp32 under the interpreter).
     HAS_BIAS: add ``bias`` before the cast.
     OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
     BM: tile rows.
@@ -108,18 +94,12 @@ def _mxfp8_gemm_kernel(
                                                 A_SWZ))
         eb = tl.load(sb_ptr + _gemm.scale_index(rn_l[None, :], kb[:, None], t_bn, t_bk, SB_C,
                                                 B_SWZ))
-        if FP8_MMA:  # BK == 32: one scale per row of A and per column of B
-            p = tl.dot(_fp8(a, A_E4M3), _fp8(b, B_E4M3))
-            sa = e8m0_decode(tl.reshape(ea, (BM,)))
-            sb = e8m0_decode(tl.reshape(eb, (BN,)))
-            acc += (p * sa[:, None]) * sb[None, :]
-        else:
-            av = fp8_decode(a, A_E4M3) * _expand(e8m0_decode(ea), BM, BK)
-            bv = fp8_decode(b, B_E4M3) * tl.trans(_expand(tl.trans(e8m0_decode(eb)), BN, BK))
-            if NATIVE_FP8:
-                acc = tl.dot(av.to(tl.bfloat16), bv.to(tl.bfloat16), acc)
-            else:  # interpreter: exact fp32 operands, fp32 product
-                acc = tl.dot(av, bv, acc, input_precision="ieee")
+        av = fp8_decode(a, A_E4M3) * _expand(e8m0_decode(ea), BM, BK)
+        bv = fp8_decode(b, B_E4M3) * tl.trans(_expand(tl.trans(e8m0_decode(eb)), BN, BK))
+        if NATIVE_FP8:
+            acc = tl.dot(av.to(tl.bfloat16), bv.to(tl.bfloat16), acc)
+        else:  # interpreter: exact fp32 operands, fp32 product
+            acc = tl.dot(av, bv, acc, input_precision="ieee")
     _gemm.store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 
@@ -130,19 +110,6 @@ def _scale_args(scale: torch.Tensor, swizzled: bool, k: int) -> tuple[int, int, 
     return scale.stride(0), scale.stride(1), 0
 
 
-def default_mode(a: torch.Tensor, b: torch.Tensor) -> str:
-    """The implementation when :data:`MODE` is None: ``"dequant"`` on GPUs (fastest on the H200
-    for every operand layout, bench/RESULTS.md); the fused ``"bf16"`` kernel under the
-    interpreter."""
-    if interpreting():
-        return "bf16"
-    return "dequant"
-
-
-#: The mainloop of every call: None picks :func:`default_mode`; the benchmark sets it.
-MODE: str | None = None
-
-
 def mxfp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, *,
     a_dtype: DType, b_dtype: DType, a_swizzled: bool, b_swizzled: bool,
@@ -150,27 +117,35 @@ def mxfp8_gemm(
 ) -> torch.Tensor:
     """``dequant(A) @ dequant(B).T (+ bias)`` as ``out_dtype [M, N]``; the contract of
     ``quant_core.reference.mxfp8_gemm`` (row operands ``a [M, K]``, ``b [N, K]``, scales indexed
-    (row, K block) or swizzled), computed by the mainloop :data:`MODE` names."""
+    (row, K block) or swizzled), computed by the device's implementation
+    (``_gemm.default_implementation``)."""
+    return mxfp8_gemm_using(
+        _gemm.default_implementation(), a, a_scale, b, b_scale, a_dtype=a_dtype,
+        b_dtype=b_dtype, a_swizzled=a_swizzled, b_swizzled=b_swizzled, bias=bias,
+        out_dtype=out_dtype)
+
+
+def mxfp8_gemm_using(
+    implementation: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, *, a_dtype: DType, b_dtype: DType, a_swizzled: bool,
+    b_swizzled: bool, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`mxfp8_gemm` computed by ``implementation`` (one of ``_gemm.IMPLEMENTATIONS``), so
+    that either can be checked on any device."""
+    _gemm.check_implementation(implementation, "mxfp8_gemm")
     _gemm.check_operands(a, b, bias, out_dtype, "mxfp8_gemm")
     check_fp8(a_dtype, "a_dtype")
     check_fp8(b_dtype, "b_dtype")
     m, k = a.shape
     n = b.shape[0]
-    mode = MODE or default_mode(a, b)
-    if mode not in MODES:
-        raise ValueError(f"mxfp8_gemm: MODE must be one of {MODES}, got {mode!r}")
-    if mode == "fp8" and interpreting():
-        raise ValueError("mxfp8_gemm: mode 'fp8' needs a GPU (the interpreter has no FP8 MMA)")
-    if mode == "fp8" and (a.stride(1) != 1 or b.stride(1) != 1):
-        raise ValueError("mxfp8_gemm: mode 'fp8' needs K-contiguous operands (stride(1) == 1)")
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0 or k == 0:
         return _gemm.empty_k(out, bias)
-    if mode == "dequant":
+    if implementation == "dequant":
         return dequant_gemm.mxfp8_gemm_dequant(
             a, a_scale, b, b_scale, a_dtype=a_dtype, b_dtype=b_dtype, a_swizzled=a_swizzled,
             b_swizzled=b_swizzled, bias=bias, out_dtype=out_dtype)
-    cfg, kw = launch_config(f"mxfp8_gemm_{mode}")
+    cfg, kw = launch_config("mxfp8_gemm")
     t_am, t_ak, sa_c = _scale_args(a_scale, a_swizzled, k)
     t_bn, t_bk, sb_c = _scale_args(b_scale, b_swizzled, k)
     launch(
@@ -178,7 +153,7 @@ def mxfp8_gemm(
         a, b, a_scale, b_scale, bias if bias is not None else out, out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), t_am, t_ak, t_bn, t_bk, sa_c, sb_c,
         out.stride(0), out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
-        A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3, FP8_MMA=mode == "fp8",
+        A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3,
         HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **kw,
     )
     return out

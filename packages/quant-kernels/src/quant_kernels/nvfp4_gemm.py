@@ -2,9 +2,10 @@
 E2M1 data and E4M3 block scales as the storages hold them (`numerics.md` §7, §8), with the
 semantics of ``quant_core.reference.nvfp4_gemm``.
 
-Two implementations, picked by :data:`MODE`: ``"dequant"`` (the default on GPUs, fastest on the
-H200) decodes both operands into bf16 and multiplies with cuBLAS
-(:mod:`quant_kernels.dequant_gemm`); ``"fused"`` (the default under the interpreter) decodes in
+Two implementations (``_gemm.IMPLEMENTATIONS``): :func:`nvfp4_gemm`, the backend's, runs the
+device's (``_gemm.default_implementation``), :func:`nvfp4_gemm_using` the one it is given.
+``"dequant"`` (on GPUs, the fastest on the H200) decodes both operands into bf16 and multiplies
+with cuBLAS (:mod:`quant_kernels.dequant_gemm`); ``"fused"`` (under the interpreter) decodes in
 the mainloop of a Triton GEMM. Either way each element becomes ``e2m1 * e4m3`` (at most 2 x 4
 significant bits, exact in bf16), products accumulate in fp32, and the per-tensor scales are
 applied once to the result, ``(acc * (amax_a * R)) * (amax_b * R)`` with ``R = fp32(1/2688)``
@@ -23,13 +24,9 @@ import triton
 import triton.language as tl
 
 from . import _gemm, dequant_gemm
-from ._common import interpreting, launch, out_code
+from ._common import launch, out_code
 from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
 from .configs import launch_config
-
-MODES = ("dequant", "fused")
-#: The implementation of every call: None picks "dequant" on GPUs, "fused" under the interpreter.
-MODE: str | None = None
 
 
 @triton.jit
@@ -61,7 +58,8 @@ def _nvfp4_gemm_kernel(
     A_SWZ: tl.constexpr, B_SWZ: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One ``[BM, BN]`` output tile of ``A @ B.T (+ bias)``, the fused mode of :func:`nvfp4_gemm`.
+    """One ``[BM, BN]`` output tile of ``A @ B.T (+ bias)``, the ``"fused"`` implementation of
+    :func:`nvfp4_gemm_using`.
 
     a_ptr: uint8 packed E2M1 row operand A ``[M, K/2]``, row stride ``s_am``, K-contiguous.
     b_ptr: uint8 packed E2M1 row operand B ``[N, K/2]``, row stride ``s_bn``, K-contiguous.
@@ -119,7 +117,21 @@ def nvfp4_gemm(
 ) -> torch.Tensor:
     """``A @ B.T (+ bias)`` as ``out_dtype [M, N]``; the contract of
     ``quant_core.reference.nvfp4_gemm``: packed row operands ``a [M, K/2]``, ``b [N, K/2]``
-    (K-contiguous here), padded E4M3 scale matrices (contiguous), fp32 amaxes ``(1,)``."""
+    (K-contiguous here), padded E4M3 scale matrices (contiguous), fp32 amaxes ``(1,)``; computed
+    by the device's implementation (``_gemm.default_implementation``)."""
+    return nvfp4_gemm_using(
+        _gemm.default_implementation(), a, a_scale, a_amax, b, b_scale, b_amax,
+        a_swizzled=a_swizzled, b_swizzled=b_swizzled, bias=bias, out_dtype=out_dtype)
+
+
+def nvfp4_gemm_using(
+    implementation: str, a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+    b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor, *, a_swizzled: bool,
+    b_swizzled: bool, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`nvfp4_gemm` computed by ``implementation`` (one of ``_gemm.IMPLEMENTATIONS``), so
+    that either can be checked on any device."""
+    _gemm.check_implementation(implementation, "nvfp4_gemm")
     _gemm.check_operands(a, b, bias, out_dtype, "nvfp4_gemm")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     for arg, t in (("a", a), ("b", b)):
@@ -128,10 +140,7 @@ def nvfp4_gemm(
     for arg, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s.dtype != torch.uint8 or not s.is_contiguous():
             raise TypeError(f"nvfp4_gemm: {arg} must be a contiguous uint8 scale matrix")
-    mode = MODE or ("fused" if interpreting() else "dequant")
-    if mode not in MODES:
-        raise ValueError(f"nvfp4_gemm: MODE must be one of {MODES}, got {mode!r}")
-    if mode == "dequant" and m and n and k:
+    if implementation == "dequant" and m and n and k:
         return dequant_gemm.nvfp4_gemm_dequant(
             a, a_scale, a_amax, b, b_scale, b_amax, a_swizzled=a_swizzled,
             b_swizzled=b_swizzled, bias=bias, out_dtype=out_dtype)
