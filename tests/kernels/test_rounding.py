@@ -12,7 +12,7 @@ from quant_core.reference._rounding import (
     e8m0_roundup,
     fp8_encode,
 )
-from quant_kernels.encoders import encode
+from quant_kernels.testing import encode
 
 
 def _probe_values() -> torch.Tensor:

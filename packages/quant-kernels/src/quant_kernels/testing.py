@@ -1,4 +1,5 @@
-"""Elementwise access to the shared rounding helpers, for tests and exhaustive GPU sweeps.
+"""Helpers for tests, not used by the backend: elementwise access to the shared rounding helpers,
+so that tests and exhaustive GPU sweeps check each rule of ``_rounding`` on its own.
 
 ``encode(v, rule)`` applies one helper of ``_rounding`` to every fp32 element of ``v`` and returns
 int32 codes: ``"e4m3"``/``"e5m2"`` (software FP8 RNE satfinite byte), ``"e4m3_native"`` /
