@@ -24,7 +24,7 @@ import quant_recipes as qr
 import torch
 import torch.distributed as dist
 from _dist_helpers import init, spawn
-from quant_recipes.fsdp import count_all_gathers
+from _fsdp_counting import count_all_gathers
 
 
 def _fully_shard():

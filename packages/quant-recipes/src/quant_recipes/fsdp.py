@@ -20,7 +20,6 @@ for every quant recipe. The layers must run under ``autocast`` with an equal wei
 from __future__ import annotations
 
 import collections
-import contextlib
 import warnings
 
 import torch
@@ -55,40 +54,6 @@ def all_gather_bytes() -> dict[str, int]:
 
 def reset_all_gather_bytes() -> None:
     _BYTES.clear()
-
-
-@contextlib.contextmanager
-def count_all_gathers():
-    """Measure what FSDP2 all-gathers, whatever the parameters: inside, every call of
-    ``torch.distributed.all_gather_single`` / ``all_gather_into_tensor`` (FSDP2's collective,
-    by torch release) appends its output's bytes to the yielded list (an inner call made by the
-    other is not counted twice). Patches ``torch.distributed`` for the duration; for tests and
-    benchmarks."""
-    import torch.distributed as dist
-
-    counted: list[int] = []
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-    depth = [0]
-
-    def counting(orig):
-        def call(output_tensor, input_tensor, *args, **kwargs):
-            if not depth[0]:
-                counted.append(output_tensor.numel() * output_tensor.element_size())
-            depth[0] += 1
-            try:
-                return orig(output_tensor, input_tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    for n, orig in originals.items():
-        setattr(dist, n, counting(orig))
-    try:
-        yield counted
-    finally:
-        for n, orig in originals.items():
-            setattr(dist, n, orig)
 
 
 def _fallback_warning(shape, quantizer: Quantizer, reason: str) -> None:
@@ -257,5 +222,5 @@ def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> 
 
 __all__ = [
     "QuantizedAllGatherWeight", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
-    "reset_all_gather_bytes", "count_all_gathers",
+    "reset_all_gather_bytes",
 ]
