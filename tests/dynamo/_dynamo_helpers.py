@@ -76,20 +76,19 @@ def run_in_fresh_process(code: str) -> None:
 
 
 @contextlib.contextmanager
-def capturable_reference(monkeypatch, **functions):
+def capturable_reference(**functions):
     """A capturable CPU backend made of the reference's functions (``functions`` replace some),
-    preferred on the CPU, with the CPU among the kernel devices: what lowering to kernels does
-    there records the reference's ops (Triton's interpreter cannot be recorded)."""
+    preferred on the CPU. With the CPU among the kernel devices (the ``cpu_kernel_device``
+    fixture) lowering to kernels there records the reference's ops (Triton's interpreter cannot
+    be recorded)."""
     import types
 
     from quant_core import backends, reference
-    from quant_dynamo import capture
 
     fns = {name: getattr(reference, name) for name in backends.FUNCTIONS} | functions
     backend = types.SimpleNamespace(name="traced_reference", priority=1000, capturable=True,
                                     supports=lambda device: True, **fns)
     backends.register(backend)
-    monkeypatch.setattr(capture, "KERNEL_DEVICES", {"cuda", "cpu"})
     try:
         yield backend
     finally:

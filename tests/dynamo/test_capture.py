@@ -35,9 +35,10 @@ QUANTIZERS = {
 
 
 @pytest.fixture
-def traced_backend(monkeypatch):
-    """A capturable CPU backend made of the reference's functions, preferred on the CPU."""
-    with capturable_reference(monkeypatch) as backend:
+def traced_backend(cpu_kernel_device):
+    """A capturable CPU backend made of the reference's functions, preferred on the CPU, with
+    the CPU among the kernel devices."""
+    with capturable_reference() as backend:
         yield backend
 
 

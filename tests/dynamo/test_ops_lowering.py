@@ -31,8 +31,8 @@ CURRENT = Float8CurrentScalingQuantizer(columnwise_usage=True)
 
 
 @pytest.fixture
-def ops_on_cpu(monkeypatch):
-    monkeypatch.setattr(lowering, "OPS_DEVICES", {"cuda", "cpu"})
+def ops_on_cpu(cpu_ops_device):
+    """The CPU among the devices whose quantizers are lowered to reference ops."""
 
 
 def _compiled(fn, partitioned: bool = False):
@@ -134,7 +134,7 @@ def test_stochastic_rounding_and_other_formats_keep_their_forms(ops_on_cpu):
 
 
 @pytest.fixture
-def recording_backend(monkeypatch):
+def recording_backend(cpu_kernel_device):
     """A capturable CPU backend made of the reference's functions whose current-scaling
     quantize records whether it ran while launches were being recorded."""
     from quant_core import reference
@@ -146,7 +146,7 @@ def recording_backend(monkeypatch):
         calls.append(capturing())
         return reference.fp8_current_quantize(*args, **kwargs)
 
-    with capturable_reference(monkeypatch, fp8_current_quantize=fp8_current_quantize):
+    with capturable_reference(fp8_current_quantize=fp8_current_quantize):
         yield calls
 
 

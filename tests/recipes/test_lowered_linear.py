@@ -32,11 +32,10 @@ RECIPES = {
 
 
 @pytest.fixture
-def traced_backend(monkeypatch):
+def traced_backend(cpu_kernel_device):
     fns = {name: getattr(reference, name) for name in backends.FUNCTIONS}
     backends.register(types.SimpleNamespace(name="traced_reference", priority=1000,
                                             supports=lambda device: True, capturable=True, **fns))
-    monkeypatch.setattr(quant_dynamo.capture, "KERNEL_DEVICES", {"cuda", "cpu"})
     yield
     backends.unregister("traced_reference")
 

@@ -107,8 +107,8 @@ compiled_tests = pytest.mark.skipif(
 
 
 @pytest.fixture
-def ops_on_cpu(monkeypatch):
-    monkeypatch.setattr(dynamo.capture, "OPS_DEVICES", {"cuda", "cpu"})
+def ops_on_cpu(cpu_ops_device):
+    """The CPU among the devices whose quantizers are lowered to reference ops."""
 
 
 def _saved_by_inductor(block, x):
