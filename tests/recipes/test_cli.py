@@ -129,7 +129,7 @@ def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypa
 
 
 def test_doctor_format_table_follows_the_capability():
-    from quant_recipes.doctor import format_support
+    from quant_recipes.cli.doctor import format_support
 
     hopper = {name: gemm for name, gemm, _ in
               format_support((9, 0), kernels=True, blockwise_api=True)}
@@ -231,7 +231,7 @@ def test_plot_adds_a_panel_relative_to_the_baseline(tmp_path):
     """Issue 16 item 5: the absolute curves lie on top of each other; a second panel shows each
     recipe's loss over the baseline's (a 10-step trailing mean)."""
     import matplotlib.image
-    from quant_recipes.demo import RunResult, _plot, _smoothed
+    from quant_recipes.cli.demo import RunResult, _plot, _smoothed
 
     assert _smoothed([1.0, 3.0, 5.0], window=2) == [1.0, 2.0, 4.0]
     runs = [RunResult(recipe="baseline", losses=[1.0, 0.5, 0.25]),
@@ -246,7 +246,8 @@ def test_plot_adds_a_panel_relative_to_the_baseline(tmp_path):
 def test_demo_gemm_column_names_the_paths_of_lowered_gemms_too(monkeypatch):
     """A GEMM lowered into a compiled graph runs no Python per call; its path, recorded when the
     graph was traced, still reaches the table's gemm column."""
-    from quant_recipes import demo, gemm
+    from quant_recipes import gemm
+    from quant_recipes.cli import demo
 
     gemm.reset_gemm_paths()
     assert demo._gemm_path() == "-"
@@ -259,7 +260,7 @@ def test_demo_gemm_column_names_the_paths_of_lowered_gemms_too(monkeypatch):
 
 def test_demo_warns_when_a_gpu_run_quantizes_on_the_reference():
     import torch
-    from quant_recipes import demo
+    from quant_recipes.cli import demo
 
     assert "quant-kernels" in demo._backend_note(torch.device("cuda"), "reference")
     assert demo._backend_note(torch.device("cuda"), "triton") is None
@@ -303,7 +304,7 @@ def test_demo_refuses_nvfp4_with_a_batch_it_cannot_take_before_training(tmp_path
 
 
 def test_demo_writes_what_finished_when_a_later_recipe_fails(tmp_path, monkeypatch):
-    from quant_recipes import demo
+    from quant_recipes.cli import demo
 
     real = demo.train_one
 
@@ -335,13 +336,13 @@ def test_doctor_names_the_lowered_form(capsys, monkeypatch):
 
 
 def _run(recipe, losses):
-    from quant_recipes.demo import RunResult
+    from quant_recipes.cli.demo import RunResult
 
     return RunResult(recipe=recipe, losses=losses, ms_per_step=2.0, tokens_per_s=10.0)
 
 
 def test_the_demo_table_says_whether_each_gap_is_expected_and_shows_speed_off_the_cpu():
-    from quant_recipes.demo import format_table
+    from quant_recipes.cli.demo import format_table
 
     runs = [_run("baseline", [1.0] * 5), _run("fp8_current", [1.02] * 5), _run("mxfp8", [1.2] * 5),
             _run("nvfp4", [1.3] * 5)]

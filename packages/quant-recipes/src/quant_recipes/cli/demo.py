@@ -24,9 +24,9 @@ import torch
 from quant_core import DType, Float8CurrentScalingQuantizer, MXFP8Quantizer, backends
 from torch import nn
 
-from .compiling import available, dynamo
-from .module import QuantizedModule
-from .progress import Progress, fit, terminal_columns
+from ..compiling import available, dynamo
+from ..module import QuantizedModule
+from ..progress import Progress, fit, terminal_columns
 
 D_IN, HIDDEN, D_OUT = 64, 128, 32
 
@@ -41,8 +41,8 @@ def _mixed_factory(role):
 
 
 def _recipes() -> dict[str, Callable[[], object] | None]:
-    from . import CustomRecipe
-    from .recipe_names import recipe
+    from .. import CustomRecipe
+    from ..recipe_names import recipe
 
     named = {n: (lambda n=n: recipe(n)) for n in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}
     return {"baseline": None, **named,
@@ -69,7 +69,7 @@ class TinyMLP(nn.Module):
 
     def __init__(self, device, dtype) -> None:
         super().__init__()
-        from . import Linear
+        from .. import Linear
 
         self.fc1 = Linear(D_IN, HIDDEN, device=device, dtype=dtype, name="fc1")
         self.fc2 = Linear(HIDDEN, HIDDEN, device=device, dtype=dtype, name="fc2")
@@ -162,7 +162,7 @@ def _graph_breaks() -> int:
 def train_one(name: str, recipe, args, device, progress: Progress, task) -> RunResult:
     """Train a fresh model of ``task`` (:func:`make_task`) under ``recipe`` (None: high
     precision) and collect the figures."""
-    from . import autocast, convert
+    from .. import autocast, convert
 
     dtype = torch.bfloat16
     torch.manual_seed(args.seed)
@@ -186,7 +186,7 @@ def train_one(name: str, recipe, args, device, progress: Progress, task) -> RunR
         counter = _CountingBackend(args.compile_backend or _default_backend(device))
         step_fn = torch.compile(loss_fn, backend=counter, fullgraph=_fullgraph_supported())
 
-    from .gemm import reset_gemm_paths
+    from ..gemm import reset_gemm_paths
 
     reset_gemm_paths()
     times = []
@@ -243,7 +243,7 @@ def _default_backend(device: torch.device) -> str:
 def _gemm_path() -> str:
     """The GEMM paths taken since the last reset, most used first: those run through Python
     and those lowered into the compiled graph (decided when it was traced)."""
-    from .gemm import compiled_gemm_paths, gemm_paths
+    from ..gemm import compiled_gemm_paths, gemm_paths
 
     counts = collections.Counter(gemm_paths()) + collections.Counter(compiled_gemm_paths())
     return ",".join(name for name, _ in counts.most_common()) or "-"
@@ -434,7 +434,7 @@ def _check_shapes(names: list[str], factories, task) -> None:
     """Refuse, before any training, a recipe whose quantizers cannot take the task's
     activations: its bf16 GEMM inputs of ``tokens_per_step`` rows (NVFP4's Hadamard transform
     mixes 16 rows, for one), asked of the recipe's own quantizers."""
-    from .convert import unsupported_shape
+    from ..convert import unsupported_shape
 
     rows = task.tokens_per_step
     for name in names:

@@ -1,9 +1,11 @@
-"""The ``quant`` command: ``quant demo`` (the main job) and ``quant doctor``."""
+"""The ``quant`` command: ``quant demo`` (the main job) and ``quant doctor``.
+
+The package holds the command and what only it runs: :mod:`.demo` (with :mod:`.demo_gpt`, the
+``--model gpt`` task) and :mod:`.doctor`. ``python -m quant_recipes.cli`` runs it too."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 #: ``torch.manual_seed`` takes a seed below 2^64; the demo derives seeds up to ``seed + 2``.
 _MAX_SEED = 2**63 - 3
@@ -90,7 +92,3 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import run_demo
 
     return run_demo(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
