@@ -110,7 +110,7 @@ def test_demo_bad_numbers_are_argparse_errors(argv, message, capsys):
 def test_doctor_reports_versions_backends_and_formats(capsys):
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
-    for needle in ("torch", "compile API", "backends", "reference", "MXFP8", "NVFP4"):
+    for needle in ("torch", "compile API", "backends", "reference", "mxfp8", "nvfp4"):
         assert needle in text
     assert "emulated" in text
 
@@ -128,22 +128,29 @@ def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypa
     assert "kernels in graph no (QUANT_LOWERING=0)" in capsys.readouterr().out
 
 
-def test_doctor_format_table_follows_the_capability():
-    from quant_recipes.cli.doctor import format_support
+def test_doctor_prints_the_gemm_routes_of_gemm_fast(capsys, monkeypatch):
+    """Doctor's GEMM table is ``gemm_fast.routes``: every format of the dispatch table, with the
+    route's path, what runs and its note, in the table's order; it restates nothing."""
+    import torch
+    from quant_recipes import gemm_fast
+    from quant_recipes.cli import doctor
 
-    hopper = {name: gemm for name, gemm, _ in
-              format_support((9, 0), kernels=True, blockwise_api=True)}
-    assert hopper["FP8 per-tensor"] == "native"  # torch._scaled_mm on sm_89+
-    assert hopper["FP8 block 1x128/128x128"] == "native"  # cuBLAS block scaling on sm 9.x
-    assert hopper["MXFP8"] == hopper["NVFP4"] == "bf16-tc"  # no MX tensor cores on Hopper
-    bare = {name: gemm for name, gemm, _ in
-            format_support((9, 0), kernels=False, blockwise_api=False)}
-    assert bare["MXFP8"] == bare["FP8 block 1x128/128x128"] == "emulated"
-    ada = {name: why for name, _, why in format_support((8, 9), kernels=True)}
-    assert "sm 9.x only" in ada["FP8 block 1x128/128x128"]
-    blackwell = {name: why for name, _, why in format_support((10, 0), kernels=True)}
-    assert "untested" in blackwell["MXFP8"]
-    assert {gemm for _, gemm, _ in format_support(None)} == {"emulated"}
+    for cap in (None, (8, 0), (9, 0)):  # the CPU, an A100's, an H100's capability
+        monkeypatch.setattr(gemm_fast, "_cuda_capability",
+                            lambda device, cap=cap: cap if device.type == "cuda" else None)
+        device = "cpu" if cap is None else "cuda"
+        lines = doctor.gemm_lines(device)
+        routes = gemm_fast.routes(device)
+        assert [r.format for r in routes] == list(gemm_fast._PATHS)
+        rows = [line for line in lines[1:] if not line.startswith(" ")]
+        assert [row.split()[:2] for row in rows] == [[r.format, r.path] for r in routes]
+        for r in routes:
+            assert any(r.runs in row for row in rows) and (not r.note or any(
+                line.strip().endswith(r.note) for line in lines))
+    monkeypatch.undo()
+    assert main(["doctor"]) == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert "\n".join(doctor.gemm_lines(device)) in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["a_file", "under_a_file", "proc"])

@@ -19,10 +19,13 @@ from ._common import interpreting
 from ._layout import swizzle_offset
 from ._rounding import to_out
 
-#: The implementations of each block-scaled GEMM: ``"dequant"`` (exact bf16 dequantization, then
-#: cuBLAS: :mod:`quant_kernels.dequant_gemm`) and ``"fused"`` (the dequantization in the mainloop
-#: of a Triton GEMM).
-IMPLEMENTATIONS = ("dequant", "fused")
+#: The implementations of each block-scaled GEMM, and what each runs: ``"dequant"``
+#: (:mod:`quant_kernels.dequant_gemm`) and ``"fused"`` (the GEMM kernels of ``mxfp8_gemm`` and
+#: ``nvfp4_gemm``).
+IMPLEMENTATIONS = {
+    "dequant": "Triton dequantize to bf16 + cuBLAS bf16 GEMM",
+    "fused": "Triton GEMM dequantizing in its mainloop",
+}
 
 
 def default_implementation() -> str:
@@ -33,8 +36,8 @@ def default_implementation() -> str:
 
 def check_implementation(implementation: str, name: str) -> None:
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{name}: implementation must be one of {IMPLEMENTATIONS}, got "
-                         f"{implementation!r}")
+        raise ValueError(f"{name}: implementation must be one of {tuple(IMPLEMENTATIONS)}, "
+                         f"got {implementation!r}")
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import os
 import torch
 from quant_core import reference
 
-from . import _amax, fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
+from . import _amax, _gemm, fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
 from ._common import interpreting
 
 
@@ -42,6 +42,12 @@ class TritonBackend:
     def preferred(device: torch.device) -> bool:
         """Automatic choice takes Triton on CUDA only: the interpreter is for tests, by name."""
         return torch.device(device).type == "cuda"
+
+    @staticmethod
+    def gemm_route(device: torch.device) -> str:
+        """What :attr:`mxfp8_gemm` and :attr:`nvfp4_gemm` run on ``device``, in words (the
+        routes ``quant_recipes.gemm_fast.routes`` describes)."""
+        return _gemm.IMPLEMENTATIONS[_gemm.default_implementation()]
 
     amax = staticmethod(_amax.amax)
     current_scale = staticmethod(fp8_tensor.current_scale)

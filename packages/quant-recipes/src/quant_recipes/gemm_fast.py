@@ -10,10 +10,14 @@ result is the reference's products accumulated in fp32, in another order.
 - ``"emulated"``: MXFP8 and NVFP4 through the reference backend's GEMM (any device).
 
 :func:`fast_gemm` returns ``None`` where no path applies; the caller then dequantizes both
-operands to fp32 and multiplies (``emulated``).
+operands to fp32 and multiplies (``emulated``). :func:`routes` describes, per format, the path
+:func:`fast_gemm` takes on a device, from the same table (``_PATHS``) and probes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +42,24 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+#: What :func:`fast_gemm` runs where no fast path takes the operands.
+EMULATED = "dequantize to fp32, fp32 matmul"
+
+
+def _tensorwise_problem(device: torch.device) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run on ``device``; ``None`` when it can."""
+    cap = _cuda_capability(device)
+    if cap is None:
+        return f"no FP8 tensor cores on {device.type}"
+    if cap < (8, 9):
+        return f"sm_{cap[0]}{cap[1]}: FP8 tensor cores need sm_89+"
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    return None
+
+
 def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
-    cap = _cuda_capability(ra.data.device)
-    if cap is None or cap < (8, 9) or not hasattr(torch, "_scaled_mm"):
+    if _tensorwise_problem(ra.data.device) is not None:
         return None
     if ra.fp_dtype == rb.fp_dtype == DType.E5M2 or not _aligned(ra.rows, rb.rows, ra.k):
         return None
@@ -59,12 +78,23 @@ def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
     return out
 
 
+def _blockwise_problem(device: torch.device) -> str | None:
+    """Why cuBLAS's 1x128 / 128x128 FP8 GEMM cannot run on ``device``; ``None`` when it can."""
+    cap = _cuda_capability(device)
+    if cap is None:
+        return f"no FP8 tensor cores on {device.type}"
+    if cap[0] != 9:
+        return f"sm_{cap[0]}{cap[1]}: cuBLAS's 1x128/128x128 FP8 GEMM runs on sm 9.x only"
+    scaling = getattr(F, "ScalingType", None)
+    if not (hasattr(F, "scaled_mm") and scaling is not None
+            and hasattr(scaling, "BlockWise1x128")):
+        return f"torch {torch.__version__} has no block scaling in F.scaled_mm (torch >= 2.10)"
+    return None
+
+
 def blockwise_available(device: torch.device) -> bool:
     """torch exposes cuBLAS's 1x128 / 128x128 FP8 GEMM (``F.scaled_mm``) and the GPU is sm 9.x."""
-    cap = _cuda_capability(device)
-    scaling = getattr(F, "ScalingType", None)
-    return (cap is not None and cap[0] == 9 and hasattr(F, "scaled_mm")
-            and scaling is not None and hasattr(scaling, "BlockWise1x128"))
+    return _blockwise_problem(device) is None
 
 
 def _blockwise_scale(op: GemmOperand):
@@ -96,37 +126,106 @@ def _blockwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
                        kind_b, bias=bias, output_dtype=out_dtype)
 
 
-def _block_backend(op: GemmOperand):
-    """The backend's GEMM for MXFP8/NVFP4 and the path name it runs as."""
-    be = backends.get(None, op.data.device)
-    return be, "emulated" if be.name == "reference" else f"{be.name}_{op.format}"
+def _block_backend(device: torch.device):
+    """The backend whose GEMM serves MXFP8/NVFP4 on ``device``, and its path-name prefix."""
+    be = backends.get(None, device)
+    return be, None if be.name == "reference" else be.name
+
+
+def _block_problem(device: torch.device) -> str | None:
+    """Why MXFP8/NVFP4 GEMMs on ``device`` are emulated (the reference backend's fp32 GEMM);
+    ``None`` when a kernel backend serves them."""
+    problem = backends.environment_problem(device)
+    if problem is not None:
+        return problem
+    if _block_backend(device)[1] is None:
+        return f"the reference backend serves {device.type} (quant-kernels serves CUDA)"
+    return None
 
 
 def _mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
-    be, _ = _block_backend(ra)
+    be, _ = _block_backend(ra.data.device)
     return be.mxfp8_gemm(ra.data, ra.scale, rb.data, rb.scale, a_dtype=ra.fp_dtype,
                          b_dtype=rb.fp_dtype, a_swizzled=ra.swizzled, b_swizzled=rb.swizzled,
                          bias=bias, out_dtype=out_dtype)
 
 
 def _nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
-    be, _ = _block_backend(ra)
+    be, _ = _block_backend(ra.data.device)
     data = [op.data if op.data.stride(1) == 1 else op.data.contiguous() for op in (ra, rb)]
     return be.nvfp4_gemm(data[0], ra.scale, ra.amax, data[1], rb.scale, rb.amax,
                          a_swizzled=ra.swizzled, b_swizzled=rb.swizzled, bias=bias,
                          out_dtype=out_dtype)
 
 
+@dataclass(frozen=True)
+class _Path:
+    """One format's fast path: ``gemm`` (``None`` where it does not take the operands),
+    ``problem`` (why it cannot run on a device, ``None`` where it can), the name it records
+    (``None``: the backend's, ``<backend>_<format>``), what runs in words (``""``: the backend's
+    optional ``gemm_route(device)``) and the operands it takes beyond the format."""
+
+    gemm: Callable
+    problem: Callable[[torch.device], str | None]
+    path: str | None = None
+    runs: str = ""
+    takes: str = ""
+
+
+_PATHS = {
+    "fp8": _Path(_tensorwise, _tensorwise_problem, "scaled_mm", "cuBLAS scaled_mm (tensorwise)",
+                 "not both E5M2; rows and K multiples of 16"),
+    "fp8_block": _Path(_blockwise, _blockwise_problem, "scaled_mm_blockwise",
+                       "cuBLAS blockwise scaled_mm",
+                       "bf16 output; not both 128x128; rows multiples of 16, K of 128"),
+    "mxfp8": _Path(_mxfp8, _block_problem),
+    "nvfp4": _Path(_nvfp4, _block_problem),
+}
+
+
 def path_name(ra: GemmOperand) -> str:
     """The name :func:`fast_gemm` records for operands of ``ra``'s format."""
-    if ra.format == "fp8":
-        return "scaled_mm"
-    if ra.format == "fp8_block":
-        return "scaled_mm_blockwise"
-    return _block_backend(ra)[1]
+    path = _PATHS[ra.format].path
+    if path is not None:
+        return path
+    prefix = _block_backend(ra.data.device)[1]
+    return "emulated" if prefix is None else f"{prefix}_{ra.format}"
 
 
-_PATHS = {"fp8": _tensorwise, "fp8_block": _blockwise, "mxfp8": _mxfp8, "nvfp4": _nvfp4}
+@dataclass(frozen=True)
+class Route:
+    """The GEMM of two operands of ``format`` on a device (:func:`routes`).
+
+    ``path``: the name :func:`fast_gemm` records (``gemm_paths()``), ``"emulated"`` where no
+    fast path runs; ``runs``: what computes it, in words; ``available``: a fast path runs here;
+    ``note``: the operands it takes beyond the format (others are emulated), or why it is
+    emulated here."""
+
+    format: str
+    path: str
+    runs: str
+    available: bool
+    note: str
+
+
+def routes(device: torch.device | str) -> list[Route]:
+    """Per operand format, in the order :func:`fast_gemm` dispatches on, the GEMM route on
+    ``device`` with this torch, GPU and backend choice."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for fmt, p in _PATHS.items():
+        why = p.problem(device)
+        if why is not None:
+            out.append(Route(fmt, "emulated", EMULATED, False, why))
+            continue
+        be, prefix = (None, None) if p.path is not None else _block_backend(device)
+        describe = getattr(be, "gemm_route", None)
+        runs = p.runs or (describe(device) if describe is not None
+                          else f"the {prefix} backend's {fmt} GEMM")
+        out.append(Route(fmt, p.path or f"{prefix}_{fmt}", runs, True, p.takes))
+    return out
 
 
 def fast_gemm(ra: GemmOperand, rb: GemmOperand, bias: torch.Tensor | None,
@@ -135,8 +234,9 @@ def fast_gemm(ra: GemmOperand, rb: GemmOperand, bias: torch.Tensor | None,
     path takes these operands (mixed formats, missing features, unaligned shapes)."""
     if ra.format != rb.format or ra.k != rb.k:
         return None
-    out = _PATHS[ra.format](ra, rb, bias, out_dtype)
+    out = _PATHS[ra.format].gemm(ra, rb, bias, out_dtype)
     return None if out is None else (out, path_name(ra))
 
 
-__all__ = ["fast_gemm", "blockwise_available", "path_name", "BLOCKWISE_OUT_DTYPES"]
+__all__ = ["fast_gemm", "routes", "Route", "blockwise_available", "path_name", "EMULATED",
+           "BLOCKWISE_OUT_DTYPES"]

@@ -1,4 +1,5 @@
-"""``quant doctor``: versions, the compile API in use, backends, and per-format support."""
+"""``quant doctor``: versions, the compile API in use, backends, and per format the GEMM that runs
+(``quant_recipes.gemm_fast.routes``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import importlib.metadata
 import torch
 from quant_core import backends
 
-#: The formats' rows, in the order printed.
-_FORMATS = ("FP8 per-tensor", "FP8 block 1x128/128x128", "MXFP8", "NVFP4")
+from ..gemm_fast import routes
 
 
 def _version(dist: str) -> str:
@@ -46,55 +46,15 @@ def lowering() -> str:
     return line
 
 
-def _has_kernels() -> bool:
-    return any(name != "reference" for name in backends.available())
-
-
-def _has_blockwise_api() -> bool:
-    import torch.nn.functional as F
-
-    scaling = getattr(F, "ScalingType", None)
-    return hasattr(F, "scaled_mm") and scaling is not None and hasattr(scaling, "BlockWise1x128")
-
-
-def format_support(capability: tuple[int, int] | None, *, kernels: bool | None = None,
-                   blockwise_api: bool | None = None) -> list[tuple[str, str, str]]:
-    """Per format: (name, GEMM path of ``quant_recipes.Linear``, why) on a GPU of ``capability``
-    (None: CPU), given whether a kernel backend (quant-kernels) is installed and whether torch
-    has cuBLAS's block-scaled FP8 GEMM (defaults: this process). Paths: ``native`` (FP8 tensor
-    cores through cuBLAS), ``bf16-tc`` (exact bf16 dequantization, then bf16 tensor cores),
-    ``emulated`` (dequantize to fp32, fp32 matmul). Quantization itself runs everywhere."""
-    kernels = _has_kernels() if kernels is None else kernels
-    blockwise_api = _has_blockwise_api() if blockwise_api is None else blockwise_api
-    if capability is None:
-        return [(name, "emulated", "no GPU: dequantize, then fp32 matmul (same bits)")
-                for name in _FORMATS]
-    where = f"sm_{capability[0]}{capability[1]}"
-    rows = []
-    if capability >= (8, 9):
-        rows.append((_FORMATS[0], "native", f"{where}: torch._scaled_mm (FP8 tensor cores)"))
-    else:
-        rows.append((_FORMATS[0], "emulated", f"{where}; FP8 tensor cores need sm_89+"))
-    if capability[0] == 9 and blockwise_api:
-        rows.append((_FORMATS[1], "native", f"{where}: cuBLAS block-scaled FP8 (F.scaled_mm)"))
-    elif capability[0] == 9:
-        rows.append((_FORMATS[1], "emulated", f"{where}: this torch has no F.scaled_mm block "
-                                              "scaling (torch >= 2.10 does)"))
-    else:
-        rows.append((_FORMATS[1], "emulated", f"{where}: cuBLAS's 1x128/128x128 FP8 GEMM "
-                                              "runs on sm 9.x only"))
-    for name in _FORMATS[2:]:
-        if not kernels:
-            rows.append((name, "emulated", f"{where}: install quant-kernels for the "
-                                           "tensor-core path"))
-        elif capability >= (10, 0):
-            rows.append((name, "bf16-tc", f"{where}: exact bf16 dequantization + cuBLAS bf16 "
-                                          "GEMM; this chip's MX/NVFP4 tensor cores are "
-                                          "untested here, so not used yet"))
-        else:
-            rows.append((name, "bf16-tc", f"{where} has no {name} tensor cores: exact bf16 "
-                                          "dequantization + cuBLAS bf16 GEMM"))
-    return rows
+def gemm_lines(device: torch.device | str) -> list[str]:
+    """The GEMM table of ``device``: per row of ``gemm_fast.routes``, the format, the path name
+    ``gemm_paths()`` reports and what runs, then the operands it takes or why it is emulated."""
+    lines = [f"{'format':10s} {'path':20s} runs"]
+    for r in routes(device):
+        lines.append(f"{r.format:10s} {r.path:20s} {r.runs}")
+        if r.note:
+            lines.append(f"{'':13s}{'takes' if r.available else 'why'}: {r.note}")
+    return lines
 
 
 def run_doctor() -> int:
@@ -105,7 +65,6 @@ def run_doctor() -> int:
     print(f"compile API      {compile_mode()}")
     print(f"kernels in graph {lowering()}")
     print(f"backends         {', '.join(backends.available())}")
-    capability = None
     status = 0
     devices = ["cpu"]
     if torch.cuda.is_available():
@@ -124,7 +83,7 @@ def run_doctor() -> int:
             print(f"{label:16s} none: {problem}")
             status = 1
     print()
-    print(f"{'format':26s} {'GEMM':9s} why (quantization runs on every device, same bytes)")
-    for name, support, why in format_support(capability):
-        print(f"{name:26s} {support:9s} {why}")
+    print(f"GEMMs on {devices[0]} (quantization runs on every device, same bytes)")
+    for line in gemm_lines(devices[0]):
+        print(line)
     return status
