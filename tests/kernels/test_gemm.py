@@ -289,8 +289,8 @@ def test_gemm_argument_errors():
 
 
 def test_the_backend_runs_the_devices_implementation(monkeypatch):
-    """The backend's GEMMs run ``"dequant"`` on GPUs and ``"fused"`` under the interpreter, and
-    an implementation that is not one of ``_gemm.IMPLEMENTATIONS`` is named."""
+    """The backend's GEMMs run ``"dequant"`` on GPUs and ``"fused"`` under the interpreter (as
+    its ``gemm_route`` says), and an implementation not in ``_gemm.IMPLEMENTATIONS`` is named."""
     assert _gemm.default_implementation() == ("fused" if interpreting() else "dequant")
     ran = []
     for module, name in ((mxfp8_gemm, "mxfp8_gemm"), (nvfp4_gemm, "nvfp4_gemm")):
@@ -301,6 +301,7 @@ def test_the_backend_runs_the_devices_implementation(monkeypatch):
     BACKEND.nvfp4_gemm(a, a, a, a, a, a, a_swizzled=False, b_swizzled=False, bias=None,
                        out_dtype=torch.float32)
     assert ran == [_gemm.default_implementation()] * 2
+    assert BACKEND.gemm_route(DEVICE) == _gemm.IMPLEMENTATIONS[_gemm.default_implementation()]
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"mxfp8_gemm: implementation must be one of "
                                          r"\('dequant', 'fused'\), got 'fp8'"):
