@@ -1,14 +1,73 @@
-"""Kernel configurations for bench/sass_report.py: (name, kernel, signature, constexprs,
-num_warps, elements per program), at the package's GPU tile configs."""
+"""Offline SASS for sm_90 (``profiling.py sass``; no GPU needed): compile each quantize kernel
+with Triton for Hopper at the package's GPU tile configs and count its machine instructions per
+element handled by one thread, with an opcode histogram. Static counts of straight-line kernels
+(one tile per program) equal the dynamic ones, so instructions per element is the figure to cut
+before a GPU run when ncu shows a kernel issue- or pipe-bound."""
 
 from __future__ import annotations
 
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
 from quant_kernels import fp8_block as B
 from quant_kernels import fp8_tensor as F
 from quant_kernels import mxfp8 as X
 from quant_kernels import nvfp4 as N
 from quant_kernels.configs import TABLE
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
+TARGET = GPUTarget("cuda", 90, 32)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+NVDISASM = os.path.join(_BIN, "nvdisasm")
+CUOBJDUMP = os.path.join(_BIN, "cuobjdump")
+ALU = {"FMNMX", "IMNMX", "LOP3", "ISETP", "FSETP", "SEL", "FSEL", "SHF", "PRMT", "IADD3",
+       "VIMNMX", "HMNMX2", "LEA", "F2FP", "PLOP3", "I2FP", "FLO", "POPC", "VABSDIFF"}
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int):
+    """(kernel, SASS text, registers per thread) of ``fn`` compiled for sm_90; pointer and
+    integer arguments get divisibility 16."""
+    full = {a: ("constexpr" if a in constexprs else signature[a]) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if full[a] != "constexpr" and not full[a].startswith("fp")}
+    k = triton.compile(ASTSource(fn, full, constexprs, attrs), target=TARGET,
+                       options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    return k, sass, int(regs.group(1)) if regs else -1
+
+
+def report(name: str, fn, signature: dict, constexprs: dict, num_warps: int,
+           elems_per_program: int, top: int = 12) -> None:
+    try:
+        k, sass, regs = compile_sass(fn, signature, constexprs, num_warps)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next kernel
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        return
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(2)] += 1
+    n = sum(ops.values())
+    per = elems_per_program / (32 * num_warps)
+    alu = sum(v for o, v in ops.items() if o in ALU)
+    local = sum(v for o, v in ops.items() if o in ("STL", "LDL"))
+    print(f"{name}: {n} instr, {n / per:.2f}/elem (ALU-pipe-ish {alu / per:.2f}), "
+          f"smem {k.metadata.shared} B, local {local}, regs {regs}")
+    print("   ", ", ".join(f"{o} {v / per:.2f}" for o, v in ops.most_common(top)))
+
+
+#: (name, kernel, signature, constexprs, num_warps, elements per program)
 BF = "*bf16"
 _MX = dict(x_ptr=BF, rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", M="i32", K="i32",
            RS_C="i32", CS_C="i32", CS_SW_C="i32")

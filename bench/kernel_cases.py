@@ -1,24 +1,21 @@
-"""Bandwidth benchmark of the Triton kernels on bf16 8192^2 and 16384^2 inputs, with peers.
+"""Bandwidth of the Triton quantize kernels on bf16 8192^2 and 16384^2 inputs, with peers
+(``speed.py kernels``).
 
-For each kernel: median time (``triton.testing.do_bench``) of the best tile config of a small
-sweep, effective bandwidth over the minimal bytes (input read once, outputs written once), and
-its share of the device-to-device copy bandwidth measured in the same run. Peers: torchao 0.18's
+For each kernel: median time (CUDA-graph replay) of the best tile config of a small sweep,
+effective bandwidth over the minimal bytes (input read once, outputs written once), and its
+share of the device-to-device copy bandwidth measured in the same run. Peers: torchao 0.18's
 Triton MXFP8 casts (floor), ``torch.compile(to_mx)`` and compiled ``nvfp4_quantize``.
-``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src python bench/kernels.py
-[out.json]``; ``BENCH_ONLY=NVFP4,MXFP8`` keeps the kernels whose names contain one of those
-words (and skips the compiled peers); ``BENCH_SIZES=4096,8192`` picks the sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-import time
 
 import torch
 import triton
+from measure import graph_ms, warm_up
 from quant_core.dtypes import DType
 from quant_kernels import configs
 from quant_kernels.backend import BACKEND as B
@@ -57,14 +54,9 @@ SWEEP = {  # tried after the package default (bench.best)
 
 
 def bench(fn) -> float:
-    """Median ms of ``fn`` per call, timed over CUDA-graph replays so that the host's launch
-    overhead (allocation, argument handling: 30-60 us per call, comparable to a kernel at
-    8192^2) stays out of the kernel time; plain ``do_bench`` if ``fn`` cannot be captured."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
-    except Exception as e:  # noqa: BLE001 - e.g. a peer that syncs with the host
-        print(f"  (not capturable: {type(e).__name__}; timed with do_bench)", flush=True)
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    """Median ms of ``fn``: graph replay keeps the host's launch overhead (allocation, argument
+    handling: 30-60 us per call, comparable to a kernel at 8192^2) out of the kernel time."""
+    return graph_ms(fn, rep=40)
 
 
 def best(cfg_names: tuple[str, ...], fn) -> tuple[float, str]:
@@ -192,7 +184,7 @@ def cases(x: torch.Tensor) -> list[tuple]:
     ]
 
 
-def run(n: int) -> dict:
+def run(n: int, only: list[str]) -> dict:
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     # the copy is one cudaMemcpy: plain timing has no launch overhead to hide, and its graph
@@ -202,7 +194,6 @@ def run(n: int) -> dict:
                                          return_mode="median"))
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # GB/s
     rows = []
-    only = [w for w in os.environ.get("BENCH_ONLY", "").split(",") if w]
     for name, target, cfgs, fn, nbytes in cases(x):
         if only and not any(w in name for w in only):
             continue
@@ -230,32 +221,20 @@ def table(r: dict) -> None:
     sys.stdout.flush()
 
 
-def warm_up(seconds: float = 3.0) -> None:
-    """Keep the GPU busy for a few seconds first: the idle card reads a low SM clock (345 MHz)."""
-    x = torch.empty(1 << 28, device="cuda", dtype=torch.uint8)
-    y = torch.empty_like(x)
-    t = time.time()
-    while time.time() - t < seconds:
-        for _ in range(50):
-            y.copy_(x)
-        torch.cuda.synchronize()
-
-
-def main() -> None:
+def main(sizes: list[int], only: list[str], out: str | None) -> None:
     """Each size's table is printed (and the JSON written) as soon as it is done, so a run cut
-    short by its time limit still reports; the torch.compile peers (slow to compile) run last."""
+    short by its time limit still reports; the torch.compile peers (slow to compile) run last,
+    and only without ``only`` (the kernels whose names contain one of those words)."""
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    out = sys.argv[1] if len(sys.argv) > 1 else None
     warm_up()
     results = []
-    sizes = os.environ.get("BENCH_SIZES", "8192,16384")
-    for n in (int(v) for v in sizes.split(",") if v):
-        results.append(run(n))
+    for n in sizes:
+        results.append(run(n, only))
         table(results[-1])
         if out:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
-    if os.environ.get("BENCH_ONLY"):
+    if only:
         return
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     extra = peer_rows(x, compiled_peers(x), results[0]["copy_gbs"])
@@ -266,7 +245,3 @@ def main() -> None:
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,11 @@
-"""Hardware counters of every benchmarked kernel (bf16 16384^2), read with Nsight Compute.
+"""Nsight Compute counters (``profiling.py ncu``): the metrics read per kernel launch, the cases
+launched under ncu, and ncu's raw CSV summarized as one table line per launch.
 
-Run under ncu (``bench/ncu_run.sh`` does): each case of ``bench/kernels.py`` is launched twice
-(the first launch compiles), plus a device-to-device copy as the baseline. ``summarize`` turns
-ncu's raw CSV into one line per kernel launch (second launch of each case).
-``python bench/profile_kernels.py``            launch the cases (under ncu)
-``python bench/profile_kernels.py ncu.csv``     summarize ncu's CSV
+Cases: ``kernels``, every benchmarked quantize kernel (``kernel_cases.cases``) at bf16 16384^2
+plus a device-to-device copy as the baseline; ``gemm``, the MXFP8 / NVFP4 GEMM implementations at
+16384x8192x8192 (fprop: the fused Triton mainloops, MXFP8 FP8-MMA with per-block promotion and
+bf16 dequant, NVFP4 decode, and the default dequant + cuBLAS path) next to a bf16 ``torch.mm``.
+Each case runs twice (the first launch compiles).
 """
 
 from __future__ import annotations
@@ -43,9 +44,24 @@ STALLS = ("long_scoreboard", "lg_throttle", "barrier", "short_scoreboard", "mio_
 METRICS += [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS]
 
 
-def launch() -> None:
+#: The GEMM table's pipe counters on top of METRICS.
+PIPES = ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",  # NaN on the
+         # H200's ncu: the GMMA pipe's counter name there is still to be found
+         "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+         "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active")
+GEMM_METRICS = METRICS + list(PIPES)
+#: ncu's kernel filter per case set: the setup kernels (random fills, copies, the operands'
+#: quantization for the GEMMs) are left out.
+FILTERS = {
+    "kernels": "regex:^(?!.*(distribution|fill|randn|normal)).*",
+    "gemm": "regex:^(?!.*(distribution|fill|randn|normal|copy|elementwise|amax|_mxfp8_kernel|"
+            "_nvfp4_row|_nvfp4_col|current_scale)).*",
+}
+
+
+def launch_kernels() -> None:
     import torch
-    from kernels import cases
+    from kernel_cases import cases
 
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
@@ -56,6 +72,30 @@ def launch() -> None:
         fn()
         fn()
         torch.cuda.synchronize()
+
+
+def launch_gemm() -> None:
+    import gemm_cases
+    import torch
+    from quant_kernels import mxfp8_gemm, nvfp4_gemm
+    from quant_recipes import gemm as G
+
+    m, k, n = 16384, 8192, 8192
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    g = torch.randn(m, n, device="cuda").bfloat16()
+    for _ in range(2):
+        torch.mm(x, w.t())
+    cases = [("mxfp8", mxfp8_gemm, mode) for mode in ("dequant", "bf16", "fp8")]
+    cases += [("nvfp4", nvfp4_gemm, mode) for mode in ("dequant", "fused")]
+    for name, module, mode in cases:
+        args = gemm_cases.roles(x, w, g, gemm_cases.quantizers(name))["fprop"]
+        module.MODE = mode
+        print("case", name, mode, file=sys.stderr, flush=True)
+        for _ in range(2):
+            G.qgemm_impl(*args, None, torch.bfloat16)
+        torch.cuda.synchronize()
+        module.MODE = None
 
 
 def read_rows(path: str) -> list[dict]:
@@ -79,7 +119,7 @@ def top_stalls(r: dict, n: int = 4) -> str:
     return ", ".join(f"{s} {v:.1f}" for v, s in stalls)
 
 
-def summarize(path: str) -> None:
+def summarize_kernels(path: str) -> None:
     rows = read_rows(path)
     print("| id | kernel | us | DRAM GB/s | DRAM % | L2 MB | SM % | issue % | warps % | regs "
           "| smem | st sect/req | ld sect/req | top stalls (cycles/issue) |")
@@ -103,8 +143,20 @@ def summarize(path: str) -> None:
               "| " + top_stalls(r) + " |")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        summarize(sys.argv[1])
-    else:
-        launch()
+
+def summarize_gemm(path: str) -> None:
+    print("| id | kernel | us | SM % | tensor pipe % | FMA pipe % | LSU % | issue % | regs "
+          "| top stalls (cycles/issue) |")
+    print("|" + " --- |" * 10)
+    for r in read_rows(path):
+        us = num(r, "gpu__time_duration.sum") / 1e3
+        print(f"| {r['ID']} | {r['Kernel Name'][:44]} | {us:.0f} "
+              f"| {num(r, 'sm__throughput.avg.pct_of_peak_sustained_elapsed'):.0f} "
+              + "".join(f"| {num(r, p):.0f} " for p in PIPES)
+              + f"| {num(r, 'smsp__issue_active.avg.pct_of_peak_sustained_active'):.0f} "
+              f"| {num(r, 'launch__registers_per_thread'):.0f} | {top_stalls(r)} |")
+
+
+#: case set -> (metrics, launch, summarize)
+SETS = {"kernels": (METRICS, launch_kernels, summarize_kernels),
+        "gemm": (GEMM_METRICS, launch_gemm, summarize_gemm)}

@@ -1,4 +1,5 @@
-"""GEMMs of quantized operands on the GPU: correctness of every fast path, then TFLOP/s.
+"""GEMMs of quantized operands on the GPU (``speed.py gemm``): correctness of every fast path,
+then speed as a ratio to bf16 ``torch.mm`` of the same shape in the same run.
 
 For each format the operands are quantized with the recipe's quantizers (input and gradient 1D,
 weight as the recipe makes it) and multiplied through ``quant_recipes.gemm.qgemm_impl`` exactly as
@@ -9,26 +10,26 @@ fprop ``x @ Wᵀ``, dgrad ``gy @ W`` and wgrad ``gyᵀ @ x``.
    sum exact in fp32) must give the emulated reference's fp32 result bit for bit.
 2. Random data: ``‖fast - exact‖ / ‖exact‖`` against the float64 product of the same quantized
    operands, next to the emulated path's own error.
-3. Speed: median ms (CUDA-graph replay) and TFLOP/s of each path at M x K x N, next to bf16
-   ``torch.mm`` and FP8 tensorwise ``torch._scaled_mm`` measured in the same run; the MXFP8
-   mainloops (FP8 MMA with per-block promotion, exact bf16 dequantization) and a few tile
-   configs are swept.
+3. Speed: median ms (CUDA-graph replay), TFLOP/s and the speed-up over bf16 ``torch.mm`` (its
+   ms / this ms) of each path at M x K x N, next to FP8 tensorwise ``torch._scaled_mm``, all
+   measured in the same run; the MXFP8 mainloops (FP8 MMA with per-block promotion, exact bf16
+   dequantization) and a few tile configs are swept.
 4. Probes: which output dtypes and bias cuBLAS's block-scaled GEMM takes here.
 
-``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-recipes/src
-python bench/gemm.py [MxKxN ...] [--json out.json]``
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
+from measure import graph_ms
 from quant_core import backends
+from quant_core.dtypes import DType
 from quant_kernels import configs, mxfp8_gemm, nvfp4_gemm
 from quant_kernels.backend import BACKEND
 from quant_recipes import gemm as G
@@ -176,19 +177,20 @@ def check(name: str, m: int, k: int, n: int, with_bias: bool) -> None:
 
 
 def ms(fn) -> float:
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    except Exception:  # noqa: BLE001
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return graph_ms(fn, rep=50)
 
 
 def speed(m: int, k: int, n: int) -> None:
     flop = 2.0 * m * k * n
+    base: list[float] = []
 
     def report(label, t):
-        rec = dict(shape=(m, k, n), what=label, ms=t, tflops=flop / t / 1e9)
+        base.append(base[0] if base else t)  # the first row is bf16 torch.mm
+        rec = dict(shape=(m, k, n), what=label, ms=t, tflops=flop / t / 1e9,
+                   vs_bf16=base[0] / t)
         RESULTS["speed"].append(rec)
-        print(f"  {label:46s} {t:8.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)
+        print(f"  {label:46s} {t:8.3f} ms {rec['tflops']:7.1f} TFLOP/s "
+              f"{rec['vs_bf16']:6.3f}x bf16", flush=True)
 
     a = torch.randn(m, k, device=DEV).bfloat16()
     b = torch.randn(n, k, device=DEV).bfloat16()
@@ -273,12 +275,8 @@ def probes() -> None:
         print("probe", json.dumps(rec), flush=True)
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    if out in args:
-        args.remove(out)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args] or [(16384, 8192, 8192)]
+def run(shapes: list[tuple[int, int, int]], out: str | None) -> int:
+    """Probes, the checks, then speed per shape; 1 if a check mismatched or failed."""
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
     probes()
     for name in RECIPES:
@@ -295,7 +293,92 @@ def main() -> None:
     if out:
         with open(out, "w") as f:
             json.dump(RESULTS, f, indent=1)
+    return 1 if bad else 0
 
 
-if __name__ == "__main__":
-    main()
+# --- MXFP8: dequantize + cuBLAS against max-autotune with the dequantization in the prologue
+
+
+def _dequant_ops(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rowwise E4M3 MXFP8 ``[M, K]`` (unswizzled scales) as bf16: the reference's rule
+    (``quant_core.reference.mxfp8_dequantize``, exact), in torch ops that Inductor compiles."""
+    from quant_core import reference
+
+    return reference.mxfp8_dequantize(data, scale, fp8_dtype=DType.E4M3, columnwise=False,
+                                      swizzled=False, dtype=torch.bfloat16)
+
+
+def _prologue_gemm(ad, asc, bd, bsc):
+    """The GEMM with both dequantizations in front, for Inductor to fuse into its prologue."""
+    return _dequant_ops(ad, asc) @ _dequant_ops(bd, bsc).t()
+
+
+def autotune_row(shape: str, be, q) -> dict:
+    """One shape's row: quant's MXFP8 GEMM (``quant_kernels.mxfp8_gemm``'s dequantize, then
+    cuBLAS) against ``max-autotune-no-cudagraphs`` with prologue fusion of the reference's
+    dequantization, bf16 ``x @ w.T`` of the same shape, what Inductor chose (a template kernel
+    reading uint8 means the prologue fused) and the two results' relative difference."""
+    from measure import time_steps
+    from torch._inductor.utils import run_and_get_code
+
+    m, k, n = (int(v) for v in shape.split("x"))
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    a, b = q.quantize(x), q.quantize(w)
+    ops = (*list(a.buffers().values())[:2], *list(b.buffers().values())[:2])  # rowwise data, scale
+
+    def ours():
+        return be.mxfp8_gemm(ops[0], ops[1], ops[2], ops[3], a_dtype=DType.E4M3,
+                             b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False, bias=None,
+                             out_dtype=torch.bfloat16)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_prologue_gemm, mode="max-autotune-no-cudagraphs", fullgraph=True)
+    got, codes = run_and_get_code(compiled, *ops)
+    code = "\n".join(codes)
+    template = "triton_tem_" in code
+    want = ours()
+    row = {
+        "shape": shape,
+        "ours_ms": time_steps(ours, dev),
+        "autotuned_ms": time_steps(lambda: compiled(*ops), dev),
+        "bf16_mm_ms": time_steps(lambda: x @ w.t(), dev),
+        "template_chosen": template,
+        "prologue_fused": template and "uint8" in code and "triton_poi" not in code,
+        "extern_mm": "extern_kernels.mm" in code,
+        "rel_diff": ((got.float() - want.float()).norm() / want.float().norm()).item(),
+    }
+    row["ours_vs_bf16"] = row["bf16_mm_ms"] / row["ours_ms"]
+    row["autotuned_vs_bf16"] = row["bf16_mm_ms"] / row["autotuned_ms"]
+    return row
+
+
+def autotune(shapes: list[str], out: str | None) -> None:
+    """:func:`autotune_row` per shape, then the table (speeds as ratios to bf16 ``mm``)."""
+    import torch._inductor.config as ic
+    from quant_core import MXFP8Quantizer
+
+    if hasattr(ic, "prologue_fusion"):
+        ic.prologue_fusion = True
+    # Inductor's Triton templates and cuBLAS compete (as TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS)
+    ic.max_autotune_gemm_backends = os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS",
+                                                   "TRITON,ATEN")
+    be = backends.get(None, torch.device("cuda"))
+    q = MXFP8Quantizer(rowwise_usage=True, columnwise_usage=False, optimize_for_gemm=False)
+    rows = []
+    for shape in shapes:
+        rows.append(autotune_row(shape, be, q))
+        print(json.dumps(rows[-1]), flush=True)
+    print("| M x K x N | bf16 mm ms | quant dequant + cuBLAS ms (vs bf16) | max-autotune + "
+          "prologue ms (vs bf16) | template | prologue fused | rel diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['shape']} | {r['bf16_mm_ms']:.3f} | {r['ours_ms']:.3f} "
+              f"({r['ours_vs_bf16']:.3f}x) | {r['autotuned_ms']:.3f} "
+              f"({r['autotuned_vs_bf16']:.3f}x) | {r['template_chosen']} | "
+              f"{r['prologue_fused']} | {r['rel_diff']:.2e} |")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)

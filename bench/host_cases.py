@@ -1,4 +1,5 @@
-"""Host time of one eager quantize call and of one GEMM call (issue 13), and where it goes.
+"""Host time of one eager quantize call and of one GEMM call, and where it goes
+(``speed.py host``).
 
 Per format, with a value quantizer seen before and a bf16 ``x`` of each ``--shapes`` (4096x4096,
 and 256x256 where the GPU work is negligible, so host time is all that is left):
@@ -15,24 +16,21 @@ so ``--device cpu`` registers a *replay* backend: each backend function computes
 shape with the reference, then returns freshly allocated buffers of the same shapes (``empty_like``)
 without computing, as a kernel launch would. What is left is our layers' host cost plus allocation.
 
-``PYTHONPATH=packages/quant-core/src:packages/quant-kernels/src:packages/quant-dynamo/src:\
-packages/quant-recipes/src python bench/host_overhead.py [--device cuda|cpu] [--profile]``
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import functools
 import io
 import json
 import pstats
-import time
 
 import quant_dynamo  # noqa: F401  (defines the quant ops)
 import quant_recipes as qr
 import torch
+from measure import per_call_us, warm_up
 from quant_core import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -40,13 +38,9 @@ from quant_core import (
     NVFP4Quantizer,
     backends,
 )
+from steps import make_step, register_triton, step_inputs
 
-try:  # from source trees the entry point that registers Triton is absent
-    from quant_kernels.backend import BACKEND
-
-    backends.register(BACKEND)
-except ImportError:
-    pass
+register_triton()
 
 #: Each format's quantizer returns its quantized tensor subclass (``internal=False``, the
 #: default); ``<name>:storage`` is the same with ``internal=True``: the plain storage that
@@ -94,41 +88,6 @@ class ReplayBackend:
             return tuple(None if t is None else torch.empty_like(t) for t in out)
 
         return run
-
-
-def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
-    x = torch.empty(1 << 28, device=dev, dtype=torch.uint8)
-    y = torch.empty_like(x)
-    t = time.time()
-    while time.time() - t < seconds:
-        for _ in range(50):
-            y.copy_(x)
-        torch.cuda.synchronize(dev)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def per_call_us(fn, iters: int, device: torch.device) -> tuple[float, float | None]:
-    """``(host us, gpu us)`` per call of ``fn`` over ``iters`` calls after 5 warm-up calls."""
-    for _ in range(5):
-        fn()
-    sync(device)
-    start = end = None
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter() - t0) / iters * 1e6
-    if end is None:
-        return host, None
-    end.record()
-    end.synchronize()
-    return host, start.elapsed_time(end) * 1e3 / iters
 
 
 def profile_table(fn, iters: int, top: int = 18) -> str:
@@ -212,27 +171,18 @@ def gemm_call(x: torch.Tensor, device: torch.device):
 
 def compiled_step(n: int, device: torch.device, config: str = "fp8_current"):
     """One compiled training step of a bias-free ``Linear(n, n)`` on ``[n, n]`` under ``config``
-    (``bench/train_step.py``'s step)."""
-    from train_step import make_step, step_inputs
-
+    (``speed.py step``'s step)."""
     return make_step(config, *step_inputs(n, n, n, device))[0]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default="4096x4096,256x256")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--json", metavar="OUT")
-    p.add_argument("--step", action="store_true",
-                   help="also profile a compiled Float8CurrentScaling training step (GPU)")
-    args = p.parse_args()
+def main(args) -> None:
+    """The floors, the quantize and GEMM host times per shape, then the profiles (``args``:
+    ``device``, ``shapes``, ``iters``, ``profile``, ``step``, ``json``)."""
     dev = torch.device(args.device)
     if dev.type == "cpu":
         backends.register(ReplayBackend())
     else:
-        warm_up(dev)
+        warm_up(device=dev)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     print(f"torch {torch.__version__}, device {dev}"
           + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
@@ -292,6 +242,3 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-
-if __name__ == "__main__":
-    main()

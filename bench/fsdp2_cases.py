@@ -1,22 +1,21 @@
-"""Peak memory and time of an FSDP2 training step of a stack of Linear layers, per rank: bf16
-``nn.Linear``, torchao's float8 (tensorwise, FP8 all-gather of the weights) and quant's recipes,
-all in one run (issue 14).
+"""Peak memory and time of an FSDP2 training step of a stack of Linear layers, per rank
+(``memory.py fsdp2``): bf16 ``nn.Linear``, torchao's float8 (tensorwise, FP8 all-gather of the
+weights) and quant's recipes, all in one run; time and peak as ratios to bf16's.
 
 Each rank trains ``--layers`` bias-free ``d x d`` layers, each wrapped with ``fully_shard`` (and
 the stack too), on ``--tokens`` tokens of its own; eager mode (FSDP2's hooks and prefetching
 are the same for every config). quant's layers all-gather the bf16 weight and quantize it after
 the gather; with the suffix ``:fp8ag`` they all-gather the weight in the recipe's quantized
-format instead (``enable_fsdp_quantized_all_gather``, issue 18). The all-gather column is the
+format instead (``enable_fsdp_quantized_all_gather``). The all-gather column is the
 bytes one rank's all-gathers received in one step (all parameters, forward and backward),
 counted at FSDP2's collective.
-
-``python bench/fsdp2_step.py --nproc 2`` (GPUs, NCCL); ``--device cpu`` runs the same on gloo
-with tiny shapes (the CPU check that it works; no torchao there).
+``--device cpu`` runs the same on gloo with tiny shapes (the CPU check that it works; no
+torchao there).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import gc
 import json
 import os
@@ -27,20 +26,42 @@ import quant_recipes as qr
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from quant_core import backends
-from quant_recipes.fsdp import count_all_gathers
+from steps import recipes, register_triton
 
-try:  # run from source trees (PYTHONPATH), the entry point that registers Triton is absent
-    from quant_kernels.backend import BACKEND
-
-    backends.register(BACKEND)
-except ImportError:
-    pass
-
-RECIPES = {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
-           "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
+register_triton()  # at import: in every rank
+RECIPES = recipes()
 CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES, "fp8_current:requant", "mxfp8:requant",
            *(f"{r}:fp8ag" for r in RECIPES)]
+
+
+@contextlib.contextmanager
+def count_all_gathers():
+    """Inside, every call of ``torch.distributed.all_gather_single`` / ``all_gather_into_tensor``
+    (FSDP2's collective, by torch release) appends its output's bytes to the yielded list, for
+    every parameter whatever its format (a nested call is counted once)."""
+    counted: list[int] = []
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+    depth = [0]
+
+    def counting(orig):
+        def call(output_tensor, input_tensor, *args, **kwargs):
+            if not depth[0]:
+                counted.append(output_tensor.numel() * output_tensor.element_size())
+            depth[0] += 1
+            try:
+                return orig(output_tensor, input_tensor, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for n, orig in originals.items():
+        setattr(dist, n, counting(orig))
+    try:
+        yield counted
+    finally:
+        for n, orig in originals.items():
+            setattr(dist, n, orig)
 
 
 def _fully_shard():
@@ -156,7 +177,7 @@ def worker(rank: int, args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     rows = []
-    for name in args.configs.split(","):
+    for name in (args.configs or ",".join(CONFIGS)).split(","):
         try:
             rows.append(run(name, args, device))
         except Exception as e:  # noqa: BLE001 - report and go on with the next config
@@ -177,41 +198,30 @@ def print_table(per_rank: list[list[dict]], args) -> None:
           "and transients included) above what earlier configs left allocated (rank 0: "
           + ", ".join(f"{r['config']} {r.get('left_before_gib', 0):.2f}" for r in per_rank[0])
           + " GiB).\n")
-    print("| config | ms/step (rank 0) | peak GiB, max over ranks | vs bf16 peak "
-          "| all-gather MiB/step (rank 0) | saved MiB after forward (rank 0) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    base = None
+    print("| config | ms/step (rank 0) | vs bf16 (its ms / this ms) | peak GiB, max over ranks "
+          "| vs bf16 peak | all-gather MiB/step (rank 0) | saved MiB after forward (rank 0) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    first_bf16 = next((r for r in per_rank[0] if r["config"] == "bf16" and "ms" in r), None)
+    base, base_ms = None, first_bf16["ms"] if first_bf16 else None
     for i, row in enumerate(per_rank[0]):
         if "error" in row:
-            print(f"| {row['config']} | {row['error'][:80]} | - | - | - | - |")
+            print(f"| {row['config']} | {row['error'][:80]} | - | - | - | - | - |")
             continue
         peaks = [r[i].get("peak_gib") for r in per_rank]
         peak = max(peaks) if None not in peaks else None
         if row["config"] == "bf16":
             base = peak
         rel = f"{peak / base:.2f}x" if peak and base else "-"
+        speed = f"{base_ms / row['ms']:.3f}x" if base_ms else "-"
         shown = f"{peak:.2f}" if peak is not None else "-"
-        print(f"| {row['config']} | {row['ms']:.2f} | {shown} | {rel} | {row['ag_mib']:.2f} "
-              f"| {row['saved_mib']:.1f} |")
+        print(f"| {row['config']} | {row['ms']:.2f} | {speed} | {shown} | {rel} "
+              f"| {row['ag_mib']:.2f} | {row['saved_mib']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ranks": per_rank}, f, indent=1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--d", type=int, default=8192, help="layer width (d x d weights)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--port", type=int, default=29511)
-    p.add_argument("--json", metavar="OUT")
-    args = p.parse_args()
+def main(args) -> None:
+    """One process per rank (``args``: ``nproc``, ``device``, ``d``, ``layers``, ``tokens``,
+    ``iters``, ``configs``, ``port``, ``json``)."""
     mp.spawn(worker, args=(args,), nprocs=args.nproc, join=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,160 @@
+"""Timing and memory measurements shared by the benchmarks: CUDA-event and CUDA-graph timing,
+host time without synchronisation, peak memory of a step, the bytes saved for backward, and the
+kernels of one profiled step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+WARMUP, ITERS = 3, 20
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up(seconds: float = 3.0, device: str = "cuda") -> None:
+    """Keep the GPU busy for a few seconds first: the idle card reads a low SM clock (345 MHz)."""
+    x = torch.empty(1 << 28, device=device, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    t = time.time()
+    while time.time() - t < seconds:
+        for _ in range(50):
+            y.copy_(x)
+        torch.cuda.synchronize(device)
+
+
+def graph_ms(fn, rep: int = 40) -> float:
+    """Median ms of ``fn`` per call, timed over CUDA-graph replays so that the host's launch
+    overhead stays out of the kernel time; plain ``do_bench`` if ``fn`` cannot be captured."""
+    import triton
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - e.g. a peer that syncs with the host
+        print(f"  (not capturable: {type(e).__name__}; timed with do_bench)", flush=True)
+        return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def time_steps(step, device: torch.device, warmup: int = WARMUP, iters: int = ITERS) -> float:
+    """Median ms of ``step`` over ``iters`` calls after ``warmup`` (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_ms(step, device: torch.device, iters: int = ITERS) -> float:
+    """Wall ms per step of ``iters`` steps issued back to back, without synchronising (close to
+    the step's time: the step is bound by Python and launches, not by the GPU)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    elapsed = (time.perf_counter() - t0) * 1e3 / iters
+    sync(device)
+    return elapsed
+
+
+def per_call_us(fn, iters: int, device: torch.device) -> tuple[float, float | None]:
+    """``(host us, gpu us)`` per call of ``fn`` over ``iters`` calls after 5 warm-up calls, with
+    no synchronisation inside the loop (``gpu us`` from CUDA events; None on the CPU)."""
+    for _ in range(5):
+        fn()
+    sync(device)
+    start = end = None
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    if end is None:
+        return host, None
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / iters
+
+
+def peak_gib(step, device: torch.device) -> float | None:
+    """Run one step; its peak memory above the memory allocated before it, in GiB (CUDA)."""
+    if device.type != "cuda":
+        step()
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def saved_mib(eager, x: torch.Tensor, params) -> float:
+    """MiB saved for backward by one eager forward (distinct storages; the parameters' own
+    storages excluded, since saving a parameter costs no memory)."""
+    own = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = eager(x)
+    del y
+    return sum(seen.values()) / 2**20
+
+
+def kernel_stats(step, device: torch.device) -> dict:
+    """GPU kernels of one step (torch.profiler): their count, total GPU ms and the largest 30 by
+    GPU time."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
+    return {"kernels": len(kernels), "gpu_ms": sum(v[1] for v in by_name.values()) / 1e3,
+            "top": [{"name": n[:160], "count": c, "us": round(t, 1)} for n, (c, t) in top]}
+
+
+def env_line(device: torch.device) -> dict:
+    """The versions and the device a table was measured with."""
+    import triton
+
+    try:
+        import torchao
+
+        ao = torchao.__version__
+    except Exception as e:  # noqa: BLE001 - a broken torchao only loses the peers
+        ao = f"unavailable ({type(e).__name__}: {e})"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
+    return {"torch": torch.__version__, "triton": triton.__version__, "torchao": ao, "gpu": gpu}

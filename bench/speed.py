@@ -1,0 +1,414 @@
+"""Speed: every figure a ratio to a baseline measured in the same run (bf16, torchao, a copy).
+
+Subcommands (``python bench/speed.py <command> --help`` for each one's options):
+
+- ``step``: one compiled training step (forward, dgrad, wgrad) of a bias-free Linear (or a
+  stack), bf16 against torchao's float8 and each quant recipe: ms, vs bf16, host ms, peak GiB,
+  saved MiB per layer, GEMM paths;
+- ``model``: training steps of a Hugging Face Llama (every decoder layer compiled, fused AdamW):
+  ms, vs bf16, tok/s, peak and activation GiB, kernels per step, GPU ms, loss;
+- ``gemm``: the quantized GEMM paths' exactness and error, then their speed against bf16
+  ``torch.mm``; probes of cuBLAS's block-scaled GEMM;
+- ``kernels``: the quantize kernels' bandwidth as a share of a device copy, with torchao peers;
+- ``host``: host time of one eager quantize and one GEMM call against floors (an empty
+  allocation, a bare Triton launch, a no-op custom op), with cProfile tables;
+- ``autotune``: MXFP8's dequantize + cuBLAS against Inductor's max-autotune with the
+  dequantization fused into the template's prologue, both against bf16 ``mm``.
+
+The packages come from the environment (wheels; from source trees the Triton backend is
+registered by hand); torchao and transformers are imported from the path.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import measure
+import steps
+import torch
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s]
+
+
+# --- step: the Linear step table
+
+
+def prepare(name, x, w, g, compile_: bool, mode: str, layers: int) -> tuple[dict, object]:
+    """Config ``name``'s row (GEMM paths, saved MiB) and its step, compiled and warmed up inside
+    its variant's environment (what a variant changes is read when the graph is traced)."""
+    import quant_recipes as qr
+
+    res: dict = {"config": name, "mode": mode}
+    with steps.linear_variant(name):
+        step, clear, eager, params = steps.make_step(name, x, w, g, compile_, mode, layers)
+        if name.partition(":")[0] in steps.OURS:  # paths from one eager step
+            qr.reset_gemm_paths()
+            clear()
+            eager(x).backward(g)
+            measure.sync(x.device)
+            res["gemm_paths"] = qr.gemm_paths()
+        res["saved_mib_per_layer"] = measure.saved_mib(eager, x, params) / layers
+        for _ in range(measure.WARMUP):
+            step()
+        measure.sync(x.device)
+    return res, (step, clear, params)
+
+
+def finish(res: dict, prepared, x: torch.Tensor) -> None:
+    """Host time, peak memory and a finiteness check of one prepared config, into ``res``."""
+    step, clear, params = prepared
+    res["host_ms"] = measure.host_ms(step, x.device)
+    clear()  # so that "before" holds no gradients of the last step
+    res["peak_gib"] = measure.peak_gib(step, x.device)
+    res["finite"] = all(bool(t.isfinite().all()) for t in (x.grad, *(p.grad for p in params)))
+    if not res["finite"]:
+        print(f"  WARNING: {res['config']}: non-finite values in x.grad or weight.grad")
+    clear()
+
+
+def run_mode(names, x, w, g, compile_: bool, mode: str, layers: int, rounds: int) -> list[dict]:
+    """Every config of one compile mode: all compiled first, then ``rounds`` timing rounds that
+    take the configs in turn (reversed every other round), so that a slow spell of the host
+    touches every config of a round alike; ``vs_bf16`` is the median over rounds of the ratio to
+    that round's bf16. A failing config prints its error and the others go on."""
+    rows, live = [], []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            res, prepared = prepare(name, x, w, g, compile_, mode, layers)
+            live.append((res, prepared))
+            print(f"  {name} [{mode}]: ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        except steps.Unavailable as e:
+            res = {"config": name, "mode": mode, "error": f"unavailable: {e}"}
+            print(f"  {name}: {res['error']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next config
+            res = {"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"}
+            print(f"  {name}: FAILED {res['error']}", flush=True)
+        rows.append(res)
+    for rnd in range(rounds):
+        for res, (step, _, _) in (live if rnd % 2 == 0 else live[::-1]):
+            if "error" in res:
+                continue
+            try:
+                res.setdefault("ms_rounds", []).append(measure.time_steps(step, x.device))
+            except Exception as e:  # noqa: BLE001
+                res["error"] = f"{type(e).__name__}: {e}"
+    for res, prepared in live:
+        if "error" in res:
+            continue
+        res["ms"] = statistics.median(res["ms_rounds"])
+        finish(res, prepared, x)
+        print(f"  {res['config']} [{mode}]: {res['ms']:.3f} ms/step, host {res['host_ms']:.3f}"
+              " ms", flush=True)
+    base = next((r for r in rows if r["config"] == "bf16" and "ms_rounds" in r), None)
+    for r in rows:
+        if base is not None and "ms_rounds" in r and "error" not in r:
+            pairs = zip(base["ms_rounds"], r["ms_rounds"], strict=False)
+            r["vs_bf16_rounds"] = [b / t for b, t in pairs]
+            r["vs_bf16"] = statistics.median(r["vs_bf16_rounds"])
+    x.grad = None
+    return rows
+
+
+def free() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def step_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['config']} | {r['error'][:60]} | - | - | - | - | - |"
+    ratio = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+    paths = ", ".join(f"{k} {v}" for k, v in sorted(r.get("gemm_paths", {}).items())) or "-"
+    bad = "" if r["finite"] else " (non-finite!)"
+    return (f"| {r['config']} | {r['ms']:.3f}{bad} | {ratio} | {r['host_ms']:.3f} | {peak} "
+            f"| {r['saved_mib_per_layer']:.1f} | {paths} |")
+
+
+def cmd_step(args, p) -> None:
+    if args.static_launch:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+            p.error(f"torch {torch.__version__} has no static_launch_user_defined_triton_kernels")
+        inductor_config.static_launch_user_defined_triton_kernels = True
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if not steps.check_linear_config(c)]
+    if unknown:
+        p.error(f"unknown configs {unknown}; choose from {', '.join(steps.LINEAR_ALL)} "
+                f"(ours also with :{', :'.join(steps.LINEAR_VARIANTS)})")
+    shapes = _shapes(args.shapes)
+    if args.layers > 1 and any(k != n for _, k, n in shapes):
+        p.error("--layers > 1 stacks K x K layers: every shape needs N == K")
+    # every config of a mode stays compiled until its rounds end
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    device = torch.device(args.device)
+    env = measure.env_line(device) | {
+        "compile": not args.no_compile, "static_launch": args.static_launch,
+        "lowering": os.environ.get("QUANT_LOWERING", "1") != "0"}
+    print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    results = []
+    for m, k, n in shapes:
+        print(f"\n## M={m} K={k} N={n}", flush=True)
+        x, w, g = steps.step_inputs(m, k, n, device)
+        rows = []
+        for mode in (md for md in args.modes.split(",") if md):
+            rows += run_mode(configs, x, w, g, not args.no_compile, mode, args.layers,
+                             args.repeat)
+            free()
+        results.append({"shape": [m, k, n], "rows": rows})
+        del x, w, g
+        free()
+    for s in results:
+        m, k, n = s["shape"]
+        for mode in dict.fromkeys(r["mode"] for r in s["rows"]):
+            stack = f", {args.layers} layers" if args.layers > 1 else ""
+            print(f"\n### train step, M={m} K={k} N={n}{stack}, mode {mode} ({env['gpu']})\n")
+            print("| config | ms/step | vs bf16 | host ms/step | peak GiB | saved MiB/layer "
+                  "| GEMM paths |\n| --- | --- | --- | --- | --- | --- | --- |")
+            for r in s["rows"]:
+                if r["mode"] == mode:
+                    print(step_row(r))
+        if args.repeat > 1:
+            print("\n| config | mode | vs bf16, median | each round |\n| --- | --- | --- | --- |")
+            for r in s["rows"]:
+                if "vs_bf16_rounds" in r:
+                    each = " ".join(f"{v:.2f}" for v in r["vs_bf16_rounds"])
+                    print(f"| {r['config']} | {r['mode']} | {r['vs_bf16']:.2f}x | {each} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=1)
+
+
+# --- model: the Llama table
+
+
+def run_model(config: str, size: str, n_steps: int, device: torch.device) -> dict:
+    """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row."""
+    torch._dynamo.reset()
+    data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
+    model = steps.llama(size, device)
+    row: dict = {"config": config, "size": size}
+    cuda = device.type == "cuda"
+    with steps.llama_lowering(config):
+        forward = steps.convert_llama(config, model)
+        for layer in model.model.layers:
+            layer.compile()  # per block, as torchtitan compiles
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+        losses: list[float] = []
+        held: list[int] = []
+
+        def step(ids, record=True):
+            before = torch.cuda.memory_allocated(device) if cuda else 0
+            loss = forward(ids)
+            if cuda:
+                held.append(torch.cuda.memory_allocated(device) - before)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if record:
+                losses.append(loss.item())  # a sync: the step's wall time includes its GPU work
+            return loss
+
+        t0 = time.perf_counter()
+        for i in range(measure.WARMUP):
+            step(data[i], record=False)
+        measure.sync(device)
+        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        held.clear()
+        for i in range(n_steps):
+            t = time.perf_counter()
+            step(data[measure.WARMUP + i])
+            times.append((time.perf_counter() - t) * 1e3)
+        row["ms"] = statistics.median(times)
+        *_, seq, batch = steps.SIZES[size]
+        row["tok_s"] = batch * seq / row["ms"] * 1e3
+        if cuda:
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["act_gib"] = statistics.median(held) / 2**30
+        row.update(measure.kernel_stats(lambda: step(data[-1], record=False), device))
+    row["losses"] = losses
+    row["loss"] = statistics.fmean(losses[-10:])
+    row["finite"] = all(v == v and abs(v) != float("inf") for v in losses)
+    return row
+
+
+def model_table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["config"] == "bf16" and "ms" in r), None)
+    lines = ["| config | ms/step | vs bf16 | tok/s | peak GiB | act GiB | kernels | GPU ms "
+             "| loss (bf16) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | | | | |")
+            continue
+        ratio = f"{base['ms'] / r['ms']:.3f}" if base else "-"
+        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        act = f"{r['act_gib']:.2f}" if "act_gib" in r else "-"
+        gpu = f"{r['gpu_ms']:.1f}" if "gpu_ms" in r else "-"
+        ref = f" ({base['loss']:.4f})" if base else ""
+        lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
+                     f"{act} | {r.get('kernels', '-')} | {gpu} | {r['loss']:.4f}{ref} |")
+    return "\n".join(lines)
+
+
+def cmd_model(args, p) -> None:
+    device = torch.device(args.device)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    import quant_dynamo  # compile support; before any quant module is traced
+
+    if args.ops:
+        quant_dynamo.capture.OPS_DEVICES.add(device.type)
+    rows = []
+    for config in args.configs.split(","):
+        t0 = time.perf_counter()
+        try:
+            row = run_model(config, args.size, args.steps, device)
+        except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
+            row = {"config": config, "error": f"{type(e).__name__}: {e}"}
+        torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "top")}),
+              flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "size": args.size, "rows": rows}, f,
+                          indent=1)
+    print(model_table(rows))
+
+
+# --- gemm, kernels, host, autotune: the cases live in their own modules
+
+
+def cmd_gemm(args, p) -> None:
+    import gemm_cases
+
+    sys.exit(gemm_cases.run([tuple(s) for s in _shapes(",".join(args.shapes))], args.json))
+
+
+def cmd_kernels(args, p) -> None:
+    import kernel_cases
+
+    kernel_cases.main([int(v) for v in args.sizes.split(",") if v],
+                      [w for w in args.only.split(",") if w], args.json)
+
+
+def cmd_host(args, p) -> None:
+    import host_cases
+
+    host_cases.main(args)
+
+
+def cmd_autotune(args, p) -> None:
+    import gemm_cases
+
+    gemm_cases.autotune([s for s in args.shapes.split(",") if s], args.json)
+
+
+def commands(sub) -> dict:
+    """The subcommands, added to ``sub``."""
+    s = sub.add_parser("step", help="the compiled Linear training step against bf16 and torchao",
+                       description="One compiled training step (y = x @ W.T, y.backward(g); no "
+                       "optimizer) of a bias-free Linear per config, all compiled first, then "
+                       "--repeat rounds timed in turn. Per config: median ms (CUDA events), the "
+                       "speed-up over bf16 of the same mode (median over rounds of the round's "
+                       "ratio), host ms of back-to-back steps (close to ms: bound by the host), "
+                       "the step's peak GiB above what was allocated before it, MiB saved for "
+                       "backward per layer (eager, parameters excluded) and ours' GEMM paths.")
+    s.add_argument("--shapes", default="16384x8192x8192,8192x4096x14336",
+                   help="MxKxN,... (M tokens, K in, N out)")
+    s.add_argument("--configs", default=",".join(steps.LINEAR_DEFAULT),
+                   help=f"comma-separated subset of {','.join(steps.LINEAR_ALL)}; ours also "
+                   f"as <ours>:{{{','.join(steps.LINEAR_VARIANTS)}}} (QUANT_LOWERING=0, "
+                   "Inductor's static launcher, the weight requantized in backward)")
+    s.add_argument("--layers", type=int, default=1,
+                   help="a stack of this many layers (each K x K: needs N == K)")
+    s.add_argument("--modes", default="default",
+                   help="comma-separated torch.compile modes: default, reduce-overhead")
+    s.add_argument("--repeat", type=int, default=1, help="timing rounds (median over rounds)")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
+    s.add_argument("--static-launch", action="store_true",
+                   help="Inductor's C launcher for recorded Triton kernels, for every config")
+    s.add_argument("--json", metavar="OUT")
+    m = sub.add_parser("model", help="Llama training steps against bf16 and torchao",
+                       description="Training steps of a Hugging Face LlamaForCausalLM built from "
+                       "a config (random init), bf16, each decoder layer compiled in place, fused "
+                       "AdamW, the head in bf16, byte tokens of real text (every config the same "
+                       "weights and batches). Per config: median ms (host included), vs bf16, "
+                       "tok/s, peak GiB, act GiB (held between forward and backward), kernels "
+                       "and GPU ms of one profiled step, mean loss of the last 10 steps.")
+    m.add_argument("--size", choices=sorted(steps.SIZES), default="1b",
+                   help="8b / 1b widths; tiny with --device cpu is a smoke run")
+    m.add_argument("--steps", type=int, default=150)
+    m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
+                   help=steps.LLAMA_CONFIG_HELP)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--ops", action="store_true",
+                   help="lower quant to torch ops on a device outside OPS_DEVICES (the CPU)")
+    m.add_argument("--json", metavar="OUT")
+    g = sub.add_parser("gemm", help="quantized GEMM paths: exactness, error, speed vs bf16 mm",
+                       description="Per recipe, the three GEMMs of a Linear step (fprop, dgrad, "
+                       "wgrad) through quant_recipes.gemm.qgemm_impl: exact operands must give "
+                       "the emulated reference's fp32 bit for bit (CHECKS line); random operands "
+                       "report the relative error next to the emulated path's; then median ms "
+                       "(CUDA-graph replay), TFLOP/s and the speed-up over bf16 torch.mm per path "
+                       "at each shape; probes of cuBLAS's block-scaled GEMM. Exits 1 on a "
+                       "mismatch.")
+    g.add_argument("shapes", nargs="*", default=["16384x8192x8192"], help="MxKxN ...")
+    g.add_argument("--json", metavar="OUT")
+    k = sub.add_parser("kernels", help="quantize kernels' bandwidth as a share of a copy",
+                       description="Per quantize kernel: median ms of the best tile config of a "
+                       "small sweep (package default first), GB/s over the minimal bytes, share "
+                       "of the device copy bandwidth of the same run against the kernel's target; "
+                       "torchao's Triton MXFP8 casts and compiled to_mx / nvfp4_quantize as peers.")
+    k.add_argument("--sizes", default="8192,16384", help="square bf16 input sizes")
+    k.add_argument("--only", default="",
+                   help="comma-separated words: keep the kernels whose names contain one (and "
+                   "skip the compiled peers), e.g. NVFP4,MXFP8")
+    k.add_argument("--json", metavar="OUT")
+    h = sub.add_parser("host", help="host time of an eager quantize / GEMM call against floors",
+                       description="Per format (quantized tensor and :storage), host us per "
+                       "q.quantize(x) over --iters back-to-back calls and the GPU us per call, "
+                       "next to floors of the same run: torch.empty, a no-op custom op, a Triton "
+                       "launch through its own launcher and quant_kernels' direct one (on the GPU "
+                       "also every quantize through Triton's launcher). On the CPU a replay "
+                       "backend stands in for the kernels. --profile adds cProfile tables, --step "
+                       "compiled steps (fp8_current, mxfp8, bf16).")
+    h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    h.add_argument("--shapes", default="4096x4096,256x256")
+    h.add_argument("--iters", type=int, default=200)
+    h.add_argument("--profile", action="store_true", help="cProfile tables (last shape)")
+    h.add_argument("--step", action="store_true",
+                   help="also time and profile compiled training steps (GPU)")
+    h.add_argument("--json", metavar="OUT")
+    a = sub.add_parser("autotune", help="MXFP8 GEMM: dequantize + cuBLAS vs max-autotune",
+                       description="Per shape: quant's MXFP8 GEMM (exact dequantize to bf16, "
+                       "then cuBLAS) and torch.compile(max-autotune-no-cudagraphs, prologue "
+                       "fusion) of the reference's dequantization in front of a @ b.T, each as "
+                       "ms and a ratio to bf16 mm; whether a template with a fused prologue was "
+                       "chosen; the two results' relative difference.")
+    a.add_argument("--shapes", default="8192x4096x4096,8192x4096x14336,8192x14336x4096")
+    a.add_argument("--json", metavar="OUT")
+    return {"step": cmd_step, "model": cmd_model, "gemm": cmd_gemm, "kernels": cmd_kernels,
+            "host": cmd_host, "autotune": cmd_autotune}
+
+
+if __name__ == "__main__":
+    steps.run_cli(__doc__, commands)

@@ -1,0 +1,339 @@
+"""Model, layer and step construction shared by the benchmarks (speed.py, memory.py,
+profiling.py): the configs (bf16, torchao 0.18's float8 peers, quant's recipes and their
+variants), a compiled training step of one or more bias-free Linear layers, and a Hugging Face
+Llama with its data."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import re
+import sysconfig
+
+import torch
+
+
+def register_triton() -> None:
+    """Register quant-kernels' Triton backend: from source trees (``PYTHONPATH``) the entry point
+    that registers it in an installed package is absent."""
+    from quant_core import backends
+
+    try:
+        from quant_kernels.backend import BACKEND
+    except ImportError:
+        return
+    backends.register(BACKEND)
+
+
+def run_cli(doc: str, add_commands) -> None:
+    """An entry point's command line: its docstring's first paragraph as the description, the
+    rest as the epilog; ``add_commands(subparsers)`` adds the subcommands and returns
+    ``{name: fn(args, parser)}``; the chosen one runs after quant_dynamo (compile support, before
+    any quant module is traced) and the Triton backend are set up."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = add_commands(p.add_subparsers(dest="cmd", required=True, metavar="command"))
+    args = p.parse_args()
+    import quant_dynamo  # noqa: F401
+
+    register_triton()
+    commands[args.cmd](args, p)
+
+
+def recipes() -> dict:
+    """quant's recipe classes by config name."""
+    import quant_recipes as qr
+
+    return {"fp8_current": qr.Float8CurrentScaling, "fp8_block": qr.Float8BlockScaling,
+            "mxfp8": qr.MXFP8BlockScaling, "nvfp4": qr.NVFP4BlockScaling}
+
+
+OURS = ("fp8_current", "fp8_block", "mxfp8", "nvfp4")
+
+
+class Unavailable(Exception):
+    """A peer whose API is missing here."""
+
+
+@contextlib.contextmanager
+def quant_lowering(value: str):
+    """``QUANT_LOWERING=value`` while the block compiles and runs (read when graphs are traced)."""
+    old = os.environ.get("QUANT_LOWERING")
+    os.environ["QUANT_LOWERING"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QUANT_LOWERING"]
+        else:
+            os.environ["QUANT_LOWERING"] = old
+
+
+# --- one Linear layer (or a stack of them): the step the step / host / profiling commands run
+
+#: Linear-step configs: bf16, the torchao peers, ours; ``ao_fp8_blockwise_triton`` only on request.
+LINEAR_PEERS = ("ao_fp8_tensorwise", "ao_fp8_rowwise", "ao_fp8_blockwise")
+LINEAR_DEFAULT = ("bf16", *LINEAR_PEERS, *OURS)
+LINEAR_ALL = (*LINEAR_DEFAULT, "ao_fp8_blockwise_triton")
+#: ``<ours>:<variant>`` runs one of OURS differently, for an A/B inside one process: "opaque"
+#: keeps the quant ops opaque (QUANT_LOWERING=0), "static" has Inductor launch the recorded
+#: Triton kernels with its C launcher (static_launch_user_defined_triton_kernels), "requant"
+#: quantizes the weight again in backward instead of saving its quantized copy.
+LINEAR_VARIANTS = ("opaque", "static", "requant")
+
+
+def plain_linear(w: torch.Tensor) -> torch.nn.Linear:
+    n, k = w.shape
+    lin = torch.nn.Linear(k, n, bias=False, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
+
+
+def torchao_linear(name: str, w: torch.Tensor) -> torch.nn.Module:
+    """The torchao 0.18 module of peer ``name`` with weight ``w``: ``Float8Linear`` through
+    ``convert_to_float8_training`` (tensorwise, rowwise) or the prototype
+    ``Float8BlockwiseLinear`` (``F.scaled_mm``; its Triton GEMMs for ``..._triton``)."""
+    try:
+        if name in ("ao_fp8_tensorwise", "ao_fp8_rowwise"):
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig.from_recipe_name(name.removeprefix("ao_fp8_"))
+            return convert_to_float8_training(plain_linear(w), config=config)
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except (ImportError, AttributeError, AssertionError, ValueError) as e:
+        raise Unavailable(f"{type(e).__name__}: {e}") from e
+    mod = Float8BlockwiseLinear.from_float(plain_linear(w))
+    mod.use_triton = name == "ao_fp8_blockwise_triton"
+    return mod
+
+
+def check_linear_config(name: str) -> bool:
+    """Whether ``name`` is a known Linear-step config (``<ours>:<variant>`` included)."""
+    base, _, kind = name.partition(":")
+    return name in LINEAR_ALL or (base in OURS and kind in LINEAR_VARIANTS)
+
+
+def _stack(make, layers: int) -> torch.nn.Module:
+    return make() if layers == 1 else torch.nn.Sequential(*(make() for _ in range(layers)))
+
+
+def build_linear(name: str, w: torch.Tensor, compile_: bool, mode: str = "default",
+                 layers: int = 1):
+    """``(module, compiled forward, eager forward)`` of config ``name`` (``mode``: torch.compile's
+    mode, ``"default"`` or ``"reduce-overhead"``); ``layers > 1`` stacks that many layers, each
+    with weight ``w`` (square). ``<ours>:requant`` quantizes the weight again in backward
+    (``Linear(save_weight_copy=False)``) instead of saving its copy. Ours compile with
+    ``fullgraph=True``, inside ``quant_recipes.autocast``."""
+    import quant_recipes as qr
+
+    name, _, kind = name.partition(":")
+    if name in OURS:
+        n, k = w.shape
+
+        def make():
+            layer = qr.Linear(k, n, bias=False, dtype=w.dtype, device=w.device,
+                              save_weight_copy=kind != "requant")
+            with torch.no_grad():
+                layer.weight.copy_(w)
+            return layer
+
+        lin = _stack(make, layers)
+        recipe = recipes()[name]()
+
+        def fwd(x):
+            with qr.autocast(recipe=recipe):
+                return lin(x)
+
+        fullgraph = True
+    elif name == "bf16":
+        lin = _stack(lambda: plain_linear(w), layers)
+        fwd, fullgraph = lin, True
+    else:
+        lin = _stack(lambda: torchao_linear(name, w), layers)
+        fwd, fullgraph = lin, False
+    kw = {} if mode == "default" else {"mode": mode}
+    return lin, (torch.compile(fwd, fullgraph=fullgraph, **kw) if compile_ else fwd), fwd
+
+
+def step_inputs(m: int, k: int, n: int, device) -> tuple[torch.Tensor, ...]:
+    """bf16 ``x [m, k]`` (requires grad), ``W [n, k]`` and ``g [m, n]``, seeded."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, torch.bfloat16)
+    g = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+    return x, w, g
+
+
+def make_step(name, x, w, g, compile_: bool = True, mode: str = "default", layers: int = 1):
+    """``(step, clear, eager, params)`` of config ``name``: ``step()`` runs one training step
+    ``y = x @ W.T; y.backward(g)`` (gradients cleared first; no optimizer), ``clear()`` drops the
+    gradients, ``eager`` is the uncompiled forward."""
+    lin, fwd, eager = build_linear(name, w, compile_, mode, layers)
+    params = list(lin.parameters())
+    graphs = mode == "reduce-overhead"
+
+    def clear():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        clear()
+        fwd(x).backward(g)
+
+    return step, clear, eager, params
+
+
+def warm_square_step(name: str, n: int, device: torch.device, warmup: int,
+                     mode: str = "default"):
+    """:func:`make_step`'s step of config ``name`` for one ``n`` square layer, run ``warmup``
+    times (compiling it) and synchronised: what the profilers then time or sample."""
+    step = make_step(name, *step_inputs(n, n, n, device), mode=mode)[0]
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return step
+
+
+@contextlib.contextmanager
+def linear_variant(name: str):
+    """The environment of Linear config ``name``'s variant while it compiles and runs."""
+    kind = name.partition(":")[2]
+    if kind == "opaque":
+        with quant_lowering("0"):
+            yield
+    elif kind == "static":
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(static_launch_user_defined_triton_kernels=True):
+            yield
+    else:
+        yield
+
+
+# --- a Hugging Face Llama: what the model / saved commands run
+
+#: name -> (hidden, MLP, heads, KV heads, vocab, layers, sequence, batch)
+SIZES = {
+    "8b": (4096, 14336, 32, 8, 128256, 8, 8192, 1),
+    "1b": (2048, 8192, 32, 8, 128256, 16, 4096, 2),
+    "tiny": (256, 512, 4, 2, 512, 2, 256, 2),
+}
+LLAMA_PEERS = ("ao_fp8_tensorwise", "ao_fp8_rowwise")
+LLAMA_DEFAULT = ("bf16", *LLAMA_PEERS, *OURS)
+#: ``@form`` suffix -> QUANT_LOWERING while the config compiles.
+FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
+#: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
+#: quantizes again instead of keeping them from forward.
+LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
+                  "requant_all": ("save_weight_copy", "save_input_copy")}
+LLAMA_CONFIG_HELP = (
+    "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
+    "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
+    "save_input_copy=False, requant_all: both) and @form (ops: the reference's torch ops for "
+    "Inductor to fuse, kernels: the recorded Triton kernels, opaque: opaque custom ops)")
+
+
+def llama(size: str, device: torch.device):
+    """The bf16 ``LlamaForCausalLM`` of ``size`` from a config (random init, no download),
+    seeded: every config starts from the same weights."""
+    import transformers
+
+    hidden, mlp, heads, kv, vocab, layers, _, _ = SIZES[size]
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(torch.bfloat16)
+
+
+def corpus(tokens: int) -> torch.Tensor:
+    """``tokens`` byte values of this Python's standard-library sources (real text, present on
+    every machine), as int64."""
+    data = bytearray()
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+        with open(path, "rb") as f:
+            data += f.read()
+        if len(data) >= tokens:
+            break
+    if len(data) < tokens:
+        data = data * (tokens // max(len(data), 1) + 1)
+    return torch.tensor(list(data[:tokens]), dtype=torch.int64)
+
+
+def batches(size: str, steps: int, device: torch.device) -> list[torch.Tensor]:
+    """One ``[batch, seq]`` batch per step, consecutive windows of the corpus."""
+    *_, seq, batch = SIZES[size]
+    ids = corpus(steps * batch * seq).reshape(steps, batch, seq)
+    return [ids[i].to(device) for i in range(steps)]
+
+
+def parse_llama_config(config: str) -> tuple[str, str, str]:
+    """``(name, variant, form)`` of ``name[:variant][@form]`` (either suffix first)."""
+    match = re.fullmatch(r"([^:@]+)((?:[:@][^:@]+)*)", config)
+    if match is None:
+        raise ValueError(f"config {config!r}: expected name[:variant][@form]")
+    name, variant, form = match.group(1), "", ""
+    for marker, value in re.findall(r"([:@])([^:@]+)", match.group(2)):
+        if marker == ":":
+            variant = value
+        else:
+            form = value
+    if form and form not in FORMS:
+        raise ValueError(f"{config!r}: unknown form {form!r}; known: {', '.join(FORMS)}")
+    if variant and variant not in LLAMA_VARIANTS:
+        raise ValueError(f"{config!r}: unknown variant {variant!r}; known: "
+                         f"{', '.join(LLAMA_VARIANTS)}")
+    return name, variant, form
+
+
+@contextlib.contextmanager
+def llama_lowering(config: str):
+    """``QUANT_LOWERING`` of config ``name@form`` while it compiles and runs."""
+    form = parse_llama_config(config)[2]
+    if not form:
+        yield
+        return
+    with quant_lowering(FORMS[form]):
+        yield
+
+
+def convert_llama(config: str, model):
+    """Convert ``model`` in place for ``config`` (the output head stays bf16: quant's
+    ``convert`` default, torchao through its module filter); returns ``forward(ids) -> loss``
+    (ours inside ``autocast``)."""
+    name, variant, _ = parse_llama_config(config)
+    if name in LLAMA_PEERS:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        ao = Float8LinearConfig.from_recipe_name(name.removeprefix("ao_fp8_"))
+        convert_to_float8_training(model, config=ao,
+                                   module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
+    elif name in OURS:
+        import quant_recipes as qr
+
+        recipe = qr.recipe(name)
+        qr.convert(model, recipe=recipe)
+        for m in model.modules():
+            if isinstance(m, qr.Linear):
+                for attr in LLAMA_VARIANTS.get(variant, ()):
+                    setattr(m, attr, False)
+
+        def forward(ids):
+            with qr.autocast(recipe=recipe):
+                return model(input_ids=ids, labels=ids).loss
+
+        return forward
+    elif name != "bf16":
+        raise ValueError(f"unknown config {config!r}; known: {', '.join(LLAMA_DEFAULT)}")
+    return lambda ids: model(input_ids=ids, labels=ids).loss
