@@ -4,7 +4,7 @@ On the CPU, Triton's interpreter cannot be recorded (torch's ``wrap_triton`` onl
 compiled kernels), so the mechanism is checked with a capturable stand-in backend whose functions
 are the reference's torch ops: under aot_eager the lowered graph runs the same ops, so its bytes
 must equal the eager op's, and no ``quant.quantize`` call may remain in the graph. The Triton
-lowering itself is checked on the GPU (bench/check_compile_cuda.py).
+lowering itself is checked on the GPU (tests/gpu/test_compile_cuda.py).
 """
 
 from __future__ import annotations

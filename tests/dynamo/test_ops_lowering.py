@@ -4,7 +4,7 @@ quantizations of one tensor merge, and the switch picks the form.
 
 The CPU is outside ``OPS_DEVICES`` (Inductor's C++ code is not trusted with the rules); the
 tests add it, and compile with aot_eager (the traced ops run eagerly) and with Inductor. The
-GPU check is bench/check_compiled_ops.py.
+GPU check is tests/gpu/test_compiled_ops.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Two-rank process groups for the distributed tests: gloo on the CPU by default,
-``QUANT_DIST_BACKEND=nccl`` for one GPU per rank (bench/gpu_fsdp2.sh runs them so on two H200s)."""
+``QUANT_DIST_BACKEND=nccl`` for one GPU per rank (bench/device.sh fsdp2 runs them on two H200s)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Amax reduction through autocast(amax_reduction_group=...) across 2 ranks: gloo on the CPU, or
-``QUANT_DIST_BACKEND=nccl`` on one GPU per rank (bench/gpu_fsdp2.sh)."""
+``QUANT_DIST_BACKEND=nccl`` on one GPU per rank (bench/device.sh fsdp2)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the unsharded model (the GEMMs are the reference emulation on CPU, so equal oper
 bits), and the bytes all-gathered are the quantized ones (counted at FSDP2's collective,
 ``torch.distributed.all_gather_single`` / ``all_gather_into_tensor``).
 
-``QUANT_DIST_BACKEND=nccl`` runs the same on one GPU per rank (bench/gpu_fsdp2.sh); the default
+``QUANT_DIST_BACKEND=nccl`` runs the same on one GPU per rank (bench/device.sh fsdp2); the default
 is gloo on the CPU.
 """
 

@@ -2,7 +2,7 @@
 forward and backward equal eager mode bitwise, and the lowered ops leave the graph.
 
 A capturable stand-in backend made of the reference's functions plays Triton's part on the CPU
-(the interpreter's kernels cannot be recorded); the GPU check is bench/check_compile_cuda.py.
+(the interpreter's kernels cannot be recorded); the GPU check is tests/gpu/test_compile_cuda.py.
 """
 
 from __future__ import annotations
