@@ -371,8 +371,8 @@ def test_buffer_list_keeps_positions_with_absent_buffers(name):
     x = _randn(32, 64)
     storage = q.quantize(x)
     listed = storage.buffer_list(x)
-    assert len(listed) == len(storage._buffer_names)
-    for name_, t in zip(storage._buffer_names, listed, strict=True):
+    assert len(listed) == len(storage.buffer_names)
+    for name_, t in zip(storage.buffer_names, listed, strict=True):
         original = getattr(storage, name_)
         if original is None:
             assert t.numel() == 0 and t.dtype == torch.uint8 and t.device == x.device

@@ -27,7 +27,7 @@ from quant_core import (
     QuantizedStorage,
     QuantizedTensor,
 )
-from quant_core.tensor import TENSOR_CLASSES, TensorContext
+from quant_core.tensor import TensorContext, tensor_class, tensor_classes
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
@@ -64,14 +64,14 @@ def _bytes_equal(a, b) -> None:
     """Every buffer present in one is present in the other with equal bytes; tags equal."""
     assert type(a).__name__.replace("Storage", "") == type(b).__name__.replace("Storage", "") or (
         isinstance(a, QuantizedStorage) and isinstance(b, QuantizedStorage))
-    for name in a._buffer_names:
+    for name in a.buffer_names:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
             assert x.shape == y.shape and x.dtype == y.dtype, name
             assert torch.equal(x.contiguous().view(torch.uint8),
                                y.contiguous().view(torch.uint8)), name
-    for name in a._tag_names:
+    for name in a.tag_names:
         assert getattr(a, name) == getattr(b, name), name
 
 
@@ -101,17 +101,18 @@ def test_quantize_returns_the_subclass_and_internal_the_storage(name):
 
 
 def test_tensor_classes_cover_the_four_storages():
-    assert TENSOR_CLASSES == {
-        Float8TensorStorage: Float8Tensor, MXFP8TensorStorage: MXFP8Tensor,
-        Float8BlockwiseQTensorStorage: Float8BlockwiseQTensor, NVFP4TensorStorage: NVFP4Tensor,
-    }
+    pairs = {Float8TensorStorage: Float8Tensor, MXFP8TensorStorage: MXFP8Tensor,
+             Float8BlockwiseQTensorStorage: Float8BlockwiseQTensor,
+             NVFP4TensorStorage: NVFP4Tensor}
+    assert {s: s.tensor_class for s in pairs} == pairs
+    assert set(tensor_classes()) == set(pairs.values())
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_from_storage_and_as_storage_share_buffers(name):
     s = _internal(QUANTIZERS[name]()).quantize(_x())
     t = QuantizedTensor.from_storage(s, requires_grad=True)
-    assert type(t) is TENSOR_CLASSES[type(s)] and t.requires_grad
+    assert type(t) is tensor_class(type(s)) and t.requires_grad
     for n, b in s.buffers().items():
         assert getattr(t, n) is b
     back = t.as_storage()
@@ -123,7 +124,7 @@ def test_from_storage_and_as_storage_share_buffers(name):
 
 def test_from_storage_refuses_an_unknown_format():
     class Other(QuantizedStorage):
-        _buffer_names = ("_data",)
+        buffer_names = ("_data",)
 
     with pytest.raises(TypeError, match="Other has no quantized tensor class"):
         QuantizedTensor.from_storage(Other(shape=(1,), dtype=torch.float32, quantizer=None,
@@ -182,7 +183,7 @@ def test_flatten_refuses_a_stored_group(cls):
     with pytest.warns(DeprecationWarning):
         q = cls(amax_reduction_group=object())
     t = q.quantize(_x())  # eager use is fine
-    assert type(t) is TENSOR_CLASSES[q._storage_class]
+    assert type(t) is q._storage_class.tensor_class
     with pytest.raises(TypeError, match="holds an amax_reduction_group"):
         t.__tensor_flatten__()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from quant_core.sharding import ShardPlan
 from quant_recipes import fsdp_layout
 
 RECIPES = {
@@ -36,7 +37,7 @@ def _assert_columnwise_is(expected, row, w):
     """The buffers of ``row`` with the columnwise copy built from its rowwise one are, byte for
     byte, ``expected``'s (the quantizer's own rowwise and columnwise quantization of ``w``)."""
     got = fsdp_layout.columnwise_buffer_list(row, w)
-    for name, t, u in zip(expected._buffer_names, expected.buffer_list(w), got, strict=True):
+    for name, t, u in zip(expected.buffer_names, expected.buffer_list(w), got, strict=True):
         assert u.shape == t.shape and u.dtype == t.dtype, name
         assert torch.equal(u, t), name
 
@@ -63,7 +64,7 @@ def test_sharded_quantization_is_the_full_quantization(name, dtype, world):
     w = torch.randn(128 * world * 2, 160, dtype=dtype, generator=torch.Generator().manual_seed(1))
     w[3, 5] = 40.0  # the tensor-wide amax sits in one shard only
     p = fsdp_layout.plan(q, w.shape, world)
-    assert isinstance(p, fsdp_layout.Plan), p
+    assert isinstance(p, ShardPlan), p
     got = _gather(p, w, world)
     full = q.with_usage(True, True).quantize(w)
     _assert_columnwise_is(full, got, w)

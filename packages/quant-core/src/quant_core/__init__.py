@@ -6,6 +6,7 @@ packages register faster backends through the ``quant_core.backends`` entry-poin
 """
 
 from . import backends, reference, shapes, tensor
+from . import tensor_ops as _tensor_ops  # noqa: F401  (fills the quantized tensors' op table)
 from .dtypes import DType
 from .operand import GemmOperand
 from .quantizer import (
@@ -29,6 +30,8 @@ from .storage import (
     MXFP8TensorStorage,
     NVFP4TensorStorage,
     QuantizedStorage,
+    storage_class,
+    storage_formats,
 )
 from .tensor import (
     Float8BlockwiseQTensor,
@@ -50,6 +53,7 @@ __all__ = [
     "value_classes", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
     "Float8BlockQuantizer", "NVFP4Quantizer", "DEFAULT_RHT_SIGN_MASK", "QuantizedStorage",
     "Float8TensorStorage", "MXFP8TensorStorage", "Float8BlockwiseQTensorStorage",
-    "NVFP4TensorStorage", "GemmOperand", "QuantizedTensor", "Float8Tensor", "MXFP8Tensor",
+    "NVFP4TensorStorage", "storage_class", "storage_formats", "GemmOperand", "QuantizedTensor",
+    "Float8Tensor", "MXFP8Tensor",
     "Float8BlockwiseQTensor", "NVFP4Tensor", "backends", "reference", "shapes", "tensor",
 ]

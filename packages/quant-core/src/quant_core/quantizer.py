@@ -50,12 +50,20 @@ class Quantizer(metaclass=QuantizerMeta):
     internal: bool = False
     optimize_for_gemm: bool = False
 
-    #: The storage format this quantizer produces ("fp8", "mxfp8", "fp8_block", "nvfp4";
+    #: The storage format this quantizer produces (its storage class's ``format``;
     #: "high_precision" for a passthrough). A class attribute, so code that only sees a compiled
-    #: graph's opaque wrapper (where ``isinstance`` does not work) can still dispatch on it.
+    #: graph's opaque wrapper (where ``isinstance`` does not work) can still look the format up
+    #: (``quant_core.storage.storage_class``).
     storage_format: ClassVar[str | None] = None
     #: The storage class ``quantize`` returns.
     _storage_class: ClassVar[type | None] = None
+    #: Capability: ``quantize`` splits around a tensor-wide amax (``local_amax`` then
+    #: ``quantize_with_amax``) that may be reduced across ranks in between (current scaling,
+    #: NVFP4). The amax has :meth:`amax_numel` elements.
+    reduces_amax: ClassVar[bool] = False
+    #: Attributes beyond the fields and the base's helpers that traced code reads on this
+    #: class's quantizers (quant-dynamo registers them as members with the torch API).
+    traced_members: ClassVar[tuple[str, ...]] = ()
 
     #: Set on a class by :func:`value_quantizer`; they count only where ``_value_owner is cls``,
     #: so a subclass that did not opt in itself inherits them without becoming a value type.
@@ -227,11 +235,12 @@ class Quantizer(metaclass=QuantizerMeta):
         for name, (spec_shape, _) in (specs or self.inner_tensor_specs(shape)).items():
             buf = buffers[name]
             present[name] = buf if concrete and buf.shape == spec_shape else buf.view(spec_shape)
-        if self.internal or self._storage_class not in _tensor_classes():
+        tensor_class = self._storage_class.tensor_class
+        if self.internal or tensor_class is None:
             return self._storage_class(
                 shape=shape, dtype=dtype, quantizer=self, **self._storage_tags(), **present
             )
-        return _tensor_classes()[self._storage_class](
+        return tensor_class(
             shape, dtype, quantizer=self, buffers=present,
             tags=tuple(self._storage_tags().items()),
         )
@@ -276,6 +285,10 @@ class Quantizer(metaclass=QuantizerMeta):
 
     def supports_only_rowwise_all_gather(self) -> bool:
         return False
+
+    def amax_numel(self) -> int:
+        """The element count of :meth:`local_amax`'s result (0 without :attr:`reduces_amax`)."""
+        return 0
 
     def lowerings(self) -> tuple[str, ...]:
         """The forms in which a compiled graph may run this quantizer's ``quantize`` (which of
@@ -361,13 +374,6 @@ def _field_repr(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     return repr(value)
-
-
-def _tensor_classes() -> dict[type, type]:
-    """``quant_core.tensor.TENSOR_CLASSES`` (imported late: that module imports the storages)."""
-    from .tensor import TENSOR_CLASSES
-
-    return TENSOR_CLASSES
 
 
 #: ``{(value quantizer, shape): inner_tensor_specs}``; cleared when it reaches the bound.

@@ -1,5 +1,5 @@
-"""Quantized tensors: ``torch.Tensor`` wrapper subclasses around the four storages (DESIGN
-contract 7, `behaviour.md` §1.5).
+"""Quantized tensors: the ``torch.Tensor`` wrapper subclass base of the format storages
+(`behaviour.md` §1.5).
 
 ``Float8Tensor``, ``MXFP8Tensor``, ``Float8BlockwiseQTensor`` and ``NVFP4Tensor`` are each a
 wrapper subclass *and* their storage (multiple inheritance): the tensor reports the logical
@@ -12,8 +12,10 @@ shape, the nominal high-precision dtype and the buffers' device, and every stora
 holding the quantizer (a value quantizer compares by value, a stateful one by identity and is
 never copied), the shape, the nominal dtype and the storage tags; a quantizer holding a stored
 ``amax_reduction_group`` is refused there. ``__torch_dispatch__`` implements the ops of
-:data:`quant_core.tensor_ops.OPS` (the op table, `behaviour.md` §1.5); any other op raises
-``NotImplementedError`` naming the op and the class.
+:data:`OPS` (the op table, `behaviour.md` §1.5); any other op raises
+``NotImplementedError`` naming the op and the class. The table lives here, empty, and
+:mod:`quant_core.tensor_ops` fills it (:func:`implements`); each format's tensor subclass
+registers itself as its storage's ``tensor_class``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,46 @@ from .storage import (
     MXFP8TensorStorage,
     NVFP4TensorStorage,
     QuantizedStorage,
+    storage_class,
+    storage_formats,
 )
+
+aten = torch.ops.aten
+
+#: The op table: aten op (overload or packet) -> handler(func, *args, **kwargs), filled by
+#: :func:`implements` (:mod:`quant_core.tensor_ops`).
+OPS: dict[Any, Any] = {}
+
+#: Said when a quantized tensor refuses to be flattened or cut into a flat piece: the wrappers
+#: that do this to every parameter (bucketing, sharding) are the usual callers.
+FLATTEN_HINT = (
+    "If this is a quantized parameter (quantized_model_init): DistributedDataParallel and FSDP2's "
+    "fully_shard flatten and shard parameters, which quantized parameters do not support. Keep "
+    "the parameters in high precision for them; under FSDP2, "
+    "quant_recipes.enable_fsdp_quantized_all_gather(model, recipe) before fully_shard still "
+    "all-gathers the weights quantized."
+)
+
+#: The attribute holding a high-precision value preserved beside a quantized tensor (the
+#: initial value of a ``quantized_model_init`` parameter).
+HIGH_PRECISION_VALUE = "_high_precision_init_val"
+
+
+def implements(*funcs):
+    """Register the decorated ``handler(func, *args, **kwargs)`` for each aten op in ``funcs``."""
+    def register(handler):
+        for func in funcs:
+            OPS[func] = handler
+        return handler
+
+    return register
+
+
+def forget_high_precision_value(t: torch.Tensor) -> None:
+    """Drop the high-precision value preserved beside a quantized tensor once its bytes change:
+    it no longer describes them, and whatever starts from it (master weights) would discard the
+    new value."""
+    t.__dict__.pop(HIGH_PRECISION_VALUE, None)
 
 
 class TensorContext:
@@ -73,20 +114,28 @@ def traced(t: torch.Tensor) -> bool:
 
 
 class QuantizedTensor(torch.Tensor):
-    """Base of the quantized tensor subclasses (one per storage class, :data:`TENSOR_CLASSES`).
+    """Base of the quantized tensor subclasses (one per format that has one: its storage's
+    ``tensor_class``).
 
     Built with ``torch.Tensor._make_wrapper_subclass``: the logical shape, the nominal dtype,
     the device of the buffers and ``requires_grad`` as given; the buffers, tags and quantizer are
     plain attributes, as on the storage. The storage's ``__init__`` is never called.
     """
 
-    #: The storage class this tensor class also is.
+    #: The storage class this tensor class also is; defining the subclass makes it that
+    #: storage's ``tensor_class``.
     _storage_type: ClassVar[type[QuantizedStorage]]
     #: Rows of the 2D view ``[M, K]`` a piece must start at (and span, but for the last piece)
     #: for ``split``/``cat`` along dim 0 to give the bytes of quantizing the piece.
     _row_block: ClassVar[int] = 1
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        storage = cls.__dict__.get("_storage_type")
+        if storage is not None:
+            storage.tensor_class = cls
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, *, quantizer, buffers: dict[str, Any],
@@ -102,9 +151,9 @@ class QuantizedTensor(torch.Tensor):
         )
         self._dtype = dtype
         self.quantizer = quantizer
-        for name in cls._storage_type._buffer_names:
+        for name in cls._storage_type.buffer_names:
             setattr(self, name, buffers.get(name))
-        for name in cls._storage_type._tag_names:
+        for name in cls._storage_type.tag_names:
             setattr(self, name, tags.get(name))
         return self
 
@@ -172,11 +221,11 @@ class QuantizedTensor(torch.Tensor):
         torch._C.TensorBase.data.__set__(self, new)  # the wrapper's dtype and device
         self._dtype = new._dtype
         self.quantizer = new.quantizer
-        for name in self._storage_type._buffer_names:
+        for name in self._storage_type.buffer_names:
             setattr(self, name, getattr(new, name))
-        for name in self._storage_type._tag_names:
+        for name in self._storage_type.tag_names:
             setattr(self, name, getattr(new, name))
-        tensor_ops.forget_high_precision_value(self)
+        forget_high_precision_value(self)
 
     def _backend(self):
         # traced buffers (fake/functional) take the pure-torch reference, which traces; every
@@ -198,7 +247,7 @@ class QuantizedTensor(torch.Tensor):
         check = getattr(self.quantizer, "_check_value_has_no_process_group", None)
         if check is not None:
             check()
-        names = [n for n in self._storage_type._buffer_names if getattr(self, n) is not None]
+        names = [n for n in self._storage_type.buffer_names if getattr(self, n) is not None]
         tags = tuple(tags_of(self).items())
         return names, TensorContext(self.quantizer, tuple(self.shape), self._dtype, tags)
 
@@ -220,7 +269,7 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return tensor_ops.dispatch(cls, func, args, kwargs or {})
+        return _dispatch(cls, func, args, kwargs or {})
 
     # ------------------------------------------------------------------ per-format layout
     def _layout(self) -> dict[str, tuple[str, int, int, int] | None]:
@@ -265,6 +314,46 @@ class _Dequantize(torch.autograd.Function):
         return grad, None
 
 
+def _dispatch(cls: type, func, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` through :data:`OPS`; ``NotImplementedError`` for an op it lacks or a use it
+    refuses (with :data:`FLATTEN_HINT` when the op flattens the tensor)."""
+    try:
+        handler = OPS.get(func) or OPS.get(func.overloadpacket)
+        if handler is None:
+            name = next((type(a).__name__ for a in _flat(args)
+                         if isinstance(a, QuantizedTensor)), cls.__name__)
+            raise NotImplementedError(
+                f"{name} does not support {func}: a quantized tensor implements "
+                f"{', '.join(sorted(str(op) for op in OPS))}; call .dequantize() for a "
+                "high-precision tensor first"
+            )
+        return handler(func, *args, **kwargs)
+    except NotImplementedError as exc:
+        if _flattens(func, args, kwargs):
+            raise NotImplementedError(f"{exc}\n{FLATTEN_HINT}") from None
+        raise
+
+
+def _flattens(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` views or reshapes a multi-dimensional tensor into one dimension."""
+    if func.overloadpacket not in (aten.view, aten._unsafe_view, aten.reshape, aten.as_strided,
+                                   aten.flatten):
+        return False
+    t = args[0] if args else None
+    shape = args[1] if len(args) > 1 else kwargs.get("size", kwargs.get("shape"))
+    return (isinstance(t, torch.Tensor) and t.dim() > 1
+            and (func.overloadpacket is aten.flatten
+                 or (isinstance(shape, (list, tuple)) and len(shape) == 1)))
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
 def _rebuild(cls, shape, dtype, quantizer, buffers, tags, requires_grad):
     """Unpickle a quantized tensor (``__reduce_ex__``)."""
     return cls(torch.Size(shape), dtype, quantizer=quantizer, buffers=buffers, tags=tags,
@@ -280,7 +369,7 @@ def allow_weights_only_load(quantizer_classes, enums) -> None:
 
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is not None:
-        add([_rebuild, _rebuild_quantizer, *TENSOR_CLASSES.values(), *quantizer_classes, *enums])
+        add([_rebuild, _rebuild_quantizer, *tensor_classes(), *quantizer_classes, *enums])
 
 
 def _dequantization_of(t: torch.Tensor):
@@ -293,7 +382,7 @@ def _dequantization_of(t: torch.Tensor):
 
 
 def tags_of(obj) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in type(obj)._tag_names}
+    return {name: getattr(obj, name) for name in type(obj).tag_names}
 
 
 # ---------------------------------------------------------------------- the four formats
@@ -374,37 +463,30 @@ def _swizzle_refusal(t) -> str | None:
     return QuantizedTensor._split_refusal(t)
 
 
-#: storage class -> tensor class.
-TENSOR_CLASSES: dict[type, type[QuantizedTensor]] = {
-    Float8TensorStorage: Float8Tensor,
-    MXFP8TensorStorage: MXFP8Tensor,
-    Float8BlockwiseQTensorStorage: Float8BlockwiseQTensor,
-    NVFP4TensorStorage: NVFP4Tensor,
-}
+def tensor_classes() -> tuple[type[QuantizedTensor], ...]:
+    """The tensor class of every registered format that has one."""
+    return tuple(c.tensor_class for c in map(storage_class, storage_formats())
+                 if c.tensor_class is not None)
 
 
-def tensor_class(storage_class: type) -> type[QuantizedTensor]:
-    """The tensor class of ``storage_class`` (or of a tensor class itself); ``TypeError`` if
+def tensor_class(storage_type: type) -> type[QuantizedTensor]:
+    """The tensor class of ``storage_type`` (or of a tensor class itself); ``TypeError`` if
     the format has none."""
-    for klass in storage_class.__mro__:
-        if klass in TENSOR_CLASSES:
-            return TENSOR_CLASSES[klass]
-    raise TypeError(f"{storage_class.__name__} has no quantized tensor class; known storages: "
-                    f"{[c.__name__ for c in TENSOR_CLASSES]}")
+    cls = getattr(storage_type, "tensor_class", None)
+    if cls is None:
+        raise TypeError(f"{storage_type.__name__} has no quantized tensor class; formats with "
+                        f"one: {[c.__name__ for c in tensor_classes()]}")
+    return cls
 
 
 def wrap(storage: QuantizedStorage) -> QuantizedStorage:
     """``storage`` as its tensor class if it is not one already and its format has one."""
-    if isinstance(storage, QuantizedTensor) or not any(
-        klass in TENSOR_CLASSES for klass in type(storage).__mro__
-    ):
+    if isinstance(storage, QuantizedTensor) or type(storage).tensor_class is None:
         return storage
     return QuantizedTensor.from_storage(storage)
 
 
-from . import tensor_ops  # noqa: E402  (the op table; it imports the classes above)
-
 __all__ = [
     "QuantizedTensor", "Float8Tensor", "MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor",
-    "TENSOR_CLASSES", "TensorContext", "tensor_class", "wrap",
+    "OPS", "TensorContext", "implements", "tensor_class", "tensor_classes", "wrap",
 ]

@@ -1,6 +1,7 @@
-"""The op table of the quantized tensors (`behaviour.md` §1.5): ``__torch_dispatch__`` of
-:class:`quant_core.tensor.QuantizedTensor` looks ``func`` up in :data:`OPS`; every other op raises
-``NotImplementedError`` naming the op and the class.
+"""The handlers of the quantized tensors' op table (`behaviour.md` §1.5), registered onto
+:data:`quant_core.tensor.OPS`, which ``__torch_dispatch__`` of
+:class:`quant_core.tensor.QuantizedTensor` reads; every other op raises ``NotImplementedError``
+naming the op and the class.
 
 Handlers take ``(func, *args, **kwargs)`` and read the format only through the tensor's hooks
 (``_layout``, ``_piece_rows``, ``_split_refusal``, ``_reshaped_buffers``,
@@ -11,67 +12,22 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
 
 import torch
 
 from .dtypes import INPUT_DTYPES
 from .reference._pad import zero_pad
 from .shapes import ceil_div, m_k, roundup
-from .tensor import QuantizedTensor, tags_of, traced, wrap
-
-aten = torch.ops.aten
-
-
-#: Said when a quantized tensor refuses to be flattened or cut into a flat piece: the wrappers
-#: that do this to every parameter (bucketing, sharding) are the usual callers.
-FLATTEN_HINT = (
-    "If this is a quantized parameter (quantized_model_init): DistributedDataParallel and FSDP2's "
-    "fully_shard flatten and shard parameters, which quantized parameters do not support. Keep "
-    "the parameters in high precision for them; under FSDP2, "
-    "quant_recipes.enable_fsdp_quantized_all_gather(model, recipe) before fully_shard still "
-    "all-gathers the weights quantized."
+from .tensor import (
+    OPS,
+    QuantizedTensor,
+    forget_high_precision_value,
+    tags_of,
+    traced,
+    wrap,
 )
 
-
-def dispatch(cls: type, func, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` through :data:`OPS`; ``NotImplementedError`` for an op it lacks or a use it
-    refuses (with :data:`FLATTEN_HINT` when the op flattens the tensor)."""
-    try:
-        handler = OPS.get(func) or OPS.get(func.overloadpacket)
-        if handler is None:
-            name = next((type(a).__name__ for a in _flat(args)
-                         if isinstance(a, QuantizedTensor)), cls.__name__)
-            raise NotImplementedError(
-                f"{name} does not support {func}: a quantized tensor implements "
-                f"{', '.join(sorted(str(op) for op in OPS))}; call .dequantize() for a "
-                "high-precision tensor first"
-            )
-        return handler(func, *args, **kwargs)
-    except NotImplementedError as exc:
-        if _flattens(func, args, kwargs):
-            raise NotImplementedError(f"{exc}\n{FLATTEN_HINT}") from None
-        raise
-
-
-def _flattens(func, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` views or reshapes a multi-dimensional tensor into one dimension."""
-    if func.overloadpacket not in (aten.view, aten._unsafe_view, aten.reshape, aten.as_strided,
-                                   aten.flatten):
-        return False
-    t = args[0] if args else None
-    shape = args[1] if len(args) > 1 else kwargs.get("size", kwargs.get("shape"))
-    return (isinstance(t, torch.Tensor) and t.dim() > 1
-            and (func.overloadpacket is aten.flatten
-                 or (isinstance(shape, (list, tuple)) and len(shape) == 1)))
-
-
-def _flat(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
+aten = torch.ops.aten
 
 
 def _like(t: QuantizedTensor, shape=None, buffers=None, piece: bool | None = None
@@ -216,18 +172,6 @@ def _copy_(func, dst, src, non_blocking=False):
         buf.copy_(new[name], non_blocking)
     forget_high_precision_value(dst)
     return dst
-
-
-#: The attribute holding a high-precision value preserved beside a quantized tensor (the
-#: initial value of a ``quantized_model_init`` parameter).
-HIGH_PRECISION_VALUE = "_high_precision_init_val"
-
-
-def forget_high_precision_value(t: torch.Tensor) -> None:
-    """Drop the high-precision value preserved beside a quantized tensor once its bytes change:
-    it no longer describes them, and whatever starts from it (master weights) would discard the
-    new value."""
-    t.__dict__.pop(HIGH_PRECISION_VALUE, None)
 
 
 def _make_empty(func, t, size=None, **kwargs):
@@ -392,8 +336,7 @@ def _check_shared(func, name: str, tensors) -> None:
                              "tensor share it (concatenate the dequantized tensors instead)")
 
 
-#: The op table: aten op (overload or packet) -> handler(func, *args, **kwargs).
-OPS: dict[Any, Any] = {
+OPS.update({
     aten.detach.default: _detach,
     aten.alias.default: _detach,
     aten.view.default: _view,
@@ -416,8 +359,8 @@ OPS: dict[Any, Any] = {
     aten.slice.Tensor: _slice,
     aten.narrow.default: _narrow,
     aten.cat.default: _cat,
-}
+})
 
 
 
-__all__ = ["OPS", "dispatch"]
+__all__: list[str] = []

@@ -37,7 +37,7 @@ Public API
     (``numel() == 0``) uint8 tensor; ``qdq`` returns ``q.quantize(x).dequantize(x.dtype)`` with a
     straight-through gradient.
 ``amax(x, q) -> Tensor``, ``quantize_with_amax(x, amax, q) -> list[Tensor]``
-    Current scaling and NVFP4 split around their amax (``q.local_amax`` and
+    A quantizer whose ``reduces_amax`` is True splits around its amax (``q.local_amax`` and
     ``q.quantize_with_amax``), so compiled code can all-reduce the amax in between.
 ``buffer_names(cls_or_obj) -> tuple[str, ...]``
     The buffer order of ``quantize`` for this quantizer class.

@@ -22,7 +22,7 @@ written to compile to its bytes (``reference/_rounding.py``), on the devices of
 
 The two forms trade speed for memory. On the H200, a Llama trained with the traced ops held
 about 1.1 GiB less between forward and backward at Llama-3-8B widths, and ran 5% slower: Inductor
-fuses the recomputed casts, with their transposed (columnwise) FP8 stores, into the norms'
+fuses the recomputed casts, with their transposed (columnwise) stores, into the norms'
 backward reductions, where those stores are uncoalesced (bench/RESULTS.md). So the kernels come
 first by default.
 

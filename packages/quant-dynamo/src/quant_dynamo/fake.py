@@ -1,4 +1,4 @@
-"""Fake (meta) outputs of ``quant::quantize``: exact buffer shapes and dtypes per format.
+"""Fake (meta) outputs of ``quant::quantize``: exact buffer shapes and dtypes.
 
 They come from the quantizer's own ``inner_tensor_specs`` (quant-core's one allocation path, the
 same that ``quantize`` and ``make_empty`` use), in the storage's declaration order; an absent
@@ -26,5 +26,5 @@ def fake_buffers(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     return [
         x.new_empty(specs[name][0], dtype=specs[name][1]) if name in specs
         else absent_buffer(x)
-        for name in q._storage_class._buffer_names
+        for name in q._storage_class.buffer_names
     ]

@@ -13,8 +13,8 @@ Overloads:
 ``quantize`` returns the storage's buffers in its declaration order (:func:`buffer_names`); an
 absent buffer (a direction not produced) is an empty uint8 tensor, so positions are stable.
 ``qdq`` is ``q.quantize(x).dequantize(x.dtype)`` with a straight-through gradient. ``amax`` and
-``quantize_with_amax`` split current scaling and NVFP4 around their amax, so that compiled code
-can reduce it across ranks in between (a functional all-reduce traces). Both run
+``quantize_with_amax`` split a quantizer whose ``reduces_amax`` is True around its amax, so that
+compiled code can reduce it across ranks in between (a functional all-reduce traces). Both run
 through quant-core's backend registry; their fake implementations compute exact shapes and dtypes
 from :mod:`quant_core.shapes`. In compiled graphs each op is lowered (:mod:`.capture`) in the
 forms its quantizer allows: ``quantize`` and ``qdq`` to the backend's kernels or to the
@@ -46,17 +46,17 @@ def buffer_names(cls_or_obj: Any) -> tuple[str, ...]:
     """The buffer order of ``quantize`` for this quantizer class (``()`` if unknown)."""
     cls = cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
     storage_cls = getattr(cls, "_storage_class", None)
-    return storage_cls._buffer_names if storage_cls is not None else ()
+    return storage_cls.buffer_names if storage_cls is not None else ()
 
 
 # ----------------------------------------------------------------------------- kernels
 def _with_amax(q: Any) -> Any:
-    """``q`` if its class splits quantization around an amax reduction (``local_amax`` and
-    ``quantize_with_amax``: current scaling, NVFP4); ``TypeError`` otherwise."""
+    """``q`` if its class splits quantization around an amax reduction (``reduces_amax``:
+    ``local_amax`` and ``quantize_with_amax``); ``TypeError`` otherwise."""
     q = check_quantizer_arg(q)
-    if not hasattr(q, "quantize_with_amax"):
+    if not q.reduces_amax:
         raise TypeError(f"{type(q).__name__} has no amax to reduce (amax_reduction_group is for "
-                        "current scaling and NVFP4)")
+                        "quantizers whose reduces_amax is True)")
     return q
 
 
@@ -66,7 +66,7 @@ def _quantize_impl(x: torch.Tensor, q: Any, amax: torch.Tensor | None = None
                else _with_amax(q).quantize_with_amax(x, amax))
     seen = {x.untyped_storage().data_ptr()} if x.numel() else set()
     out = []
-    for name in storage._buffer_names:
+    for name in storage.buffer_names:
         t = getattr(storage, name)
         if t is None:
             t = absent_buffer(x)
@@ -124,9 +124,7 @@ def _amax_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
 
 
 def _amax_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
-    q = _with_amax(q)
-    n = 1 if q.storage_format == "fp8" else int(q.rowwise_usage) + int(q.columnwise_usage)
-    return x.new_empty((n,), dtype=torch.float32)
+    return x.new_empty((_with_amax(q).amax_numel(),), dtype=torch.float32)
 
 
 def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
@@ -236,8 +234,8 @@ def quantize(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
 
 
 def amax(x: torch.Tensor, q: Any) -> torch.Tensor:
-    """``torch.ops.quant.amax``: ``q.local_amax(x)``, this rank's amaxes (current scaling,
-    NVFP4), for a reduction across ranks before :func:`quantize_with_amax`."""
+    """``torch.ops.quant.amax``: ``q.local_amax(x)``, this rank's amaxes (a quantizer whose
+    ``reduces_amax`` is True), for a reduction across ranks before :func:`quantize_with_amax`."""
     if is_value_opaque_quantizer(q):
         return getattr(torch.ops.quant.amax, q._quant_op_overload)(x, q)
     return torch.ops.quant.amax.flat(x, *flatten_quantizer(q))

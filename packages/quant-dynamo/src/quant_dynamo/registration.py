@@ -37,12 +37,13 @@ REGISTERED_CLASSES: set[type] = set()
 #: Called with each class after its successful registration (ops define their overloads here).
 _on_registered: list[Callable[[type], None]] = []
 
-#: Read-only helpers that traced code may call on a quantizer (registered USE_REAL on 2.11).
+#: Read-only helpers that traced code may call on a quantizer (registered USE_REAL on 2.11),
+#: beside its fields and its class's ``traced_members``.
 _READ_ONLY_MEMBERS = (
     "_value_fields", "_value_key", "get_usages", "is_requantization_safe",
-    "supports_only_rowwise_all_gather", "with_random_sign_mask", "with_usage", "replace",
-    "copy", "__fx_repr__", "_opaque_qualname", "_quant_op_overload", "storage_format",
-    "_storage_tags",
+    "supports_only_rowwise_all_gather", "with_usage", "replace", "copy", "__fx_repr__",
+    "_opaque_qualname", "_quant_op_overload", "storage_format", "_storage_tags",
+    "reduces_amax", "amax_numel", "lowerings",
 )
 #: Overload names of the ``quant`` ops already taken. They are allocated here, not in ``ops``
 #: (which defines the overloads): ``_quant_op_overload`` is one of the members torch records at
@@ -72,7 +73,8 @@ def _attach_op_helpers(cls: type) -> None:
 
 def _members(cls: type) -> list[str]:
     names = list(cls._value_fields())
-    return names + [m for m in _READ_ONLY_MEMBERS if hasattr(cls, m) and m not in names]
+    helpers = _READ_ONLY_MEMBERS + tuple(getattr(cls, "traced_members", ()))
+    return names + [m for m in dict.fromkeys(helpers) if hasattr(cls, m) and m not in names]
 
 
 def register_value_opaque_quantizer(cls: type) -> type:
@@ -186,11 +188,12 @@ def identity_quantizer_message(cls: type) -> str:
             "(its extra state would be ignored). Decorate it with @quant_core.value_quantizer "
             "to pass it to a quant custom op or compile with it."
         )
+    values = ", ".join(c.__qualname__ for c in value_classes() if c.__module__.startswith(
+        "quant_core."))
     return (
         f"{cls.__qualname__} has identity semantics (it holds live state, e.g. delayed scaling's "
         "scale and amax tensors), so it runs in eager mode only and cannot be passed to a quant "
-        "custom op or compiled; use a value quantizer (Float8CurrentScalingQuantizer, "
-        "MXFP8Quantizer, Float8BlockQuantizer, NVFP4Quantizer) or run this region eagerly."
+        f"custom op or compiled; use a value quantizer ({values}) or run this region eagerly."
     )
 
 

@@ -1,13 +1,14 @@
 """GEMMs on quantized operands, and which path ran (architecture.md contract 6).
 
 Operands travel as buffer lists (a storage's buffers in declaration order, an absent one as an
-empty tensor) plus integer metadata, so the GEMM is one custom op with plain types
-(``quant_recipes::qgemm``) on every torch release. Inside it the buffers become a storage again,
-the storage hands out its GEMM operand for the role (``gemm_operand``), and
+empty tensor) plus integer metadata (:func:`quantizer_meta`: the format's index, then the
+storage's tags as integers), so the GEMM is one custom op with plain types
+(``quant_recipes::qgemm``) on every torch release. Inside it the buffers become a storage again
+(``from_wire``), the storage hands out its GEMM operand for the role (``gemm_operand``), and
 :func:`quant_recipes.gemm_fast.fast_gemm` runs the fastest path for the pair: cuBLAS scaled GEMMs
 for FP8 per-tensor and FP8 blocks, the backend's GEMM for MXFP8 and NVFP4 (Triton on CUDA). Other
 pairs (mixed formats, a transposed use of rowwise blocks, unaligned shapes) are ``"emulated"``:
-both operands dequantized to fp32 with quant-core's backend, then an fp32 matmul; both
+both operands decoded to fp32 by their storages (``gemm_value``), then an fp32 matmul; both
 unquantized is ``"high_precision"``. :func:`gemm_paths` counts the paths that ran.
 """
 
@@ -16,22 +17,17 @@ from __future__ import annotations
 import collections
 
 import torch
-from quant_core import (
-    DType,
-    Float8BlockwiseQTensorStorage,
-    Float8TensorStorage,
-    MXFP8TensorStorage,
-    NVFP4TensorStorage,
-    backends,
-)
 from quant_core.kernel_capture import NotCapturable
-from quant_core.storage import absent_buffer
+from quant_core.storage import storage_class, storage_formats
 
 from .compiling import available, dynamo
 from .gemm_fast import fast_gemm
 
-HP, FP8, MXFP8, FP8_BLOCK, NVFP4 = range(5)
-_FORMAT_NAMES = ("high_precision", "fp8", "mxfp8", "fp8_block", "nvfp4")
+#: The format index of an unquantized operand (a quantized format's is 1 + its position in
+#: ``quant_core.storage_formats()``).
+HP = 0
+#: The metadata of an unquantized operand.
+HP_META = [HP]
 
 _PATHS: collections.Counter = collections.Counter()
 _COMPILED: collections.Counter = collections.Counter()
@@ -75,107 +71,54 @@ def _record(path: str) -> None:
 
 
 def quantizer_meta(q) -> list[int]:
-    """``[format, dtype value, block_scaling_dim, swizzled]`` of a quantizer's storages."""
+    """``[format index, *storage tags as integers]`` of a quantizer's storages."""
     fmt = q.storage_format  # not isinstance: torch 2.11 traces quantizers as opaque wrappers
     if fmt == "high_precision":
-        return [HP, 0, 0, 0]
-    if fmt not in _FORMAT_NAMES:
+        return list(HP_META)
+    if fmt not in storage_formats():
         raise TypeError(
             f"{type(q).__name__}.storage_format is {fmt!r}; a quantizer used by quant_recipes "
-            f"must produce one of {', '.join(_FORMAT_NAMES)}"
+            f"must produce one of high_precision, {', '.join(storage_formats())}"
         )
-    swz = int(bool(q.optimize_for_gemm)) if fmt in ("mxfp8", "nvfp4") else 0
-    dim = q.block_scaling_dim if fmt == "fp8_block" else 0
-    return [_FORMAT_NAMES.index(fmt), q.dtype.value, dim, swz]
+    return [1 + storage_formats().index(fmt), *storage_class(fmt).wire_tags(q._storage_tags())]
 
 
-def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, columnwise: bool
-               ) -> torch.Tensor:
-    """The fp32 ``[m, k]`` value of an operand, from its rowwise or columnwise buffers.
-
-    Columnwise NVFP4 with RHT stays in the transformed basis (as the GEMM consumes it).
-    """
-    fmt, dt, dim, swz = meta
-    if fmt == HP:
-        return bufs[0].reshape(m, k).to(torch.float32)
-    dev = bufs[0].device if bufs[0].numel() else bufs[-1].device
-    be = backends.get(None, dev)
-    dtype = DType(dt)
-    if fmt == FP8:
-        data, transpose, scale_inv = bufs
-        if columnwise and transpose.numel() or not data.numel():
-            out = be.fp8_dequantize(transpose.reshape(k, m), scale_inv, fp8_dtype=dtype,
-                                    dtype=torch.float32)
-            return out.t()
-        return be.fp8_dequantize(data.reshape(m, k), scale_inv, fp8_dtype=dtype,
-                                 dtype=torch.float32)
-    if fmt == MXFP8:
-        rd, rs, cd, cs = bufs
-        data, scale = (cd, cs) if columnwise else (rd, rs)
-        return be.mxfp8_dequantize(data.reshape(m, k), scale, fp8_dtype=dtype,
-                                   columnwise=columnwise, swizzled=bool(swz),
-                                   dtype=torch.float32)
-    if fmt == FP8_BLOCK:
-        rd, rs, cd, cs = bufs
-        data = cd.reshape(k, m) if columnwise else rd.reshape(m, k)
-        return be.fp8_block_dequantize(data, cs if columnwise else rs, fp8_dtype=dtype,
-                                       block_scaling_dim=dim, columnwise=columnwise,
-                                       dtype=torch.float32)
-    if fmt == NVFP4:
-        rd, rs, cd, cs, ar, ac = bufs
-        if columnwise:
-            out = be.nvfp4_dequantize(cd.reshape(k, cd.shape[-1]), cs, ac, swizzled=bool(swz),
-                                      dtype=torch.float32)
-            return out[:, :m].t()
-        return be.nvfp4_dequantize(rd.reshape(m, k // 2), rs, ar, swizzled=bool(swz),
-                                   dtype=torch.float32)
-    raise ValueError(f"unknown operand format {fmt}")
-
-
-#: The storage class behind each operand format's buffer list.
-_STORAGE_CLASSES = {FP8: Float8TensorStorage, MXFP8: MXFP8TensorStorage,
-                    FP8_BLOCK: Float8BlockwiseQTensorStorage, NVFP4: NVFP4TensorStorage}
-#: Buffer names only a rowwise use reads (per-tensor FP8's one scale serves both directions),
-#: and the names of the columnwise data.
-_ROWWISE_ONLY = ("_data", "_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
-_COLUMNWISE_DATA = ("_transpose", "_columnwise_data")
-
-
-def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:
-    """``bufs`` as a GEMM that uses the operand transposed (from its columnwise direction) reads
-    them: the rowwise data, scales and amax become empty tensors when the columnwise copy exists
-    (the backward GEMMs of a Linear read only that copy, so saving the rest wastes memory).
-    High-precision operands and operands without a columnwise copy are returned as they are."""
-    if meta[0] == HP:
-        return bufs
-    names = _STORAGE_CLASSES[meta[0]]._buffer_names
-    if not any(t.numel() for n, t in zip(names, bufs, strict=True) if n in _COLUMNWISE_DATA):
-        return bufs
-    return [absent_buffer(t) if n in _ROWWISE_ONLY else t
-            for n, t in zip(names, bufs, strict=True)]
+def _storage_type(meta: list[int]):
+    return storage_class(storage_formats()[meta[0] - 1])
 
 
 def _storage(bufs: list[torch.Tensor], meta: list[int], shape):
     """The storage object of a quantized operand's buffer list (absent buffers are empty)."""
-    fmt, dt, dim, swz = meta
-    cls = _STORAGE_CLASSES[fmt]
-    tags = {
-        FP8: {"_fp8_dtype": DType(dt)},
-        MXFP8: {"_fp8_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)},
-        FP8_BLOCK: {"_fp8_dtype": DType(dt), "_is_2D_scaled": dim == 2},
-        NVFP4: {"_fp4_dtype": DType(dt), "_with_gemm_swizzled_scales": bool(swz)},
-    }[fmt]
-    names = cls._buffer_names
-    buffers = {name: t if t.numel() else None for name, t in zip(names, bufs, strict=True)}
-    return cls(shape=shape, dtype=torch.float32, quantizer=None, **buffers, **tags)
+    return _storage_type(meta).from_wire(bufs, meta[1:], shape)
+
+
+def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, columnwise: bool
+               ) -> torch.Tensor:
+    """The fp32 ``[m, k]`` value of an operand, from its rowwise or columnwise buffers (the
+    storage's ``gemm_value``: columnwise NVFP4 with RHT stays in the transformed basis, as the
+    GEMM consumes it)."""
+    if meta[0] == HP:
+        return bufs[0].reshape(m, k).to(torch.float32)
+    if not m * k:  # no element: its buffers may all be empty, which the wire calls absent
+        return torch.zeros((m, k), dtype=torch.float32, device=bufs[0].device)
+    return _storage(bufs, meta, (m, k)).gemm_value(columnwise)
+
+
+def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:
+    """``bufs`` as a GEMM that uses the operand transposed (from its columnwise direction) reads
+    them (the storage's ``for_transposed_use``); high-precision operands as they are."""
+    return bufs if meta[0] == HP else _storage_type(meta).for_transposed_use(bufs)
 
 
 def operand(bufs, meta, shape, transposed: bool, columnwise: bool):
     """The row operand (``quant_core.GemmOperand``) of ``X`` (``Xᵀ`` when ``transposed``), or
-    None when its storage cannot hand it out for this use. Block formats serve a transposed use
-    from their columnwise buffers only: a transposed rowwise form (``backward_override=
-    "dequantized"``) has its blocks across the contraction and is emulated."""
-    if meta[0] == HP or (meta[0] != FP8 and columnwise != transposed):
+    None when its storage cannot hand it out for this use. Unless the format's directions are
+    interchangeable (one scale), a transposed use is served from the columnwise buffers only:
+    a transposed rowwise form (``backward_override="dequantized"``) has its blocks across the
+    contraction and is emulated."""
+    if meta[0] == HP:
+        return None
+    if columnwise != transposed and not _storage_type(meta).directions_interchangeable:
         return None
     return _storage(bufs, meta, shape).gemm_operand(transposed)
 
@@ -263,6 +206,7 @@ def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col
 
 
 __all__ = [
-    "gemm_paths", "last_gemm_path", "reset_gemm_paths", "qgemm", "qgemm_impl", "dequantize",
-    "quantizer_meta", "operand", "for_transposed_use", "_FORMAT_NAMES",
+    "gemm_paths", "compiled_gemm_paths", "last_gemm_path", "reset_gemm_paths", "qgemm",
+    "qgemm_impl", "dequantize", "quantizer_meta", "operand", "for_transposed_use", "HP",
+    "HP_META",
 ]

@@ -9,7 +9,7 @@ from quant_core import QuantizedStorage, Quantizer, value_quantizer
 class HighPrecisionStorage(QuantizedStorage):
     """What :class:`IdentityQuantizer` returns: the input itself, under ``_data``."""
 
-    _buffer_names = ("_data",)
+    buffer_names = ("_data",)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self._data.to(dtype or self._dtype)

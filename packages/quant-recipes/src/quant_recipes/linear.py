@@ -29,14 +29,14 @@ import torch.nn.functional as F
 from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
-from quant_core.storage import Float8TensorStorage, QuantizedStorage, absent_buffer
+from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
 from quant_core.tensor import tags_of
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
 from .delayed import update_registered
 from .fsdp_layout import base, columnwise_buffer_list
-from .gemm import _STORAGE_CLASSES, HP, for_transposed_use, qgemm, quantizer_meta
+from .gemm import HP, HP_META, for_transposed_use, qgemm, quantizer_meta
 from .module import QuantizedModule, intern, is_value, module_frame
 from .reuse import shared_quantization
 from .role import QuantizerRole
@@ -52,7 +52,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
         ops = dynamo()
         # with a group, Linear asks every quantizer for the reduction (with_amax_reduction), as
         # eager code does; torch 2.10 cannot derive that variant in a graph, so it is not read
-        if group is not None and q.storage_format in ("fp8", "nvfp4"):
+        if group is not None and q.reduces_amax:
             # the amax leaves the op, is all-reduced by a functional collective (it traces; the
             # group is this call's, never part of the quantizer value), and comes back in
             amax = reduce_amax(ops.amax(x, q), group)
@@ -78,14 +78,16 @@ def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
 
 def _requantizable(q: Quantizer) -> bool:
     """Whether quantizing the weight again in backward gives the forward's bytes: a value
-    quantizer without stochastic rounding (a delayed-scaling quantizer's scale changes when the
-    region exits, between forward and backward)."""
-    # an attribute test only where the field exists (an opaque value has no getattr default)
-    return is_value(q) and not (q.storage_format == "nvfp4" and q.stochastic_rounding)
+    quantizer that says so (``is_requantization_safe``: not with stochastic rounding); a
+    delayed-scaling quantizer's scale changes when the region exits, between forward and
+    backward."""
+    return is_value(q) and q.is_requantization_safe()
 
 
-def _rowwise(w: QuantizedStorage) -> torch.Tensor | None:
-    return getattr(w, "_data" if isinstance(w, Float8TensorStorage) else "_rowwise_data")
+def _rowwise(w: QuantizedStorage, q: Quantizer) -> torch.Tensor | None:
+    """The rowwise data of ``w``, a storage of ``q``'s format (read from the quantizer: under
+    compile ``w`` is a traced tensor)."""
+    return getattr(w, storage_class(q.storage_format).rowwise_data_name)
 
 
 def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None:
@@ -96,7 +98,7 @@ def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None
     the torch can derive them in a graph. The compiled graph guards on the weight's quantizer
     value."""
     if compiling():
-        same = isinstance(w, _STORAGE_CLASSES[quantizer_meta(q)[0]])
+        same = isinstance(w, storage_class(q.storage_format))
         if same and dynamo().DERIVES_IN_GRAPH:
             same = all(getattr(w, tag) == value for tag, value in q._storage_tags().items())
         wq = f"a {type(w).__name__}" + ("" if same else f" with tags {tags_of(w)}")
@@ -109,7 +111,7 @@ def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None
             f"this layer's weight with {q!r}; run the layer under the recipe its weight was "
             "quantized for (quantized_model_init / enable_fsdp_quantized_all_gather)"
         )
-    if _rowwise(w) is None:
+    if _rowwise(w, q) is None:
         raise ValueError(f"Linear {name!r}: the quantized weight holds no rowwise data for the "
                          "forward GEMM (quantize it with rowwise_usage=True)")
 
@@ -154,10 +156,10 @@ class _QLinearFn(torch.autograd.Function):
             ctx.save_for_backward(*saved, w)
             ctx.nx = len(saved)
             if override == "high_precision":
-                xm = [HP, 0, 0, 0]
+                xm = list(HP_META)
         elif override == "high_precision":
             ctx.save_for_backward(x, w)
-            xm = wm = [HP, 0, 0, 0]
+            xm = wm = list(HP_META)
             ctx.nx = 1
         elif weight_bwd_q is not None and override is None and ctx.needs_input_grad[0]:
             # the weight itself (a parameter: no new memory), quantized again in backward
@@ -185,7 +187,7 @@ class _QLinearFn(torch.autograd.Function):
         elif ctx.weight_quantized:
             w = wb[0]
             if ctx.override == "high_precision":
-                wb, wm = [w.dequantize(dtype=w_dtype)], [HP, 0, 0, 0]
+                wb, wm = [w.dequantize(dtype=w_dtype)], list(HP_META)
             elif ctx.override is None:
                 wb = for_transposed_use(columnwise_buffer_list(w, gy, ctx.weight_q), wm)
             else:
@@ -195,7 +197,7 @@ class _QLinearFn(torch.autograd.Function):
             gb, gm = quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q)
             col = True
         else:  # "high_precision" keeps the originals, "dequantized" uses the rowwise forms
-            gb, gm = [gy], [HP, 0, 0, 0]
+            gb, gm = [gy], list(HP_META)
             col = False
         dx = dw = db = None
         if ctx.needs_input_grad[0]:

@@ -25,7 +25,7 @@ import threading
 
 import torch
 from quant_core.storage import QuantizedStorage
-from quant_core.tensor_ops import HIGH_PRECISION_VALUE, forget_high_precision_value
+from quant_core.tensor import HIGH_PRECISION_VALUE, forget_high_precision_value
 
 from .recipes import Recipe
 

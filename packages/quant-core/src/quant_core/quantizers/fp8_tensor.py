@@ -103,6 +103,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     force_pow_2_scales: bool = False
     amax_epsilon: float = 0.0
 
+    reduces_amax = True
+
     def __init__(self, dtype: DType = DType.E4M3, *, amax_reduction_group=None, **fields) -> None:
         check_fp8(dtype)
         super().__init__(dtype=dtype, **fields)
@@ -125,6 +127,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
         amax = reduce_amax(self.local_amax(x, backend=backend), group)
         return self.quantize_with_amax(x, amax, backend=backend)
+
+    def amax_numel(self) -> int:
+        return 1
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
         """fp32 ``(1,)``: this rank's ``max|x|``, the value an amax reduction combines."""

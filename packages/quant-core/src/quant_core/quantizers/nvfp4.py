@@ -35,6 +35,9 @@ class NVFP4Quantizer(Quantizer):
 
     storage_format = "nvfp4"
     _storage_class = NVFP4TensorStorage
+    reduces_amax = True
+    #: Read by traced code beyond the fields (registered as members with the torch API).
+    traced_members = ("with_random_sign_mask",)
 
     dtype: DType = DType.E2M1
     with_rht: bool = False
@@ -113,6 +116,10 @@ class NVFP4Quantizer(Quantizer):
             group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
             amax_r, amax_c = self._split(reduce_amax(self._joined(amax_r, amax_c), group))
         return self._quantize(x, x2d, be, amax_r, amax_c, generator)
+
+    def amax_numel(self) -> int:
+        """One amax per usage (rowwise, columnwise)."""
+        return int(self.rowwise_usage) + int(self.columnwise_usage)
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
         """fp32 ``(n,)``: this rank's amaxes, rowwise then columnwise (post-RHT with RHT), one
