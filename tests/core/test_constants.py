@@ -16,7 +16,7 @@ def test_values_follow_the_formats():
     assert C.E4M3_MAX == torch.finfo(torch.float8_e4m3fn).max
     assert C.E5M2_MAX == torch.finfo(torch.float8_e5m2).max
     assert C.NVFP4_GLOBAL_MAX == 6 * 448 == 2688
-    assert C.RHT_DEFAULT_SIGN_MASK == signs_to_mask(DEFAULT_SIGNS) == 55272
+    assert C.DEFAULT_RHT_SIGN_MASK == signs_to_mask(DEFAULT_SIGNS) == 55272
     bits = torch.tensor([C.POW2_MINUS_127_BITS], dtype=torch.int32).view(torch.float32)
     assert bits.item() == 2.0**-127
 

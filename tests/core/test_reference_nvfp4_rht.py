@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_core.constants import DEFAULT_RHT_SIGN_MASK
 from quant_core.reference import nvfp4_amax, nvfp4_quantize, rht_matrix
 from quant_core.reference.rht import (
-    DEFAULT_SIGN_MASK,
     DEFAULT_SIGNS,
     mask_to_signs,
     rht_columnwise,
@@ -21,7 +21,7 @@ def test_mask_and_signs():
     # -1 at i = 3, 5, 6, 7, 8, 9, 10, 12, 14, 15:
     # 8 + 32 + 64 + 128 + 256 + 512 + 1024 + 4096 + 16384 + 32768 = 55272 = 0xD7E8
     assert DEFAULT_SIGNS == SPEC_SIGNS
-    assert signs_to_mask(SPEC_SIGNS) == 55272 == DEFAULT_SIGN_MASK == 0xD7E8
+    assert signs_to_mask(SPEC_SIGNS) == 55272 == DEFAULT_RHT_SIGN_MASK == 0xD7E8
     assert mask_to_signs(55272) == SPEC_SIGNS
     assert mask_to_signs(0) == (1,) * 16 and signs_to_mask((1,) * 16) == 0
     assert mask_to_signs(1) == (-1,) + (1,) * 15

@@ -5,9 +5,26 @@ every format quantizes and dequantizes on any device through :mod:`quant_core.re
 packages register faster backends through the ``quant_core.backends`` entry-point group.
 """
 
-from . import backends, reference, shapes, tensor
+from . import backends, formats, reference, shapes, tensor
 from . import tensor_ops as _tensor_ops  # noqa: F401  (fills the quantized tensors' op table)
+from .constants import DEFAULT_RHT_SIGN_MASK
 from .dtypes import DType
+from .formats import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    Float8BlockwiseQTensorStorage,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    Float8TensorStorage,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    MXFP8TensorStorage,
+    NVFP4Quantizer,
+    NVFP4Tensor,
+    NVFP4TensorStorage,
+    pickled_names,
+)
 from .operand import GemmOperand
 from .quantizer import (
     Quantizer,
@@ -16,34 +33,12 @@ from .quantizer import (
     value_classes,
     value_quantizer,
 )
-from .quantizers import (
-    DEFAULT_RHT_SIGN_MASK,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
-from .storage import (
-    Float8BlockwiseQTensorStorage,
-    Float8TensorStorage,
-    MXFP8TensorStorage,
-    NVFP4TensorStorage,
-    QuantizedStorage,
-    storage_class,
-    storage_formats,
-)
-from .tensor import (
-    Float8BlockwiseQTensor,
-    Float8Tensor,
-    MXFP8Tensor,
-    NVFP4Tensor,
-    QuantizedTensor,
-)
+from .storage import QuantizedStorage, storage_class, storage_formats
+from .tensor import QuantizedTensor
 
 tensor.allow_weights_only_load(
     (Float8CurrentScalingQuantizer, MXFP8Quantizer, Float8BlockQuantizer, NVFP4Quantizer),
-    (DType,),
+    (DType,), pickled_names(),
 )
 
 __version__ = "0.1.0"
@@ -55,5 +50,5 @@ __all__ = [
     "Float8TensorStorage", "MXFP8TensorStorage", "Float8BlockwiseQTensorStorage",
     "NVFP4TensorStorage", "storage_class", "storage_formats", "GemmOperand", "QuantizedTensor",
     "Float8Tensor", "MXFP8Tensor",
-    "Float8BlockwiseQTensor", "NVFP4Tensor", "backends", "reference", "shapes", "tensor",
+    "Float8BlockwiseQTensor", "NVFP4Tensor", "backends", "formats", "reference", "shapes", "tensor",
 ]

@@ -21,7 +21,7 @@ NVFP4_GLOBAL_MAX = E2M1_MAX * E4M3_MAX
 #: The fp32 bit pattern of 2^-127 (a subnormal): E8M0 byte 0 decoded (§5).
 POW2_MINUS_127_BITS = 0x00400000
 #: The RHT's fixed sign vector as a 16-bit mask, bit i set where s_i == -1 (§7.6): 55272.
-RHT_DEFAULT_SIGN_MASK = 0xD7E8
+DEFAULT_RHT_SIGN_MASK = 0xD7E8
 
 
 def rcp_f32(v: float) -> float:

@@ -25,15 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import backends
-from .storage import (
-    Float8BlockwiseQTensorStorage,
-    Float8TensorStorage,
-    MXFP8TensorStorage,
-    NVFP4TensorStorage,
-    QuantizedStorage,
-    storage_class,
-    storage_formats,
-)
+from .storage import QuantizedStorage, storage_class, storage_formats
 
 aten = torch.ops.aten
 
@@ -360,16 +352,18 @@ def _rebuild(cls, shape, dtype, quantizer, buffers, tags, requires_grad):
                requires_grad=requires_grad)
 
 
-def allow_weights_only_load(quantizer_classes, enums) -> None:
+def allow_weights_only_load(quantizer_classes, enums, renamed=()) -> None:
     """Let ``torch.load(weights_only=True)``, torch's default since 2.6, rebuild quantized tensors
     made by ``quantizer_classes`` (value quantizers: rebuilt through their constructor from
-    primitive fields) with tags of ``enums``. A delayed-scaling quantizer pickles its tensors'
-    state object and still needs ``weights_only=False``."""
+    primitive fields) with tags of ``enums``; ``renamed``: ``(class, former path)`` pairs a
+    pickle may still name. A delayed-scaling quantizer pickles its tensors' state object and
+    still needs ``weights_only=False``."""
     from .quantizer import _rebuild_quantizer
 
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is not None:
-        add([_rebuild, _rebuild_quantizer, *tensor_classes(), *quantizer_classes, *enums])
+        add([_rebuild, _rebuild_quantizer, *tensor_classes(), *quantizer_classes, *enums,
+             *renamed])
 
 
 def _dequantization_of(t: torch.Tensor):
@@ -383,84 +377,6 @@ def _dequantization_of(t: torch.Tensor):
 
 def tags_of(obj) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in type(obj).tag_names}
-
-
-# ---------------------------------------------------------------------- the four formats
-class Float8Tensor(QuantizedTensor, Float8TensorStorage):
-    """Per-tensor FP8 (current or delayed scaling) as a tensor."""
-
-    _storage_type = Float8TensorStorage
-
-    def _layout(self):
-        return {"_data": ("rows", 0, 1, 1), "_transpose": ("cols_t", 1, 1, 1),
-                "_scale_inv": None}
-
-    def _split_refusal(self):
-        return None  # a 1D tensor too: one scale, both buffers are [K]
-
-    def _reshaped_buffers(self, shape):
-        if self._transpose is not None:
-            return None
-        return {**self.buffers(), "_data": None if self._data is None else self._data.view(shape)}
-
-    def _transposed_buffers(self):
-        return {**self.buffers(), "_data": self._transpose, "_transpose": self._data}
-
-
-class MXFP8Tensor(QuantizedTensor, MXFP8TensorStorage):
-    """MXFP8 as a tensor."""
-
-    _storage_type = MXFP8TensorStorage
-    _row_block = 32
-
-    def _layout(self):
-        return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 0, 1, 128),
-                "_columnwise_data": ("rows", 0, 1, 1),
-                "_columnwise_scale_inv": ("2d", 0, 32, 4)}
-
-    def _split_refusal(self):
-        return _swizzle_refusal(self)
-
-
-class Float8BlockwiseQTensor(QuantizedTensor, Float8BlockwiseQTensorStorage):
-    """FP8 1x128 / 128x128 blocks as a tensor."""
-
-    _storage_type = Float8BlockwiseQTensorStorage
-    _row_block = 128
-
-    def _layout(self):
-        if self._is_2D_scaled:
-            return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 0, 128, 1),
-                    "_columnwise_data": ("cols_t", 1, 1, 1),
-                    "_columnwise_scale_inv": ("2d", 1, 128, 4)}
-        return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 1, 1, 4),
-                "_columnwise_data": ("cols_t", 1, 1, 1),
-                "_columnwise_scale_inv": ("2d", 0, 128, 1)}
-
-    def _piece_rows(self):
-        # 1x128 blocks along K: any row, unless the 128x1 columnwise blocks are held too
-        return 1 if not self._is_2D_scaled and self._columnwise_data is None else 128
-
-
-class NVFP4Tensor(QuantizedTensor, NVFP4TensorStorage):
-    """NVFP4 as a tensor (the per-tensor amaxes are shared by every piece of a split)."""
-
-    _storage_type = NVFP4TensorStorage
-    _row_block = 16
-
-    def _layout(self):
-        return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 0, 1, 128),
-                "_columnwise_data": ("2d", 1, 2, 1), "_columnwise_scale_inv": ("2d", 1, 16, 4),
-                "_amax_rowwise": None, "_amax_columnwise": None}
-
-    def _split_refusal(self):
-        return _swizzle_refusal(self)
-
-
-def _swizzle_refusal(t) -> str | None:
-    if t._with_gemm_swizzled_scales:
-        return "its scales are GEMM-swizzled in 128x4 tiles (quantize with optimize_for_gemm=False)"
-    return QuantizedTensor._split_refusal(t)
 
 
 def tensor_classes() -> tuple[type[QuantizedTensor], ...]:
@@ -487,6 +403,6 @@ def wrap(storage: QuantizedStorage) -> QuantizedStorage:
 
 
 __all__ = [
-    "QuantizedTensor", "Float8Tensor", "MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor",
-    "OPS", "TensorContext", "implements", "tensor_class", "tensor_classes", "wrap",
+    "QuantizedTensor", "OPS", "TensorContext", "implements", "tensor_class", "tensor_classes",
+    "wrap", "allow_weights_only_load",
 ]

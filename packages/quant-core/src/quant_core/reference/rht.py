@@ -13,14 +13,12 @@ import functools
 
 import torch
 
-from ..constants import RHT_DEFAULT_SIGN_MASK
 from ..inputs import check_rht_input
 from ..kernel_capture import capturing
 
 RHT_SIZE = 16
 #: TE's fixed sign vector (``with_random_sign_mask=True``); all ones is mask 0.
 DEFAULT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
-DEFAULT_SIGN_MASK = RHT_DEFAULT_SIGN_MASK  # 0xD7E8 = 55272
 
 
 def mask_to_signs(sign_mask: int) -> tuple[int, ...]:

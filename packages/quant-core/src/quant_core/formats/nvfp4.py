@@ -1,15 +1,19 @@
-"""NVFP4: E2M1 elements, E4M3 1x16 or 16x16 block scales, an fp32 tensor amax (numerics §7)."""
+"""NVFP4 (`numerics.md` §7): E2M1 elements, E4M3 1x16 or 16x16 block scales and an fp32
+tensor amax; the storage, its tensor and the quantizer."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import backends
-from ..constants import RHT_DEFAULT_SIGN_MASK
+from ..constants import DEFAULT_RHT_SIGN_MASK
 from ..distributed import reduce_amax
 from ..dtypes import DType
 from ..inputs import as_2d, check_rht_input
+from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
+from ..reference._pad import zero_pad
+from ..reference.nvfp4 import pack_e2m1, unpack_e2m1
 from ..shapes import (
     NVFP4_BLOCK,
     m_k,
@@ -17,10 +21,116 @@ from ..shapes import (
     nvfp4_columnwise_scale_shape,
     nvfp4_rowwise_scale_shape,
 )
-from ..storage import NVFP4TensorStorage
+from ..sharding import ShardPlan, row_blocks_refusal
+from ..storage import QuantizedStorage, present_buffers
+from ..tensor import QuantizedTensor
+from ._swizzled import split_refusal, swizzled_shard_refusal
 
-#: The spec's fixed RHT sign vector as a mask (bit i set where s_i == -1): 0xD7E8 = 55272.
-DEFAULT_RHT_SIGN_MASK = RHT_DEFAULT_SIGN_MASK
+
+class NVFP4TensorStorage(QuantizedStorage):
+    """NVFP4: packed E2M1 data (two codes a byte, low nibble first), E4M3 block scales and the
+    per-tensor amaxes ``_amax_rowwise`` / ``_amax_columnwise`` (fp32 ``(1,)``)."""
+
+    format = "nvfp4"
+    buffer_names = (
+        "_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv",
+        "_amax_rowwise", "_amax_columnwise",
+    )
+    tag_types = {"_fp4_dtype": DType, "_with_gemm_swizzled_scales": bool}
+    rowwise_data_name, columnwise_data_name = "_rowwise_data", "_columnwise_data"
+    rowwise_only_names = ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
+
+    def _decode(self, columnwise, dtype):
+        """Columnwise: the transposed codes decode to ``[k, m]`` in the quantizer's basis (the
+        RHT one when it applied the transform), returned transposed."""
+        m, k = m_k(self.shape)
+        swz = bool(self._with_gemm_swizzled_scales)
+        be = self._backend()
+        if columnwise:
+            cd = self._columnwise_data
+            out = be.nvfp4_dequantize(cd.reshape(k, cd.shape[-1]), self._columnwise_scale_inv,
+                                      self._amax_columnwise, swizzled=swz, dtype=dtype)
+            return out[:, :m].t()
+        return be.nvfp4_dequantize(self._rowwise_data.reshape(m, k // 2), self._rowwise_scale_inv,
+                                   self._amax_rowwise, swizzled=swz, dtype=dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantize the rowwise data (`numerics.md` §8). The columnwise data may live in the
+        RHT basis (its GEMM cancels the transform), so, as in TransformerEngine, it is not
+        dequantized: :meth:`gemm_value` reads it in that basis."""
+        if self._rowwise_data is None:
+            self._out_dtype(dtype)
+            raise NotImplementedError(
+                "NVFP4 dequantization needs rowwise data; this storage holds only the "
+                "columnwise form (quantize with rowwise_usage=True)"
+            )
+        return super().dequantize(dtype)
+
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """Rowwise ``[m, k/2]`` or columnwise ``[k, ceil(m/2)]`` packed data (columnwise in the
+        RHT basis when the quantizer applied it: both wgrad operands share the transform, which
+        cancels) with that direction's scales and amax. Row-scaled amaxes are not a GEMM
+        operand of this form (``None``)."""
+        m, k = m_k(self.shape)
+        swz = bool(self._with_gemm_swizzled_scales)
+        if transposed:
+            data, scale, amax, rows, kk = (self._columnwise_data, self._columnwise_scale_inv,
+                                           self._amax_columnwise, k, m)
+        else:
+            data, scale, amax, rows, kk = (self._rowwise_data, self._rowwise_scale_inv,
+                                           self._amax_rowwise, m, k)
+        if data is None or amax is None or amax.numel() != 1:
+            return None
+        return GemmOperand("nvfp4", data.reshape(rows, data.shape[-1]), scale, self._fp4_dtype,
+                           rows, kk, swz, amax=amax)
+
+    @classmethod
+    def shard_plan(cls, q, shape, world, columnwise):
+        """2D 16x16 weight blocks (the recipe's default), without stochastic rounding, in row
+        blocks of 128: packed data and scale rows; the tensor amax is all-reduced and travels
+        as metadata. The columnwise copy is the transposed codes with the transposed scales."""
+        refusal = swizzled_shard_refusal(q)
+        if refusal:
+            return refusal
+        if not q.with_2d_quantization or q.with_rht:
+            return ("NVFP4 1x16 weight blocks: the columnwise copy is stored transposed and does "
+                    "not gather along dim 0; use 2D 16x16 weight blocks (the recipe's default)")
+        if q.stochastic_rounding:
+            return "NVFP4 stochastic rounding: each rank's bytes depend on its random stream"
+        refusal = row_blocks_refusal("NVFP4", shape, world)
+        if refusal:
+            return refusal
+        row = q.replace(rowwise_usage=True, columnwise_usage=False, with_amax_reduction=False)
+        return ShardPlan(row, ("_rowwise_data", "_rowwise_scale_inv"), ("_amax_rowwise",), True)
+
+    @classmethod
+    def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
+        """With 2D 16x16 blocks and no RHT: the transposed codes with the transposed scales."""
+        if not q.with_2d_quantization or q.with_rht or s._with_gemm_swizzled_scales:
+            return super().columnwise_from_rowwise(s, q)
+        m, k = m_k(s.shape)
+        codes = unpack_e2m1(s._rowwise_data.reshape(m, k // 2))  # [m, k]
+        codes = zero_pad(codes, m + m % 2, k).t()  # [k, m even], the last nibble 0
+        per_block = s._rowwise_scale_inv[:m:NVFP4_BLOCK, :k // NVFP4_BLOCK]  # [ceil(m/16), k/16]
+        cs = per_block.t().repeat_interleave(NVFP4_BLOCK, dim=0)  # [k, ceil(m/16)]
+        return {**present_buffers(cls, s), "_columnwise_data": pack_e2m1(codes.contiguous()),
+                "_columnwise_scale_inv": zero_pad(cs, *nvfp4_columnwise_scale_shape(m, k)),
+                "_amax_columnwise": s._amax_rowwise.clone()}
+
+
+class NVFP4Tensor(QuantizedTensor, NVFP4TensorStorage):
+    """NVFP4 as a tensor (the per-tensor amaxes are shared by every piece of a split)."""
+
+    _storage_type = NVFP4TensorStorage
+    _row_block = 16
+
+    def _layout(self):
+        return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 0, 1, 128),
+                "_columnwise_data": ("2d", 1, 2, 1), "_columnwise_scale_inv": ("2d", 1, 16, 4),
+                "_amax_rowwise": None, "_amax_columnwise": None}
+
+    def _split_refusal(self):
+        return split_refusal(self)
 
 
 @value_quantizer

@@ -1,4 +1,5 @@
-"""Per-tensor FP8: delayed scaling (stateful) and current scaling (a value), `numerics.md` §3-§4."""
+"""Per-tensor FP8 (`numerics.md` §3-§4): the storage, its tensor, and the two quantizers,
+delayed scaling (stateful) and current scaling (a value)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,98 @@ from .. import backends
 from ..distributed import reduce_amax
 from ..dtypes import DType, check_fp8
 from ..inputs import as_2d, check_amax_epsilon, transposed_shape
+from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
 from ..reference.fp8_tensor import accumulate_amax
-from ..storage import Float8TensorStorage
+from ..shapes import m_k
+from ..sharding import ShardPlan
+from ..storage import QuantizedStorage, present_buffers
+from ..tensor import QuantizedTensor
+
+
+class Float8TensorStorage(QuantizedStorage):
+    """Per-tensor FP8 (current or delayed scaling): ``_data`` ``[shape]``, ``_transpose``
+    ``[K, *leading]`` (byte transpose), ``_scale_inv`` fp32 ``(1,)``."""
+
+    format = "fp8"
+    buffer_names = ("_data", "_transpose", "_scale_inv")
+    tag_types = {"_fp8_dtype": DType}
+    rowwise_data_name, columnwise_data_name = "_data", "_transpose"
+    rowwise_only_names = ("_data",)
+    directions_interchangeable = True
+
+    def _decode(self, columnwise, dtype):
+        m, k = m_k(self.shape)
+        if columnwise and self._transpose is not None or self._data is None:
+            out = self._backend().fp8_dequantize(self._transpose.reshape(k, m), self._scale_inv,
+                                                 fp8_dtype=self._fp8_dtype, dtype=dtype)
+            return out.t()
+        return self._backend().fp8_dequantize(self._data.reshape(m, k), self._scale_inv,
+                                              fp8_dtype=self._fp8_dtype, dtype=dtype)
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Drop a direction, or build the transpose from ``_data`` (exact: the scale is shared)."""
+        if columnwise and self._transpose is None:
+            if self._data is None:
+                raise RuntimeError("cannot build the transpose: no rowwise data")
+            self._transpose = self._data.movedim(-1, 0).contiguous()
+        if rowwise and self._data is None:
+            if self._transpose is None:
+                raise RuntimeError("cannot build rowwise data: no transpose")
+            self._data = self._transpose.movedim(0, -1).contiguous()
+        if rowwise is False:
+            self._data = None
+        if columnwise is False:
+            self._transpose = None
+
+    def gemm_operand(self, transposed: bool) -> GemmOperand | None:
+        """One scale for the whole tensor: either buffer serves either role, the rowwise data
+        viewed transposed or the byte transpose as it is."""
+        m, k = m_k(self.shape)
+        if self._data is None and self._transpose is None:
+            return None
+        x = self._data.reshape(m, k) if self._data is not None else None
+        xt = self._transpose.reshape(k, m) if self._transpose is not None else None
+        if transposed:
+            data, rows, kk = (xt if xt is not None else x.t()), k, m
+        else:
+            data, rows, kk = (x if x is not None else xt.t()), m, k
+        return GemmOperand("fp8", data, self._scale_inv, self._fp8_dtype, rows, kk)
+
+    @classmethod
+    def shard_plan(cls, q, shape, world, columnwise):
+        """Any row split: the data bytes are gathered (rows past the weight's, FSDP2's padding,
+        dropped); the one ``scale_inv`` comes from the amax all-reduced over the group, equal on
+        every rank, so it travels as metadata. The transpose is built from the data."""
+        row = q.replace(rowwise_usage=True, columnwise_usage=False, with_amax_reduction=False)
+        return ShardPlan(row, ("_data",), ("_scale_inv",), True, trimmed=("_data",))
+
+    @classmethod
+    def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
+        """The byte transpose of the data (exact: one scale)."""
+        m, k = m_k(s.shape)
+        return {**present_buffers(cls, s), "_transpose": s._data.reshape(m, k).t().contiguous()}
+
+
+class Float8Tensor(QuantizedTensor, Float8TensorStorage):
+    """Per-tensor FP8 (current or delayed scaling) as a tensor."""
+
+    _storage_type = Float8TensorStorage
+
+    def _layout(self):
+        return {"_data": ("rows", 0, 1, 1), "_transpose": ("cols_t", 1, 1, 1),
+                "_scale_inv": None}
+
+    def _split_refusal(self):
+        return None  # a 1D tensor too: one scale, both buffers are [K]
+
+    def _reshaped_buffers(self, shape):
+        if self._transpose is not None:
+            return None
+        return {**self.buffers(), "_data": None if self._data is None else self._data.view(shape)}
+
+    def _transposed_buffers(self):
+        return {**self.buffers(), "_data": self._transpose, "_transpose": self._data}
 
 
 def _quantize_per_tensor(q: Quantizer, x, x2d, be, scale, amax_out=None):
