@@ -102,7 +102,7 @@ class Quantizer(metaclass=QuantizerMeta):
 
     # ----------------------------------------------------------------- value identity
     @classmethod
-    def _value_fields(cls_or_self) -> tuple[str, ...] | None:
+    def value_fields(cls_or_self) -> tuple[str, ...] | None:
         """Field names of a class that opted in itself; ``None`` (identity semantics) otherwise."""
         cls = cls_or_self if isinstance(cls_or_self, type) else type(cls_or_self)
         return cls._value_field_names if cls._value_owner is cls else None
@@ -116,9 +116,9 @@ class Quantizer(metaclass=QuantizerMeta):
                 "group per call instead: quantizer.quantize(x, amax_reduction_group=group)."
             )
 
-    def _value_key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    def value_key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
         """``(qualified class name, ((field, value), ...))``; enum members keyed by ``.value``."""
-        names = self._value_fields()
+        names = self.value_fields()
         if names is None:
             raise TypeError(
                 f"{type(self).__qualname__} is not a value quantizer (decorate it with "
@@ -134,17 +134,17 @@ class Quantizer(metaclass=QuantizerMeta):
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        if type(other) is not type(self) or self._value_fields() is None:
+        if type(other) is not type(self) or self.value_fields() is None:
             return NotImplemented
-        return self._value_key() == other._value_key()
+        return self.value_key() == other.value_key()
 
     def __hash__(self) -> int:
-        if self._value_fields() is None:
+        if self.value_fields() is None:
             return object.__hash__(self)
-        return hash(self._value_key())
+        return hash(self.value_key())
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._value_fields() is not None:
+        if self.value_fields() is not None:
             raise AttributeError(
                 f"{type(self).__name__} is an immutable value object (a compiled graph keeps a "
                 f"reference to it and would silently go stale); instead of setting {name!r} use "
@@ -154,7 +154,7 @@ class Quantizer(metaclass=QuantizerMeta):
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._value_fields() is not None:
+        if self.value_fields() is not None:
             raise AttributeError(f"{type(self).__name__} is immutable; cannot delete {name!r}")
         object.__delattr__(self, name)
 
@@ -164,9 +164,9 @@ class Quantizer(metaclass=QuantizerMeta):
         return f"{type(self).__name__}({body})"
 
     def __reduce__(self):
-        if self._value_fields() is None:
+        if self.value_fields() is None:
             return object.__reduce__(self)
-        return (_rebuild_quantizer, (type(self), self._value_key()[1]))
+        return (_rebuild_quantizer, (type(self), self.value_key()[1]))
 
     # ------------------------------------------------------------------ derived objects
     def _fields_dict(self) -> dict[str, Any]:
@@ -174,7 +174,7 @@ class Quantizer(metaclass=QuantizerMeta):
 
     def replace(self, **fields: Any) -> Quantizer:
         """A new quantizer of the same class with ``fields`` changed (value quantizers only)."""
-        if self._value_fields() is None:
+        if self.value_fields() is None:
             raise TypeError(f"{type(self).__name__} is not a value quantizer; use copy()")
         return type(self)(**{**self._fields_dict(), **fields})
 
@@ -186,6 +186,12 @@ class Quantizer(metaclass=QuantizerMeta):
         if columnwise is not None:
             changes["columnwise_usage"] = columnwise
         return self.replace(**changes) if changes else self
+
+    def derive(self, **fields: Any) -> Quantizer:
+        """A quantizer like this one with ``fields`` changed: :meth:`replace` for a value
+        quantizer. An identity quantizer returns itself (a user quantizer is used as given)
+        unless its class knows how to rebuild itself sharing its live state."""
+        return self.replace(**fields) if self.value_fields() is not None else self
 
     def get_usages(self) -> dict[str, bool]:
         return {"rowwise": self.rowwise_usage, "columnwise": self.columnwise_usage}
@@ -212,7 +218,7 @@ class Quantizer(metaclass=QuantizerMeta):
     def _cached_specs(self, shape: torch.Size):
         """:meth:`inner_tensor_specs` of a value quantizer, computed once per (quantizer, shape);
         ``None`` for an identity quantizer or a symbolic shape (traced code), never cached."""
-        if self._value_fields() is None:
+        if self.value_fields() is None:
             return None
         try:
             key = (self, tuple(shape))

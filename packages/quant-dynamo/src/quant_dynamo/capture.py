@@ -50,7 +50,7 @@ from quant_core.kernel_capture import NotCapturable, capture
 KERNEL_DEVICES: set[str] = {"cuda"}
 
 #: Device types whose quantizers may be lowered to reference ops: CUDA, where Inductor's Triton
-#: code was checked byte for byte against the reference (bench/check_compiled_ops.py). Inductor's
+#: code was checked byte for byte against the reference (tests/gpu/test_compiled_ops.py). Inductor's
 #: C++ code for the CPU is built with fast-math flags that differ between torch releases (on
 #: 2.13: ``-fno-signed-zeros``, ``-fexcess-precision=fast``), so the CPU keeps the opaque op,
 #: which runs the reference itself. Tests add "cpu" to check the traced ops.

@@ -3,7 +3,7 @@
 ``__fx_repr__`` (torch 2.11+) returns ``(expr, globals)`` with
 ``expr = "_rebuild_quantizer(ClassName, <key items>)"``; torch 2.10 instead evals ``repr(q)`` with
 only the class name in scope, so there the repr is ``ClassName._rebuild_from_items(<key items>)``.
-Both go through ``_value_key()``, so a quantizer holding a process group raises ``TypeError``, and
+Both go through ``value_key()``, so a quantizer holding a process group raises ``TypeError``, and
 both write enum fields by value, converted back by the field's annotated enum type.
 """
 
@@ -50,7 +50,7 @@ def quantizer_fx_repr(self: Quantizer) -> tuple[str, dict[str, Any]]:
     """``(expr, globals)`` such that ``eval(expr, globals) == self`` (a distinct object, shared by
     every evaluation of an equal expression: see :func:`rebuild_for_graph`)."""
     cls = type(self)
-    items = self._value_key()[1]
+    items = self.value_key()[1]
     expr = f"_rebuild_quantizer({cls.__name__}, {literal(items)})"
     return expr, {"_rebuild_quantizer": rebuild_for_graph, cls.__name__: cls}
 
@@ -62,7 +62,7 @@ def _rebuild_from_items(cls: type, items: tuple[tuple[str, Any], ...]) -> Quanti
 
 def quantizer_eval_repr(self: Quantizer) -> str:
     """torch 2.10's eval-able ``__repr__``, naming only the class."""
-    return f"{type(self).__name__}._rebuild_from_items({literal(self._value_key()[1])})"
+    return f"{type(self).__name__}._rebuild_from_items({literal(self.value_key()[1])})"
 
 
 def attach(cls: type, *, eval_repr: bool) -> None:

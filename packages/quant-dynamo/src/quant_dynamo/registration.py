@@ -40,7 +40,7 @@ _on_registered: list[Callable[[type], None]] = []
 #: Read-only helpers that traced code may call on a quantizer (registered USE_REAL on 2.11),
 #: beside its fields and its class's ``traced_members``.
 _READ_ONLY_MEMBERS = (
-    "_value_fields", "_value_key", "get_usages", "is_requantization_safe",
+    "value_fields", "value_key", "get_usages", "is_requantization_safe",
     "supports_only_rowwise_all_gather", "with_usage", "replace", "copy", "__fx_repr__",
     "_opaque_qualname", "_quant_op_overload", "storage_format", "_storage_tags",
     "reduces_amax", "amax_numel", "lowerings",
@@ -72,7 +72,7 @@ def _attach_op_helpers(cls: type) -> None:
 
 
 def _members(cls: type) -> list[str]:
-    names = list(cls._value_fields())
+    names = list(cls.value_fields())
     helpers = _READ_ONLY_MEMBERS + tuple(getattr(cls, "traced_members", ()))
     return names + [m for m in dict.fromkeys(helpers) if hasattr(cls, m) and m not in names]
 
@@ -227,7 +227,7 @@ def flatten_quantizer(q: Any) -> tuple[str, str]:
     """``(module:qualname, canonical JSON of the value key items)``; ``TypeError`` as
     :func:`check_quantizer_arg` and for a stored process group."""
     check_quantizer_arg(q)
-    items = q._value_key()[1]
+    items = q.value_key()[1]
     return _class_name(type(q)), json.dumps([list(item) for item in items])
 
 

@@ -22,9 +22,10 @@ def interpreting() -> bool:
 
 
 #: Native hardware casts on real GPUs (never under the interpreter, whose fp8 cast rounds wrongly:
-#: `numerics.md`, Known traps). bench/check_gpu.py sweeps the native AND the software encoders
-#: over all 2^32 fp32 inputs; if a native one ever mismatches, set its constant to False and every
-#: kernel falls back to the software rounding helpers of `_rounding` for that rule.
+#: `numerics.md`, Known traps). tests/gpu/test_kernels_vs_reference.py sweeps the native AND the
+#: software encoders over all 2^32 fp32 inputs; if a native one ever mismatches, set its constant
+#: to False and every kernel falls back to the software rounding helpers of `_rounding` for that
+#: rule.
 #: FP8: ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32`` alone (it saturates Inf and overflow, keeps NaN).
 NATIVE_FP8_CASTS = True
 #: bf16: ``cvt.rn.bf16.f32`` (RNE) for bf16 outputs and the RHT rounding, plain bf16 -> fp32

@@ -4,9 +4,9 @@ Two paths per cast rule, chosen at import by the constexprs ``NATIVE_FP8`` / ``N
 ``_common.NATIVE_FP8_CASTS`` / ``NATIVE_BF16_CASTS`` switches): on a real GPU the hardware casts
 (fp32 -> e4m3/e5m2, RNE satfinite; fp32 <-> bf16, RNE); under the
 interpreter (whose fp8 cast rounds wrongly, `numerics.md` Known traps) software rounding (an exact
-power-of-two grid add, integer bit tricks). bench/check_gpu.py sweeps both paths over all 2^32
-fp32 inputs. Maxima drop NaN (``abs_nan0``, or ``abs_for_max`` then ``nan_to_0``), never through
-a NaN-propagating maximum.
+power-of-two grid add, integer bit tricks). tests/gpu/test_kernels_vs_reference.py sweeps both
+paths over all 2^32 fp32 inputs. Maxima drop NaN (``abs_nan0``, or ``abs_for_max`` then
+``nan_to_0``), never through a NaN-propagating maximum.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def fp8_rne_sat_t(v, IS_E4M3: tl.constexpr):
     """``fp8_rne_sat`` for bytes stored TRANSPOSED. Native path: clamp to ±max, cast, NaN ->
     0x7F by a select on the byte. Triton 3.6 on H200 writes garbage (0x7F) into a transposed
     1-byte store fed by the bare cast, or by the cast plus the select alone, on fp32 inputs
-    (bench/debug/fp32_transpose.py, 2026-11-29; akin to triton-lang/triton#11111); this form was
-    byte-exact in every GPU check."""
+    (bench/RESULTS.md; akin to triton-lang/triton#11111); this form was byte-exact in every GPU
+    check."""
     if NATIVE_FP8:
         if IS_E4M3:
             MAXV: tl.constexpr = E4M3_MAX

@@ -138,7 +138,7 @@ def _rows_per_block(m, n, direct: bool, recorded_blocks: bool = True) -> int | N
 
     While launches are recorded into a compiled graph, recorded blocks are never used: they hit
     an illegal memory access in an Inductor copy kernel on the H200 (NVFP4 16384x8192x8192,
-    ``bench/debug/dequant_blocks.py``). With ``recorded_blocks`` (NVFP4) a product that needs
+    ``bench/RESULTS.md``). With ``recorded_blocks`` (NVFP4) a product that needs
     blocks raises ``NotCapturable`` before anything is recorded, so the GEMM stays an opaque op
     whose eager body runs the blocks: that layer's compiled step peaked at 1.02 GiB against 1.27
     with the whole product recorded. Without it (MXFP8) the whole product is recorded: there the

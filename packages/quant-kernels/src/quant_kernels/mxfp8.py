@@ -192,7 +192,7 @@ def _mxfp8_dequant_kernel(
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One scale load per block, not per element (per-element byte gathers held the kernel at
-    30% of copy bandwidth, MIO-throttled: ncu, 2026-11-30). Columnwise tiles have ``32 % BM == 0``
+    30% of copy bandwidth, MIO-throttled, by ncu). Columnwise tiles have ``32 % BM == 0``
     rows, all in one 32-row block: one scale row serves the tile.
 
     d_ptr: uint8 FP8 data ``[M, K]`` (rowwise or columnwise, neither transposed), contiguous.

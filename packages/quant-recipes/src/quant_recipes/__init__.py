@@ -22,28 +22,26 @@ from .quantized_init import (
 from .recipe_names import RECIPE_NAMES, recipe
 from .recipes import (
     CustomRecipe,
+    CustomRecipeState,
     DelayedScaling,
+    DelayedScalingRecipeState,
     DelayedScalingRequest,
     Float8BlockScaling,
+    Float8BlockScalingRecipeState,
     Float8CurrentScaling,
+    Float8CurrentScalingRecipeState,
     Format,
     MMParams,
     MXFP8BlockScaling,
+    MXFP8BlockScalingRecipeState,
     NVFP4BlockScaling,
+    NVFP4BlockScalingRecipeState,
     QParams,
     Recipe,
     quantizer_factory,
 )
 from .role import QuantizerRole
-from .states import (
-    CustomRecipeState,
-    DelayedScalingRecipeState,
-    Float8BlockScalingRecipeState,
-    Float8CurrentScalingRecipeState,
-    MXFP8BlockScalingRecipeState,
-    NVFP4BlockScalingRecipeState,
-    RecipeState,
-)
+from .states import RecipeState
 from .weight_cache import cached_weights
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import torch
 from quant_core import delayed_scaling
 from quant_core.distributed import reduce_amax
 
-from .states import DelayedScalingRecipeState
+from .recipes.delayed import DelayedScalingRecipeState
 
 
 def _reduce(rows: torch.Tensor, group) -> torch.Tensor:

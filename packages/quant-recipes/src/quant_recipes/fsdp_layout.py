@@ -36,7 +36,7 @@ def plan(q: Quantizer, shape, world: int, *, columnwise: bool = True) -> ShardPl
     ranks, or the reason (a sentence) the quantized all-gather does not apply. ``columnwise``:
     dgrad will need the columnwise copy (the weight requires a gradient)."""
     fmt = getattr(q, "storage_format", None)
-    if fmt is None or fmt == "high_precision" or q._value_fields() is None:
+    if fmt is None or fmt == "high_precision" or q.value_fields() is None:
         return (f"{type(q).__name__} is not a value quantizer of a quantized format "
                 "(delayed scaling keeps live scale state, which the shards cannot share)")
     return storage_class(fmt).shard_plan(q, shape, world, columnwise)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from quant_core import DType, GemmOperand, backends
 
 #: Output dtypes routed to cuBLAS's block-scaled FP8 GEMM: bf16, checked against the reference on
-#: the H200 (torch 2.11, bench/gemm.py). torch accepted fp32 and fp16 outputs there too (the
+#: the H200 (torch 2.11, bench/speed.py gemm). torch accepted fp32 and fp16 outputs there too (the
 #: probe), but those were not checked against the reference: they stay emulated for now.
 BLOCKWISE_OUT_DTYPES = (torch.bfloat16,)
 

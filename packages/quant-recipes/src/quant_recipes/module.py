@@ -112,16 +112,7 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
         return q
     if is_value(q):
         return q.replace(**fields)
-    from quant_core import Float8Quantizer
-
-    if type(q) is Float8Quantizer:
-        return Float8Quantizer(
-            q.scale, q.amax, q.dtype,
-            **{"rowwise_usage": q.rowwise_usage, "columnwise_usage": q.columnwise_usage,
-               "internal": q.internal,
-               **{k: v for k, v in fields.items() if k not in ("scale", "amax", "dtype")}},
-        )
-    return q  # a user quantizer without value semantics: used as given
+    return q.derive(**fields)
 
 
 def is_value(q: Quantizer) -> bool:

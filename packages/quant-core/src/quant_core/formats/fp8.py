@@ -170,6 +170,14 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
             self, x, x2d, be, self.scale.reshape(1), amax_out=self.amax.view(1)
         )
 
+    def derive(self, **fields) -> Float8Quantizer:
+        """A delayed-scaling quantizer over the same ``scale`` and ``amax`` tensors (the recipe
+        state's live slots) with the other ``fields`` changed."""
+        fields = {k: v for k, v in fields.items() if k not in ("scale", "amax", "dtype")}
+        return Float8Quantizer(self.scale, self.amax, self.dtype, **{
+            "rowwise_usage": self.rowwise_usage, "columnwise_usage": self.columnwise_usage,
+            "internal": self.internal, **fields})
+
     def calibrate(self, x: torch.Tensor) -> None:
         """Record ``max|x|`` into ``amax`` without quantizing."""
         be = backends.get(None, x.device)

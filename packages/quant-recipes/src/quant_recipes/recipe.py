@@ -1,0 +1,206 @@
+"""The recipe base: immutable, comparable descriptions of a quantization scheme
+(`behaviour.md` §4), and what every recipe shares (formats, QParams, MMParams, validation).
+
+A recipe is a frozen dataclass. Equality is field equality, which is what modules cache on
+(`behaviour.md` §8-§9). Every setting that changes numerics is a real field; defaults that
+TransformerEngine reads from the environment (``NVTE_*``) are resolved when a recipe is
+*constructed* (``default_factory``), never at import. QParams that TE keeps as class attributes
+are fields here, derived from the recipe's switches in ``__post_init__`` unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from quant_core import DType
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+class Format(enum.Enum):
+    """Element format of a recipe, with the maxima for forward and backward tensors."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+    E2M1 = "E2M1"
+
+    @property
+    def fwd_dtype(self) -> DType:
+        return _FORMAT_DTYPES[self][0]
+
+    @property
+    def bwd_dtype(self) -> DType:
+        return _FORMAT_DTYPES[self][1]
+
+    @property
+    def max_fwd(self) -> float:
+        return self.fwd_dtype.max
+
+    @property
+    def max_bwd(self) -> float:
+        return self.bwd_dtype.max
+
+
+_FORMAT_DTYPES = {
+    Format.E4M3: (DType.E4M3, DType.E4M3),
+    Format.E5M2: (DType.E5M2, DType.E5M2),
+    Format.HYBRID: (DType.E4M3, DType.E5M2),
+    Format.E2M1: (DType.E2M1, DType.E2M1),
+}
+
+
+#: The largest DelayedScaling margin: scales are fp32, and ``fp8_max / amax / 2^margin`` of a
+#: typical amax must stay a normal number (margin 200 made every scale 0 and every output NaN).
+MAX_MARGIN = 32
+
+
+def _check_field_types(obj) -> None:
+    """``bool`` fields take only bools (``"no"`` would turn a switch on), ``int`` fields only
+    ints, ``float`` fields finite non-negative numbers: checked at construction, by annotation."""
+    cls = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "bool" and not isinstance(value, bool):
+            raise TypeError(f"{cls}.{f.name} must be a bool, got {value!r}")
+        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{cls}.{f.name} must be an int, got {value!r}")
+        if f.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{cls}.{f.name} must be a float, got {value!r}")
+            if not math.isfinite(value) or value < 0 or value > 3.4028234663852886e38:
+                raise ValueError(f"{cls}.{f.name} must be a finite fp32 value >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM parameters (kept for TransformerEngine parity; emulated GEMMs accumulate in fp32)."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+
+#: The default GEMM parameters, module-level so that a recipe built inside a compiled region
+#: reads them through a global (Dynamo cannot wrap a dataclass default that has no source).
+_SPLIT = MMParams(use_split_accumulator=True)
+_NO_SPLIT = MMParams(use_split_accumulator=False)
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters for one class of tensors (inputs, weights or gradients)."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+
+#: Spellings of an unset switch in ``NVTE_*`` variables (compared after strip + lower).
+_FALSE_SPELLINGS = ("", "0", "false", "off", "no", "n", "f")
+
+
+def _env_flag(name: str, default: str = "0") -> Callable[[], bool]:
+    """A ``default_factory`` reading the boolean env var ``name`` at construction time:
+    ``0``/``false``/``off``/``no`` in any case (or empty) is False, anything else True."""
+
+    def read() -> bool:
+        return os.environ.get(name, default).strip().lower() not in _FALSE_SPELLINGS
+
+    read.__qualname__ = f"env[{name}]"
+    return read
+
+
+def _env_backward_override() -> str | None:
+    return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
+
+
+_FP8_QPARAM_FIELDS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+def _fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
+    """Give each field named in ``defaults`` that is still ``None`` its default (frozen-safe)."""
+    for name, value in defaults.items():
+        if getattr(recipe, name) is None:
+            object.__setattr__(recipe, name, value)
+
+
+def _check_common(recipe: Recipe) -> None:
+    _check_field_types(recipe)
+    margin = getattr(recipe, "margin", 0)
+    if not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(
+            f"{type(recipe).__name__}.margin must be an int in [0, {MAX_MARGIN}] (the power-of-two "
+            f"headroom below the FP8 maximum), got {margin!r}"
+        )
+    if recipe.backward_override not in _BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"{type(recipe).__name__}.backward_override must be one of {_BACKWARD_OVERRIDES}, "
+            f"got {recipe.backward_override!r}"
+        )
+    fmt = getattr(recipe, "fp8_format", None)
+    if fmt is not None and not isinstance(fmt, Format):
+        raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {fmt!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Base of every recipe; the predicates tell the kind without ``isinstance`` chains.
+
+    Recipes are frozen dataclasses, validated at construction (an error names the field and
+    what is allowed), equal and hashable by value. Fields most recipes share:
+
+    - ``fp8_format``: the FP8 element format, ``Format.E4M3`` everywhere or ``Format.HYBRID``
+      (E4M3 forward, E5M2 for gradients);
+    - ``margin``: delayed scaling divides its scales by ``2^margin`` (headroom against
+      overflow); the other recipes accept it for TransformerEngine parity;
+    - ``fp8_dpa`` / ``fp8_mha``: FP8 attention (accepted for TransformerEngine parity; no
+      attention module here uses them);
+    - ``backward_override``: ``None`` (backward GEMMs on the quantized columnwise copies),
+      ``"high_precision"`` (backward GEMMs in the input dtype, on the saved originals) or
+      ``"dequantized"`` (backward GEMMs on the forward's rowwise quantized operands, used
+      transposed); default from ``NVTE_BACKWARD_OVERRIDE``;
+    - ``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` / ``fp8_quant_bwd_grad`` (and NVFP4's
+      ``fp4_quant_*``): per-tensor-type :class:`QParams`, filled from the recipe's flags when
+      left ``None``;
+    - ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad``: per-GEMM :class:`MMParams`
+      (split accumulator).
+    """
+
+    #: The :class:`~quant_recipes.states.RecipeState` subclass that turns this recipe into
+    #: quantizers (``RecipeState.create``); each recipe module sets its own.
+    state_class: ClassVar[type | None] = None
+
+    # The kind predicates (TransformerEngine's API): each recipe class answers its own.
+    def delayed(self) -> bool:
+        return False
+
+    def float8_current_scaling(self) -> bool:
+        return False
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return False
+
+    def mxfp8(self) -> bool:
+        return False
+
+    def float8_block_scaling(self) -> bool:
+        return False
+
+    def nvfp4(self) -> bool:
+        return False
+
+    def custom(self) -> bool:
+        return False
