@@ -21,6 +21,7 @@ fprop ``x @ Wᵀ``, dgrad ``gy @ W`` and wgrad ``gyᵀ @ x``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
@@ -46,13 +47,28 @@ backends.register(BACKEND)  # from source trees (PYTHONPATH) the entry point is 
 RECIPES = {"fp8_current": Float8CurrentScaling, "fp8_block": Float8BlockScaling,
            "mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}
 SWEEP = {  # tile configs tried per kernel (the first of each list is the package default)
-    "mxfp8_gemm_fp8": [dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=4, num_stages=6)],
-    "mxfp8_gemm_bf16": [dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2)],
+    "mxfp8_gemm": [dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2)],
     "nvfp4_gemm": [dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)],
     "mxfp8_dequant": [dict(BM=16, BK=256, num_warps=4)],
     "nvfp4_dequant": [dict(BM=32, BK=64, num_warps=4)],
 }
 RESULTS: dict = {"checks": [], "speed": [], "probes": []}
+
+
+@contextlib.contextmanager
+def gemm_implementation(fmt: str, implementation: str):
+    """Route the Triton backend's ``<fmt>_gemm`` through ``implementation`` (one of
+    ``quant_kernels._gemm.IMPLEMENTATIONS``) while the block runs, so that the GEMM dispatch
+    (``qgemm_impl``) times either one."""
+    module = {"mxfp8": mxfp8_gemm, "nvfp4": nvfp4_gemm}[fmt]
+    name = f"{fmt}_gemm"
+    default = type(BACKEND).__dict__[name]
+    using = functools.partial(getattr(module, f"{fmt}_gemm_using"), implementation)
+    setattr(type(BACKEND), name, staticmethod(using))
+    try:
+        yield
+    finally:
+        setattr(type(BACKEND), name, default)
 
 
 def quantizers(name: str, exact: bool = False):
@@ -216,20 +232,17 @@ def speed(m: int, k: int, n: int) -> None:
             sweeps = [None]  # (mode, config key, config)
             if path == "triton_mxfp8":
                 sweeps = [("dequant", "mxfp8_dequant", c) for c in SWEEP["mxfp8_dequant"]]
-                sweeps += [(mode, f"mxfp8_gemm_{mode}", c) for mode in ("bf16", "fp8")
-                           for c in SWEEP[f"mxfp8_gemm_{mode}"]
-                           if mode == "bf16" or role == "fprop"]  # FP8 MMA: K-contiguous
+                sweeps += [("fused", "mxfp8_gemm", c) for c in SWEEP["mxfp8_gemm"]]
             elif path == "triton_nvfp4":
                 sweeps = [("dequant", "nvfp4_dequant", c) for c in SWEEP["nvfp4_dequant"]]
                 sweeps += [("fused", "nvfp4_gemm", c) for c in SWEEP["nvfp4_gemm"]]
             for item in sweeps:
                 label = f"{name} {role} {path}"
-                tiles = contextlib.nullcontext()
+                tiles = contextlib.ExitStack()
                 if item is not None:
                     mode, key, cfg = item
-                    module = mxfp8_gemm if name == "mxfp8" else nvfp4_gemm
-                    tiles = configs.overridden(key, cfg)
-                    module.MODE = mode
+                    tiles.enter_context(configs.overridden(key, cfg))
+                    tiles.enter_context(gemm_implementation(name, mode))
                     label += f" {mode} " + ",".join(f"{k_}={v}" for k_, v in cfg.items())
                 with tiles:
                     try:
@@ -237,8 +250,6 @@ def speed(m: int, k: int, n: int) -> None:
                                ms(lambda args=args: G.qgemm_impl(*args, None, torch.bfloat16)))
                     except Exception as e:  # noqa: BLE001
                         print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                if item is not None:
-                    module.MODE = None
         del qs
         torch.cuda.empty_cache()
 

@@ -135,5 +135,3 @@ FUNCTIONS: tuple[str, ...] = tuple(
     n for n, v in vars(Backend).items()
     if callable(v) and not n.startswith("_") and n != "supports"
 )
-
-__all__ = ["Backend", "FUNCTIONS"]

@@ -64,6 +64,3 @@ def update_unfused(hist: torch.Tensor, scale: torch.Tensor, reduced: torch.Tenso
         sf = torch.where(amax > 0.0, sf, scale)
         new = torch.where(torch.isfinite(amax), sf, scale)
     scale.copy_(new)
-
-
-__all__ = ["update", "update_unfused"]

@@ -36,6 +36,3 @@ def capture() -> Iterator[None]:
         yield
     finally:
         _state.active = previous
-
-
-__all__ = ["NotCapturable", "capturing", "capture"]

@@ -47,6 +47,3 @@ class GemmOperand:
     def fp8_view(self) -> torch.Tensor:
         """``data`` as a torch FP8 tensor (FP8 formats)."""
         return self.data.view(self.fp_dtype.torch_dtype)
-
-
-__all__ = ["GemmOperand"]

@@ -40,6 +40,3 @@ def row_blocks_refusal(what: str, shape, world: int) -> str | None:
         return None
     return (f"{what}: every rank must hold a multiple of {ROW_BLOCK} rows (dim 0 = {m} over "
             f"{world} ranks gives {ceil_div(m, world)})")
-
-
-__all__ = ["ShardPlan", "ROW_BLOCK", "row_blocks_refusal"]

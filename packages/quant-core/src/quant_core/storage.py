@@ -245,7 +245,3 @@ def present_buffers(cls: type[QuantizedStorage], s) -> dict[str, torch.Tensor]:
     """The present buffers of ``s`` by attribute reads only (``s`` may be a quantized tensor
     that Dynamo traces, whose method calls it takes for tensor methods)."""
     return {n: getattr(s, n) for n in cls.buffer_names if getattr(s, n) is not None}
-
-
-__all__ = ["QuantizedStorage", "absent_buffer", "present_buffers", "storage_class",
-           "storage_formats"]

@@ -400,9 +400,3 @@ def wrap(storage: QuantizedStorage) -> QuantizedStorage:
     if isinstance(storage, QuantizedTensor) or type(storage).tensor_class is None:
         return storage
     return QuantizedTensor.from_storage(storage)
-
-
-__all__ = [
-    "QuantizedTensor", "OPS", "TensorContext", "implements", "tensor_class", "tensor_classes",
-    "wrap", "allow_weights_only_load",
-]

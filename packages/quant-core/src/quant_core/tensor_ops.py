@@ -360,7 +360,3 @@ OPS.update({
     aten.narrow.default: _narrow,
     aten.cat.default: _cat,
 })
-
-
-
-__all__: list[str] = []

@@ -142,7 +142,3 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
     lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     torch.library.register_torch_dispatch(op, FunctionalTensorMode, functional, lib=lib)
     return True
-
-
-__all__ = ["NotCapturable", "KERNEL_DEVICES", "OPS_DEVICES", "supported", "forms", "enabled",
-           "capturable", "traceable", "lower"]

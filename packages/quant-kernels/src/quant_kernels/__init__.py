@@ -7,3 +7,6 @@ module per format holds its kernels; :mod:`._rounding` one helper per rounding r
 launch goes through :func:`._common.launch`, which ``torch.compile`` can record. Kernels run on
 CUDA GPUs, and on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``) for tests.
 """
+
+#: The backend is reached through quant-core's registry, never by name: nothing is exported.
+__all__: list[str] = []

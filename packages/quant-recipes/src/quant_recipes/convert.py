@@ -264,7 +264,3 @@ def unconvert(model: torch.nn.Module) -> torch.nn.Module:
                               device="meta", dtype=old.weight.dtype)
         _swap(model, fqns, _adopt(new, old))
     return model
-
-
-__all__ = ["convert", "unconvert", "default_filter", "unsupported_shape", "check_input_dtype",
-           "HEAD_NAMES"]

@@ -218,9 +218,3 @@ def enable_fsdp_quantized_all_gather(model: torch.nn.Module, recipe: Recipe) -> 
         module.weight = torch.nn.Parameter(wrapped, requires_grad=w.requires_grad)
         module.register_state_dict_post_hook(_plain_state_dict)
     return model
-
-
-__all__ = [
-    "QuantizedAllGatherWeight", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
-    "reset_all_gather_bytes",
-]

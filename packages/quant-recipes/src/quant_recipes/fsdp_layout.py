@@ -93,7 +93,3 @@ def columnwise_buffers(s: QuantizedStorage, q: Quantizer | None = None
     if getattr(s, cls.columnwise_data_name) is not None:
         return None
     return cls.columnwise_from_rowwise(s, q)
-
-
-__all__ = ["base", "plan", "quantize_shard", "assemble", "columnwise_buffers",
-           "columnwise_buffer_list"]

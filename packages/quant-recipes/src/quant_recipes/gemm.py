@@ -203,10 +203,3 @@ def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col
         a_bufs, a_meta, list(a_shape), a_col, transa, b_bufs, b_meta, list(b_shape), b_col,
         transb, bias, out_dtype,
     )
-
-
-__all__ = [
-    "gemm_paths", "compiled_gemm_paths", "last_gemm_path", "reset_gemm_paths", "qgemm",
-    "qgemm_impl", "dequantize", "quantizer_meta", "operand", "for_transposed_use", "HP",
-    "HP_META",
-]

@@ -236,7 +236,3 @@ def fast_gemm(ra: GemmOperand, rb: GemmOperand, bias: torch.Tensor | None,
         return None
     out = _PATHS[ra.format].gemm(ra, rb, bias, out_dtype)
     return None if out is None else (out, path_name(ra))
-
-
-__all__ = ["fast_gemm", "routes", "Route", "blockwise_available", "path_name", "EMULATED",
-           "BLOCKWISE_OUT_DTYPES"]

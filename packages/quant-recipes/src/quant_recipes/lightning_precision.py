@@ -47,6 +47,3 @@ class QuantPrecision(Precision):
 
     def forward_context(self) -> AbstractContextManager:
         return autocast(recipe=self.recipe)
-
-
-__all__ = ["QuantPrecision"]

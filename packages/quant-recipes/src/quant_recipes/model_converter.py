@@ -41,6 +41,3 @@ class QuantConverter:
 
     def post_optimizer_hook(self, model: torch.nn.Module | list[torch.nn.Module]) -> None:
         """Nothing to do after an optimizer step (see the module docstring)."""
-
-
-__all__ = ["QuantConverter"]

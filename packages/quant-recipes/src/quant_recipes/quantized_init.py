@@ -185,9 +185,3 @@ class MasterWeights:
         optimizer.step()
         for p, m in self.pairs:
             requantize_(p, m)
-
-
-__all__ = [
-    "quantized_model_init", "get_high_precision_init_val", "clear_high_precision_init_val",
-    "requantize_", "MasterWeights",
-]

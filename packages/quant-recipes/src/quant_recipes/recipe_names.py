@@ -68,6 +68,3 @@ def as_recipe(value: Recipe | str, who: str, **options) -> Recipe:
         raise TypeError(f"{who}: recipe must be a quant_recipes.Recipe or its name, got "
                         f"{value!r}")
     return value
-
-
-__all__ = ["recipe", "as_recipe", "RECIPE_NAMES"]

@@ -60,6 +60,3 @@ def shared_quantization(x: torch.Tensor, q: Quantizer, group,
 def forget() -> None:
     """Drop this thread's remembered quantization (its buffers may then be freed)."""
     _last.entry = None
-
-
-__all__ = ["shared_quantization", "forget", "contents_key"]

@@ -78,6 +78,3 @@ def cached_quantization(w: torch.Tensor, q: Quantizer, group,
     buffers = quantize()
     slot[1][id(q)] = (q, key, storage, tuple(buffers))
     return buffers
-
-
-__all__ = ["cached_weights", "cached_quantization", "active"]

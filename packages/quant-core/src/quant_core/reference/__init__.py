@@ -12,16 +12,23 @@ the same bytes (GEMMs: the same products and fp32 sums, in any order). The round
 
 from __future__ import annotations
 
-from .fp8_block import fp8_block_dequantize, fp8_block_quantize  # noqa: F401
-from .fp8_tensor import (  # noqa: F401
+from .fp8_block import fp8_block_dequantize, fp8_block_quantize
+from .fp8_tensor import (
     amax,
     current_scale,
     fp8_current_quantize,
     fp8_dequantize,
     fp8_quantize,
 )
-from .gemm import mxfp8_gemm, nvfp4_gemm  # noqa: F401
-from .mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: F401
-from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize  # noqa: F401
-from .rht import rht_matrix  # noqa: F401
-from .swizzle import swizzle_scales, unswizzle_scales  # noqa: F401
+from .gemm import mxfp8_gemm, nvfp4_gemm
+from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
+from .rht import rht_matrix
+from .swizzle import swizzle_scales, unswizzle_scales
+
+__all__ = [
+    "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
+    "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
+    "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm", "rht_matrix",
+    "swizzle_scales", "unswizzle_scales",
+]

@@ -92,3 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+__all__ = ["build_parser", "main"]

@@ -120,6 +120,3 @@ class GPTTask:
         losses = [self.loss(forward(x), y).item()
                   for x, y in (self._sample(self.val_ids, gen) for _ in range(4))]
         return sum(losses) / len(losses) if all(map(math.isfinite, losses)) else float("nan")
-
-
-__all__ = ["GPTTask", "GPT", "corpus", "SIZES"]
