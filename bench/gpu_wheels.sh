@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the four packages as wheels into .whl/ (ignored by git, carried to the GPU machine with
 # `carry: [".whl"]`), beside any peer wheels already there (torchao). On the GPU machine,
-# `source bench/gpu_env.sh` installs them into /tmp/site, so that quant-kernels' entry point
+# `bash bench/device.sh` installs them into /tmp/site, so that quant-kernels' entry point
 # registers the Triton backend as in a user's install.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -188,12 +188,11 @@ def identity_quantizer_message(cls: type) -> str:
             "(its extra state would be ignored). Decorate it with @quant_core.value_quantizer "
             "to pass it to a quant custom op or compile with it."
         )
-    values = ", ".join(c.__qualname__ for c in value_classes() if c.__module__.startswith(
-        "quant_core."))
     return (
         f"{cls.__qualname__} has identity semantics (it holds live state, e.g. delayed scaling's "
         "scale and amax tensors), so it runs in eager mode only and cannot be passed to a quant "
-        f"custom op or compiled; use a value quantizer ({values}) or run this region eagerly."
+        "custom op or compiled; use a value quantizer (quant_core.value_classes() lists them) or "
+        "run this region eagerly."
     )
 
 
