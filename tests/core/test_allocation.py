@@ -4,26 +4,21 @@ produces, for every format, usage combination and leading shape, also under Fake
 
 from __future__ import annotations
 
+import formats
 import pytest
 import torch
 from quant_core import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
     Float8Quantizer,
     MXFP8Quantizer,
-    NVFP4Quantizer,
 )
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+#: Every format's default quantizer and variants from tests/formats.py; delayed scaling (stateful)
+#: stays local.
 QUANTIZERS = {
-    "current": Float8CurrentScalingQuantizer(),
+    **{name: make() for name, make in formats.quantizers(
+        "mxfp8_swizzled", "block1d", "nvfp4_rht", defaults=True).items()},
     "delayed": Float8Quantizer(torch.ones(1), torch.zeros(1)),
-    "mxfp8": MXFP8Quantizer(),
-    "mxfp8_swizzled": MXFP8Quantizer(optimize_for_gemm=True),
-    "block1d": Float8BlockQuantizer(block_scaling_dim=1),
-    "block2d": Float8BlockQuantizer(block_scaling_dim=2),
-    "nvfp4": NVFP4Quantizer(),
-    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
 }
 USAGES = [(True, True), (True, False), (False, True)]
 SHAPES = [(64, 128), (3, 48, 96), (0, 64)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import formats
 import pytest
 import torch
 from quant_core import (
@@ -14,16 +15,9 @@ from quant_core import (
     backends,
 )
 
-QUANTIZERS = {
-    "current": Float8CurrentScalingQuantizer(),
-    "mxfp8": MXFP8Quantizer(),
-    "mxfp8_2d": MXFP8Quantizer(with_2d_quantization=True),
-    "block1d": Float8BlockQuantizer(block_scaling_dim=1),
-    "block2d": Float8BlockQuantizer(block_scaling_dim=2),
-    "nvfp4": NVFP4Quantizer(),
-    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-    "nvfp4_2d": NVFP4Quantizer(with_2d_quantization=True),
-}
+#: Every format's default quantizer and the variants with their own layouts (tests/formats.py).
+QUANTIZERS = {name: make() for name, make in formats.quantizers(
+    "mxfp8_2d", "block1d", "nvfp4_rht", "nvfp4_2d", defaults=True).items()}
 
 # Expected buffer shapes for x of shape (2, 48, 64): M = 96, K = 64 (numerics.md §4-§7, §9).
 EXPECTED_SHAPES = {

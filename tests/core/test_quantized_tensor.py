@@ -8,6 +8,7 @@ import copy
 import io
 import pickle
 
+import formats
 import pytest
 import torch
 from quant_core import (
@@ -35,23 +36,18 @@ def _delayed():
     return Float8Quantizer(torch.full((1,), 2.0), torch.zeros(1))
 
 
-QUANTIZERS = {
-    "current": lambda: Float8CurrentScalingQuantizer(),
-    "delayed": _delayed,
-    "mxfp8": lambda: MXFP8Quantizer(),
-    "block1d": lambda: Float8BlockQuantizer(block_scaling_dim=1),
-    "block2d": lambda: Float8BlockQuantizer(block_scaling_dim=2),
-    "nvfp4": lambda: NVFP4Quantizer(),
-    "nvfp4_rht": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-}
+#: Every format's default quantizer and variants from tests/formats.py; delayed scaling (stateful)
+#: stays local.
+FORMAT_QUANTIZERS = formats.quantizers("block1d", "nvfp4_rht", defaults=True)
+QUANTIZERS = {**FORMAT_QUANTIZERS, "delayed": _delayed}
 CLASSES = {
     "current": Float8Tensor, "delayed": Float8Tensor, "mxfp8": MXFP8Tensor,
     "block1d": Float8BlockwiseQTensor, "block2d": Float8BlockwiseQTensor, "nvfp4": NVFP4Tensor,
     "nvfp4_rht": NVFP4Tensor,
 }
 #: The rows of dim 0 a piece must start at (behaviour.md §1.5).
-ROW_BLOCK = {"current": 1, "delayed": 1, "mxfp8": 32, "block1d": 128, "block2d": 128,
-             "nvfp4": 16, "nvfp4_rht": 16}
+ROW_BLOCK = {**{name: formats.format_of(name).row_block for name in FORMAT_QUANTIZERS},
+             "delayed": 1}
 NAMES = sorted(QUANTIZERS)
 
 
@@ -254,7 +250,7 @@ def test_float8_transpose_swaps_rowwise_and_columnwise(name):
         _bytes_equal(t.t(), ref)
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "block1d", "block2d", "nvfp4", "nvfp4_rht"])
+@pytest.mark.parametrize("name", formats.select(FORMAT_QUANTIZERS, transposes=False))
 def test_transpose_of_a_block_format_is_refused(name):
     t = QUANTIZERS[name]().quantize(_x())
     with pytest.raises(NotImplementedError, match=f"{type(t).__name__}: its columnwise"):

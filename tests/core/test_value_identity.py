@@ -6,6 +6,7 @@ import enum
 import pickle
 import warnings
 
+import formats
 import pytest
 import torch
 from quant_core import (
@@ -22,13 +23,10 @@ from quant_core import (
 )
 from quant_core.quantizer import _rebuild_quantizer
 
-VALUE_QUANTIZERS = [
-    lambda: Float8CurrentScalingQuantizer(DType.E4M3, amax_epsilon=0.0),
-    lambda: MXFP8Quantizer(DType.E4M3),
-    lambda: Float8BlockQuantizer(DType.E4M3, force_pow_2_scales=True),
-    lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-]
-IDS = ["current", "mxfp8", "block", "nvfp4"]
+#: One value quantizer per format (tests/formats.py), NVFP4 with its RHT fields set.
+_BY_ID = {**formats.default_quantizers(), "nvfp4": formats.quantizers("nvfp4_rht")["nvfp4_rht"]}
+VALUE_QUANTIZERS = list(_BY_ID.values())
+IDS = list(_BY_ID)
 
 class FloatEnum(enum.Enum):
     A = 0.5
