@@ -4,17 +4,14 @@ breaks where it has none (torch 2.9: `docs/torch-versions.md` §3)."""
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_dynamo
 import quant_recipes as qr
 import torch
 
-RECIPES = {
-    "current": qr.Float8CurrentScaling(),
-    "block": qr.Float8BlockScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py).
+RECIPES = {name: make() for name, make in formats.default_recipes().items()}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -9,15 +9,13 @@ lowering itself is checked on the GPU (tests/gpu/test_compile_cuda.py).
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_dynamo
 import torch
 from _dynamo_helpers import capturable_reference, requires_api, requires_lowering
 from functorch.compile import make_boxed_func
 from quant_core import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
     NVFP4Quantizer,
     backends,
 )
@@ -26,12 +24,10 @@ from torch._dynamo.backends.common import aot_autograd
 
 pytestmark = [requires_api, requires_lowering]
 
-QUANTIZERS = {
-    "current": Float8CurrentScalingQuantizer(columnwise_usage=True),
-    "mxfp8": MXFP8Quantizer(columnwise_usage=True),
-    "block": Float8BlockQuantizer(columnwise_usage=True),
-    "nvfp4": NVFP4Quantizer(columnwise_usage=True, with_rht=True, with_post_rht_amax=True),
-}
+#: One quantizer per format (tests/formats.py), NVFP4 with the RHT.
+QUANTIZERS = {name: make(columnwise_usage=True)
+              for name, make in formats.default_quantizers().items()}
+QUANTIZERS["nvfp4"] = formats.quantizer("nvfp4_rht", columnwise_usage=True)
 
 
 @pytest.fixture

@@ -9,25 +9,14 @@ share a storage, which custom-op outputs may not).
 
 from __future__ import annotations
 
+import formats
 import pytest
 import torch
 from _dynamo_helpers import requires_api
-from quant_core import (
-    DType,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
 
-QUANTIZERS = {
-    "current": Float8CurrentScalingQuantizer(DType.E4M3),
-    "mxfp8": MXFP8Quantizer(DType.E4M3),
-    "block1d": Float8BlockQuantizer(DType.E4M3, block_scaling_dim=1),
-    "block2d": Float8BlockQuantizer(DType.E4M3, block_scaling_dim=2),
-    "nvfp4": NVFP4Quantizer(DType.E2M1),
-    "nvfp4_rht": NVFP4Quantizer(DType.E2M1, with_rht=True, with_post_rht_amax=True),
-}
+#: Every format's default quantizer and variants from tests/formats.py.
+QUANTIZERS = {name: make() for name, make in formats.quantizers(
+    "block1d", "nvfp4_rht", defaults=True).items()}
 
 
 def _op(name, q):
@@ -56,7 +45,7 @@ def test_quantize_outputs_do_not_require_grad(fmt):
 
 @requires_api
 @pytest.mark.parametrize("m", [32, 0])
-@pytest.mark.parametrize("fmt", ["current", "nvfp4", "nvfp4_rht"])
+@pytest.mark.parametrize("fmt", formats.select(QUANTIZERS, reduces_amax=True))
 def test_opcheck_amax_and_quantize_with_amax(fmt, m):
     """The split around the amax reduction: ``amax`` then ``quantize_with_amax`` gives
     ``quantize``'s buffers, and both ops pass opcheck."""

@@ -5,11 +5,11 @@ per distinct quantizer value, none for an equal quantizer on a new tensor, zero 
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_dynamo  # noqa: F401  (compile support, as users import it)
 import torch
 from quant_core import (
-    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     MXFP8Quantizer,
@@ -18,12 +18,8 @@ from quant_core import (
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-QUANTIZERS = {
-    "current": lambda **kw: Float8CurrentScalingQuantizer(**kw),
-    "mxfp8": lambda **kw: MXFP8Quantizer(**kw),
-    "block": lambda **kw: Float8BlockQuantizer(**kw),
-    "nvfp4": lambda **kw: NVFP4Quantizer(**kw),
-}
+#: One quantizer factory per format (tests/formats.py): ``make(**overrides)``.
+QUANTIZERS = formats.default_quantizers()
 BACKENDS = ["eager", "aot_eager"]
 
 

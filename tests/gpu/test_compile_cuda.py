@@ -4,6 +4,7 @@ per recipe equals its eager forward and backward bitwise."""
 
 from __future__ import annotations
 
+import formats
 import pytest
 import torch
 
@@ -11,28 +12,13 @@ pytest.importorskip("triton")
 
 import quant_dynamo  # noqa: E402
 import quant_recipes as qr  # noqa: E402
-from quant_core import (  # noqa: E402
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-    backends,
-)
+from quant_core import backends  # noqa: E402
 
-QUANTIZERS = {
-    "current": lambda: Float8CurrentScalingQuantizer(),
-    "mxfp8": lambda: MXFP8Quantizer(),
-    "block2d": lambda: Float8BlockQuantizer(),
-    "block1d": lambda: Float8BlockQuantizer(block_scaling_dim=1),
-    "nvfp4_rht": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-    "nvfp4_2d": lambda: NVFP4Quantizer(with_2d_quantization=True),
-}
-RECIPES = {
-    "fp8_current": qr.Float8CurrentScaling,
-    "fp8_block": qr.Float8BlockScaling,
-    "mxfp8": qr.MXFP8BlockScaling,
-    "nvfp4": qr.NVFP4BlockScaling,
-}
+#: Quantizers (tests/formats.py): every format, NVFP4 with the RHT and with 2D blocks instead of
+#: its default; every built-in recipe, by qualified id.
+QUANTIZERS = {name: make for name, make in formats.quantizers(
+    "block1d", "nvfp4_rht", "nvfp4_2d", defaults=True).items() if name != "nvfp4"}
+RECIPES = formats.default_recipes(qualified=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import itertools
 
+import formats
 import pytest
 import quant_dynamo
 import torch
-from quant_core import DType, Float8CurrentScalingQuantizer
 
 DEV = "cuda"
 SHAPES = [(7, 13), (127, 129), (256, 4096), (3, 5, 300), (1000, 3000), (8192, 8192), (1, 1)]
@@ -29,16 +29,15 @@ PRODUCERS = {
     "input": lambda a, b: a,
     "silu_mul": lambda a, b: torch.nn.functional.silu(a) * b,
 }
-#: Every usage pair with E4M3, and both usages with power-of-two scales and with E5M2.
+#: Every usage pair with E4M3, and both usages with power-of-two scales and with E5M2: the fp8
+#: row's variants of tests/formats.py (the format lowered to torch ops).
+_FP8 = formats.FORMATS["fp8"].quantizers
 QUANTIZERS = {
-    "e4m3_row_col": lambda: Float8CurrentScalingQuantizer(rowwise_usage=True,
-                                                          columnwise_usage=True),
-    "e4m3_row": lambda: Float8CurrentScalingQuantizer(rowwise_usage=True,
-                                                      columnwise_usage=False),
-    "e4m3_col": lambda: Float8CurrentScalingQuantizer(rowwise_usage=False,
-                                                      columnwise_usage=True),
-    "e4m3_pow2": lambda: Float8CurrentScalingQuantizer(force_pow_2_scales=True),
-    "e5m2_eps": lambda: Float8CurrentScalingQuantizer(DType.E5M2, amax_epsilon=1e-3),
+    "e4m3_row_col": lambda: _FP8["current"](rowwise_usage=True, columnwise_usage=True),
+    "e4m3_row": lambda: _FP8["current"](rowwise_usage=True, columnwise_usage=False),
+    "e4m3_col": lambda: _FP8["current"](rowwise_usage=False, columnwise_usage=True),
+    "e4m3_pow2": _FP8["current_pow2"],
+    "e5m2_eps": lambda: _FP8["current_e5m2"](amax_epsilon=1e-3),
 }
 
 

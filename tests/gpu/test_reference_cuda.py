@@ -4,28 +4,13 @@ fp32 / bf16 / fp16 1040x2048 inputs with zeros, NaN, ±Inf, fp32 subnormals and 
 
 from __future__ import annotations
 
+import formats
 import pytest
 import torch
-from quant_core import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
 
-CASES = {
-    "current": lambda: Float8CurrentScalingQuantizer(),
-    "current_pow2": lambda: Float8CurrentScalingQuantizer(force_pow_2_scales=True),
-    "mxfp8": lambda: MXFP8Quantizer(),
-    "mxfp8_2d_swizzled": lambda: MXFP8Quantizer(with_2d_quantization=True,
-                                                optimize_for_gemm=True),
-    "block1d": lambda: Float8BlockQuantizer(block_scaling_dim=1),
-    "block2d": lambda: Float8BlockQuantizer(block_scaling_dim=2),
-    "nvfp4": lambda: NVFP4Quantizer(),
-    "nvfp4_rht": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-    "nvfp4_2d_swizzled": lambda: NVFP4Quantizer(with_2d_quantization=True,
-                                                optimize_for_gemm=True),
-}
+#: Every format's default quantizer and variants (tests/formats.py).
+CASES = formats.quantizers("current_pow2", "mxfp8_2d_swizzled", "block1d", "nvfp4_rht",
+                           "nvfp4_2d_swizzled", defaults=True)
 
 
 def _inputs(dtype):

@@ -5,6 +5,7 @@ dependency only."""
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -12,12 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 quant_dynamo = pytest.importorskip("quant_dynamo")
 
-RECIPES = {
-    "fp8_current": qr.Float8CurrentScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "fp8_block": qr.Float8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py), by qualified id.
+RECIPES = {name: make() for name, make in formats.default_recipes(qualified=True).items()}
 VOCAB, SEQ, BATCH = 256, 16, 2  # 32 tokens: a multiple of 16 (NVFP4's RHT)
 
 

@@ -4,17 +4,14 @@ after the autocast region has exited; it must run under the recipe of the forwar
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
 from torch.utils.checkpoint import checkpoint
 
-RECIPES = {
-    "current": qr.Float8CurrentScaling(),
-    "block": qr.Float8BlockScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py).
+RECIPES = {name: make() for name, make in formats.default_recipes().items()}
 
 
 def _grads(recipe, mode):

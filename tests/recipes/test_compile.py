@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -16,12 +17,8 @@ if not quant_dynamo.compile_supported():
 
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
-RECIPES = {
-    "current": qr.Float8CurrentScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "block": qr.Float8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py).
+RECIPES = {name: make() for name, make in formats.default_recipes().items()}
 
 
 def _linear_under(recipe, in_features=64, out_features=32, dtype=torch.bfloat16):

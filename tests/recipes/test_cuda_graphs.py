@@ -4,16 +4,11 @@ across replays with new inputs; stochastic-rounding seeds advance per replay. CU
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
-from quant_core import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-    backends,
-)
+from quant_core import backends
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 
@@ -22,18 +17,11 @@ if torch.cuda.is_available() and "triton" not in backends.available():
 
     backends.register(BACKEND)
 
-QUANTIZERS = {
-    "current": Float8CurrentScalingQuantizer(),
-    "block": Float8BlockQuantizer(),
-    "mxfp8": MXFP8Quantizer(),
-    "nvfp4_rht": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
-}
-RECIPES = {
-    "current": qr.Float8CurrentScaling,
-    "block": qr.Float8BlockScaling,
-    "mxfp8": qr.MXFP8BlockScaling,
-    "nvfp4": qr.NVFP4BlockScaling,
-}
+#: One quantizer per format (tests/formats.py), NVFP4 with the RHT; the built-in recipes.
+QUANTIZERS = {name: make() for name, make in formats.default_quantizers().items()
+              if name != "nvfp4"}
+QUANTIZERS["nvfp4_rht"] = formats.quantizer("nvfp4_rht")
+RECIPES = formats.default_recipes()
 
 
 def _buffers(storage) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import warnings
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -78,18 +79,22 @@ def _up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-#: recipe -> (factory, bytes one all-gather of an [M, K] weight moves: data and scales as the
-#: format lays them out, numerics.md)
-RECIPES = {
-    "fp8_current": (qr.Float8CurrentScaling, lambda m, k: m * k),
-    "fp8_block": (qr.Float8BlockScaling,
-                  lambda m, k: m * k + 4 * (m // 128) * _up(-(-k // 128), 4)),
+#: recipe -> bytes one all-gather of an [M, K] weight moves: data and scales as the format lays
+#: them out, numerics.md
+ALL_GATHER_BYTES = {
+    "fp8_current": lambda m, k: m * k,
+    "fp8_block": lambda m, k: m * k + 4 * (m // 128) * _up(-(-k // 128), 4),
     # 1x32 blocks: the columnwise copy (32x1 blocks) differs and is gathered too
-    "mxfp8": (qr.MXFP8BlockScaling,
-              lambda m, k: 2 * m * k + m * _up(k // 32, 4) + _up(m // 32, 4) * _up(k, 128)),
-    "mxfp8_2d": (lambda: qr.MXFP8BlockScaling(enable_2d_quantization=True),
-                 lambda m, k: m * k + m * _up(k // 32, 4)),
-    "nvfp4": (qr.NVFP4BlockScaling, lambda m, k: m * k // 2 + m * _up(k // 16, 4)),
+    "mxfp8": lambda m, k: 2 * m * k + m * _up(k // 32, 4) + _up(m // 32, 4) * _up(k, 128),
+    "mxfp8_2d": lambda m, k: m * k + m * _up(k // 32, 4),
+    "nvfp4": lambda m, k: m * k // 2 + m * _up(k // 16, 4),
+}
+#: recipe -> (factory, all-gather bytes): every format whose weights all-gather quantized
+#: (tests/formats.py), and MXFP8 with 2D blocks
+RECIPES = {
+    name: (make, ALL_GATHER_BYTES[name])
+    for name, make in formats.recipes("mxfp8_2d", defaults=True, qualified=True).items()
+    if formats.format_of(name).fsdp2_quantized
 }
 
 

@@ -5,19 +5,16 @@ own columnwise copy; formats that do not shard cleanly say why."""
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
 from quant_core.sharding import ShardPlan
 from quant_recipes import fsdp_layout
 
-RECIPES = {
-    "fp8_current": qr.Float8CurrentScaling(),
-    "fp8_block": qr.Float8BlockScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "mxfp8_2d": qr.MXFP8BlockScaling(enable_2d_quantization=True),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe and MXFP8 with 2D blocks (tests/formats.py), by qualified id.
+RECIPES = {name: make() for name, make in formats.recipes(
+    "mxfp8_2d", defaults=True, qualified=True).items()}
 
 
 def weight_quantizer(recipe):

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 
+import formats
 import pytest
 import torch
-from quant_core import (
-    DType,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-    backends,
-)
+from quant_core import backends
 from quant_recipes import gemm_fast
 
 HAVE_TRITON_BACKEND = importlib.util.find_spec("quant_kernels") is not None
-QUANTIZERS = {"fp8": Float8CurrentScalingQuantizer(DType.E4M3), "fp8_block": Float8BlockQuantizer(),
-              "mxfp8": MXFP8Quantizer(DType.E4M3), "nvfp4": NVFP4Quantizer(DType.E2M1)}
+#: format -> its default quantizer (tests/formats.py)
+QUANTIZERS = {fmt: make() for fmt, make in formats.default_quantizers(key="name").items()}
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import types
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -23,12 +24,8 @@ if not (quant_dynamo.compile_supported() and quant_dynamo.capture.supported()):
 from functorch.compile import make_boxed_func  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
-RECIPES = {
-    "current": qr.Float8CurrentScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "block": qr.Float8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py).
+RECIPES = {name: make() for name, make in formats.default_recipes().items()}
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -13,12 +14,9 @@ from quant_core import (
     NVFP4Quantizer,
 )
 
-BUILTINS = {
-    "current": qr.Float8CurrentScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "block": qr.Float8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
+#: Every format's built-in recipe (tests/formats.py), NVFP4 without stochastic rounding.
+BUILTINS = {name: make() for name, make in formats.default_recipes().items()}
+BUILTINS["nvfp4"] = formats.recipe("nvfp4_no_sr")
 
 
 def _run(module, x, recipe, enabled=True):

@@ -8,17 +8,14 @@ from __future__ import annotations
 import copy
 import io
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
 from quant_core.tensor import QuantizedTensor
 
-RECIPES = {
-    "fp8_current": qr.Float8CurrentScaling(),
-    "fp8_block": qr.Float8BlockScaling(),
-    "mxfp8": qr.MXFP8BlockScaling(),
-    "nvfp4": qr.NVFP4BlockScaling(),
-}
+#: Every format's built-in recipe (tests/formats.py), by qualified id.
+RECIPES = {name: make() for name, make in formats.default_recipes(qualified=True).items()}
 
 
 def _models(recipe, **init):

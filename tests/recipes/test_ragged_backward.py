@@ -3,6 +3,7 @@ mixed-format wgrad (NVFP4 gradient x MXFP8 input) run and give the quantized gra
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -17,7 +18,7 @@ def _nvfp4_grad_mxfp8_rest(role):
 
 RECIPES = {
     "custom_nvfp4": lambda: qr.CustomRecipe(qfactory=lambda role: NVFP4Quantizer()),
-    "nvfp4_no_rht": lambda: qr.NVFP4BlockScaling(disable_rht=True),
+    "nvfp4_no_rht": formats.recipes("nvfp4_no_rht")["nvfp4_no_rht"],
     "mixed_wgrad": lambda: qr.CustomRecipe(qfactory=_nvfp4_grad_mxfp8_rest),
 }
 

@@ -8,6 +8,7 @@ an operand whose gradient partner is not needed, and all of them for the "dequan
 
 from __future__ import annotations
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -19,12 +20,8 @@ COLUMNWISE = {
     "Float8BlockwiseQTensorStorage": ("_columnwise_data", "_columnwise_scale_inv"),
     "NVFP4TensorStorage": ("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise"),
 }
-RECIPES = {
-    "current": qr.Float8CurrentScaling,
-    "block": qr.Float8BlockScaling,
-    "mxfp8": qr.MXFP8BlockScaling,
-    "nvfp4": qr.NVFP4BlockScaling,
-}
+#: Every format's built-in recipe (tests/formats.py), as factories.
+RECIPES = formats.default_recipes()
 
 
 def _signature(tensors) -> list[tuple[tuple[int, ...], torch.dtype]]:

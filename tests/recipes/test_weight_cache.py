@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import threading
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
 from _counting import count_quantizations
-from quant_core import Float8CurrentScalingQuantizer, MXFP8Quantizer
 from torch.utils.checkpoint import checkpoint
 
-RECIPES = {"current": (qr.Float8CurrentScaling, Float8CurrentScalingQuantizer),
-           "mxfp8": (qr.MXFP8BlockScaling, MXFP8Quantizer)}
+#: recipe -> (factory, the class of its quantizers), from tests/formats.py
+RECIPES = {name: (make, type(formats.format_of(name).quantizer()))
+           for name, make in formats.recipes("current", "mxfp8").items()}
 
 
 @pytest.fixture(params=sorted(RECIPES))
