@@ -198,7 +198,7 @@ def test_demo_output_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
 def test_progress_line_fits_a_narrow_terminal():
     import io
 
-    from quant_recipes.progress import Progress
+    from quant_recipes.cli.progress import Progress
 
     class Tty(io.StringIO):
         def isatty(self):

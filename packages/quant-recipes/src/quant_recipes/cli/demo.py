@@ -26,7 +26,7 @@ from torch import nn
 
 from ..compiling import available, dynamo
 from ..module import QuantizedModule
-from ..progress import Progress, fit, terminal_columns
+from .progress import Progress, fit, terminal_columns
 
 D_IN, HIDDEN, D_OUT = 64, 128, 32
 
