@@ -18,6 +18,11 @@ E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 #: NVFP4's per-tensor encode numerator: ``s_enc = 2688 / amax`` with ``2688 = 6 * 448`` (§7.2).
 NVFP4_GLOBAL_MAX = E2M1_MAX * E4M3_MAX
+#: 4over6's global E4M3 bound: ``s_enc = 6 * 256 / amax``, so that a map-to-4 block scale (1.5x
+#: the map-to-6 one) still fits E4M3 (§7.9).
+NVFP4_4OVER6_E4M3_MAX = 256.0
+#: 4over6's map-to-4 block scale: ``1.5`` times the map-to-6 one, mapping the block amax to 4.
+NVFP4_4OVER6_MAP4 = 1.5
 #: The fp32 bit pattern of 2^-127 (a subnormal): E8M0 byte 0 decoded (§5).
 POW2_MINUS_127_BITS = 0x00400000
 #: The RHT's fixed sign vector as a 16-bit mask, bit i set where s_i == -1 (§7.6): 55272.

@@ -7,7 +7,8 @@ one documented method each in :class:`quant_core.backend_contract.Backend`; a ba
 the same bytes (GEMMs: the same products and fp32 sums, in any order). The rounding rules
 (stochastic rounding and its random bytes included) are :mod:`._rounding`'s; the block tiling
 :mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s; the RHT :mod:`.rht`'s; the scale swizzle
-:mod:`.swizzle`'s.
+:mod:`.swizzle`'s. ``nvfp4_4over6_quantize`` (:mod:`.nvfp4_4over6`) is NVFP4's 4over6 block
+scaling, not yet a backend function.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .fp8_tensor import (
 from .gemm import mxfp8_gemm, nvfp4_gemm
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
+from .nvfp4_4over6 import nvfp4_4over6_quantize
 from .rht import rht_matrix
 from .swizzle import swizzle_scales, unswizzle_scales
 
@@ -30,5 +32,5 @@ __all__ = [
     "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm", "rht_matrix",
-    "swizzle_scales", "unswizzle_scales",
+    "swizzle_scales", "unswizzle_scales", "nvfp4_4over6_quantize",
 ]

@@ -1,9 +1,10 @@
 """NVFP4 reference: two-level scaled E2M1 with E4M3 block scales (`numerics.md` §7, §8, §10).
 
-Only the TE-default core is implemented: ``nvfp4_e4m3_max = 448``; the optional 4over6 and
-row-scaled variants (§7.9) are not. Blocks are 1x16 along K (rowwise) or along M (columnwise, the
-quantization of ``xᵀ`` stored as ``[K, ceil(M/2)]``), or 16x16 tiles in 2D mode. Partial blocks
-along M take their amax over the valid rows only (§0 Shapes).
+This module is the TE-default core (``nvfp4_e4m3_max = 448``); 4over6's block-scale selection
+is :mod:`.nvfp4_4over6`, and the row-scaled variant (§7.9) is not implemented. Blocks are 1x16
+along K (rowwise) or along M (columnwise, the quantization of ``xᵀ`` stored as
+``[K, ceil(M/2)]``), or 16x16 tiles in 2D mode. Partial blocks along M take their amax over the
+valid rows only (§0 Shapes).
 
 Stochastic rounding numbers the elements of the two directions as one stream: rowwise element
 ``(m, k)`` of ``x`` draws ``sr_random_byte(seed, m * K + k)`` and columnwise element ``(k, m)`` of
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
+from ..constants import E2M1_MAX, FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
@@ -48,11 +49,13 @@ def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(data.shape[0], 2 * data.shape[1])
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``S_enc`` (fp32 ``(1,)``) of §7.2: ``fminf(fp32(2688 / amax), FLT_MAX)``, 1 if that is 0 or
-    ``amax == 0``. Like TE's ``fminf``, a NaN amax gives FLT_MAX."""
+def global_encode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
+    """``S_enc`` (fp32 ``(1,)``) of §7.2: ``fminf(fp32(6 * e4m3_max / amax), FLT_MAX)`` (2688 for
+    the standard bound 448; 4over6 may bound by 256, §7.9), 1 if that is 0 or ``amax == 0``. Like
+    TE's ``fminf``, a NaN amax gives FLT_MAX."""
     amax = amax.to(torch.float32)
-    s = torch.fmin(_f32(NVFP4_GLOBAL_MAX, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    top = NVFP4_GLOBAL_MAX if e4m3_max == 448 else E2M1_MAX * e4m3_max
+    s = torch.fmin(_f32(top, amax.device) / amax, _f32(FLT_MAX, amax.device))
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
@@ -70,7 +73,7 @@ def block_scales(
     return e4m3, enc_b
 
 
-def _blocks_amax(v: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+def blocks_amax(v: torch.Tensor, rows_per_block: int) -> torch.Tensor:
     """NaN-dropping amax of ``v`` ``[R, C]`` (C % 16 == 0, R % rows_per_block == 0) per block of
     ``rows_per_block x 16``, repeated back to one value per row: ``[R, C/16]``."""
     r, c = v.shape
@@ -158,10 +161,10 @@ def nvfp4_quantize(
     check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
     mp = shapes.roundup(m, BLOCK)
     xf = zero_pad(x.to(torch.float32), mp, k)  # [Mp, K], zero rows past M
-    tile_amax = _blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
+    tile_amax = blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
     row_data = row_scale = col_data = col_scale = None
     if rowwise:
-        blk = tile_amax if with_2d_quantization else _blocks_amax(xf, 1)
+        blk = tile_amax if with_2d_quantization else blocks_amax(xf, 1)
         row_data, row_scale = _quantize_direction(
             xf, m, k, amax_rowwise, blk, shapes.nvfp4_rowwise_scale_shape(m, k),
             0 if stochastic_rounding else None, rng_seed,
@@ -174,7 +177,7 @@ def nvfp4_quantize(
         if with_2d_quantization:
             blk = tile_amax[::BLOCK].t().repeat_interleave(BLOCK, dim=0)  # [K, Mp/16]
         else:
-            blk = _blocks_amax(vt, 1)
+            blk = blocks_amax(vt, 1)
         col_data, col_scale = _quantize_direction(
             vt, k, m, amax_columnwise, blk, shapes.nvfp4_columnwise_scale_shape(m, k),
             m * k if stochastic_rounding else None, rng_seed,
