@@ -97,15 +97,19 @@ class Backend(Protocol):
     def nvfp4_quantize(self, x: torch.Tensor, amax_rowwise: torch.Tensor | None,
                        amax_columnwise: torch.Tensor | None, *, rowwise: bool, columnwise: bool,
                        with_rht: bool, rht_sign_mask: int, with_2d_quantization: bool,
-                       stochastic_rounding: bool, rng_seed: torch.Tensor | None, swizzle: bool
+                       stochastic_rounding: bool, rng_seed: torch.Tensor | None, swizzle: bool,
+                       four_over_six: bool = False, e4m3_max: int = 448, err_mode: str = "MAE"
                        ) -> Tensors4:
         """``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)``; ``rng_seed``
         an int64 ``(1,)`` (ignored without stochastic rounding), element ``i``'s random byte
-        ``reference._rounding.sr_random_byte(seed, i)``, which any backend can repeat."""
+        ``reference._rounding.sr_random_byte(seed, i)``, which any backend can repeat.
+        ``four_over_six``: 4over6 block scaling with the global bound ``e4m3_max`` (256 or 448)
+        and the error metric ``err_mode`` ("MAE" or "MSE"), §7.9."""
 
     def nvfp4_dequantize(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *,
-                         swizzled: bool, dtype) -> torch.Tensor:
-        """``[M, K]`` in ``dtype`` from rowwise data."""
+                         swizzled: bool, dtype, e4m3_max: int = 448) -> torch.Tensor:
+        """``[M, K]`` in ``dtype`` from rowwise data quantized with the global bound
+        ``e4m3_max``."""
 
     # ------------------------------------------------------------- scale swizzle (§5)
     def swizzle_scales(self, s: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,10 @@ class QuantizedStorage:
       ``storage_format`` of its quantizers. Defining a subclass with a ``format`` registers it.
     - ``buffer_names``: its tensor buffers, in the order of ``buffer_list``, the custom ops'
       outputs and ``prepare_for_saving``.
-    - ``tag_types``: its non-tensor tags and their types (an ``enum.Enum`` or ``bool``), in the
-      order they cross a custom-op boundary as integers (:meth:`wire_tags`, :meth:`from_wire`);
-      ``tag_names`` is derived from it.
+    - ``tag_types``: its non-tensor tags and their types (an ``enum.Enum``, ``bool`` or ``int``),
+      in the order they cross a custom-op boundary as integers (:meth:`wire_tags`,
+      :meth:`from_wire`); ``tag_names`` is derived from it, and ``tag_defaults`` holds the value
+      of a tag a storage was built without (a pickle from before the tag existed).
     - ``rowwise_data_name`` / ``columnwise_data_name``: the data buffer of each direction;
       ``rowwise_only_names``: the buffers a use of the columnwise direction does not read.
     - ``directions_interchangeable``: either direction's buffers serve either GEMM role (one
@@ -52,6 +53,7 @@ class QuantizedStorage:
     buffer_names: ClassVar[tuple[str, ...]] = ()
     tag_types: ClassVar[dict[str, type]] = {}
     tag_names: ClassVar[tuple[str, ...]] = ()
+    tag_defaults: ClassVar[dict[str, Any]] = {}
     rowwise_data_name: ClassVar[str | None] = None
     columnwise_data_name: ClassVar[str | None] = None
     rowwise_only_names: ClassVar[tuple[str, ...]] = ()
@@ -76,7 +78,7 @@ class QuantizedStorage:
         self._dtype = dtype
         self.quantizer = quantizer
         for name in self.buffer_names + self.tag_names:
-            setattr(self, name, kwargs.pop(name, None))
+            setattr(self, name, kwargs.pop(name, self.tag_defaults.get(name)))
         if kwargs:
             raise TypeError(
                 f"{type(self).__name__}: unexpected buffers {sorted(kwargs)}; "
@@ -126,9 +128,14 @@ class QuantizedStorage:
     @classmethod
     def wire_tags(cls, tags: dict[str, Any]) -> list[int]:
         """``tags`` (a storage's, or a quantizer's ``_storage_tags()``) as integers in
-        ``tag_names`` order: an enum member by its value, a flag as 0 or 1."""
-        return [int(v.value) if isinstance(v, enum.Enum) else int(bool(v))
-                for v in (tags[n] for n in cls.tag_names)]
+        ``tag_names`` order: an enum member by its value, a flag as 0 or 1, an int as itself."""
+        def wire(name: str) -> int:
+            v = tags[name]
+            if isinstance(v, enum.Enum):
+                return int(v.value)
+            return int(v) if cls.tag_types[name] is int else int(bool(v))
+
+        return [wire(n) for n in cls.tag_names]
 
     @classmethod
     def from_wire(cls, bufs: list[torch.Tensor], wire_tags: list[int], shape,

@@ -146,7 +146,7 @@ class QuantizedTensor(torch.Tensor):
         for name in cls._storage_type.buffer_names:
             setattr(self, name, buffers.get(name))
         for name in cls._storage_type.tag_names:
-            setattr(self, name, tags.get(name))
+            setattr(self, name, tags.get(name, cls._storage_type.tag_defaults.get(name)))
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

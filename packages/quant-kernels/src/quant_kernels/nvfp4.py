@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from quant_core import shapes
+from quant_core import reference, shapes
 from quant_core.inputs import (
     check_input_dtype,
     check_k_multiple,
@@ -417,10 +417,22 @@ def nvfp4_quantize(
     stochastic_rounding: bool,
     rng_seed: torch.Tensor | None,
     swizzle: bool,
+    four_over_six: bool = False,
+    e4m3_max: int = 448,
+    err_mode: str = "MAE",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One kernel per direction: rowwise ``[M, K/2]`` from ``[BM, BK]`` tiles; columnwise
     ``[K, ceil(M/2)]`` from ``[16G, BK]`` tiles (RHT fused). Scales E4M3 bytes, zero-padded,
-    swizzled in place when asked. Mirrors ``reference.nvfp4_quantize``."""
+    swizzled in place when asked. Mirrors ``reference.nvfp4_quantize``; 4over6 has no kernel
+    yet and runs the reference's torch ops on the tensor's device."""
+    if four_over_six or e4m3_max != 448:
+        return reference.nvfp4_quantize(
+            x, amax_rowwise, amax_columnwise, rowwise=rowwise, columnwise=columnwise,
+            with_rht=with_rht, rht_sign_mask=rht_sign_mask,
+            with_2d_quantization=with_2d_quantization, stochastic_rounding=stochastic_rounding,
+            rng_seed=rng_seed, swizzle=swizzle, four_over_six=four_over_six, e4m3_max=e4m3_max,
+            err_mode=err_mode,
+        )
     check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
     check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
@@ -498,11 +510,15 @@ def _nvfp4_dequant_kernel(
 
 
 def nvfp4_dequantize(
-    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype,
+    e4m3_max: int = 448,
 ) -> torch.Tensor:
     """Rowwise ``[M, K/2]`` to ``dtype [M, K]``:
     ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, RNE cast. Mirrors
-    ``reference.nvfp4_dequantize``."""
+    ``reference.nvfp4_dequantize``; a 4over6 tensor's other bound runs the reference's ops."""
+    if e4m3_max != 448:
+        return reference.nvfp4_dequantize(data, scale, amax, swizzled=swizzled, dtype=dtype,
+                                          e4m3_max=e4m3_max)
     m, k = data.shape[0], data.shape[1] * 2
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:

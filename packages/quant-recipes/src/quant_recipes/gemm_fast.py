@@ -179,7 +179,8 @@ _PATHS = {
                        "cuBLAS blockwise scaled_mm",
                        "bf16 output; not both 128x128; rows multiples of 16, K of 128"),
     "mxfp8": _Path(_mxfp8, _block_problem),
-    "nvfp4": _Path(_nvfp4, _block_problem),
+    "nvfp4": _Path(_nvfp4, _block_problem, takes="the standard global bound 448 (4over6 "
+                   "operands under 256 are emulated)"),
 }
 
 

@@ -36,7 +36,10 @@ class NVFP4TensorStorage(QuantizedStorage):
         "_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv",
         "_amax_rowwise", "_amax_columnwise",
     )
-    tag_types = {"_fp4_dtype": DType, "_with_gemm_swizzled_scales": bool}
+    #: ``_nvfp4_e4m3_max``: the global E4M3 bound the quantization used (448; 4over6 may use
+    #: 256), which dequantization divides by.
+    tag_types = {"_fp4_dtype": DType, "_with_gemm_swizzled_scales": bool, "_nvfp4_e4m3_max": int}
+    tag_defaults = {"_nvfp4_e4m3_max": 448}
     rowwise_data_name, columnwise_data_name = "_rowwise_data", "_columnwise_data"
     rowwise_only_names = ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
 
@@ -44,15 +47,16 @@ class NVFP4TensorStorage(QuantizedStorage):
         """Columnwise: the transposed codes decode to ``[k, m]`` in the quantizer's basis (the
         RHT one when it applied the transform), returned transposed."""
         m, k = m_k(self.shape)
-        swz = bool(self._with_gemm_swizzled_scales)
+        opts = dict(swizzled=bool(self._with_gemm_swizzled_scales), dtype=dtype,
+                    e4m3_max=int(self._nvfp4_e4m3_max))
         be = self._backend()
         if columnwise:
             cd = self._columnwise_data
             out = be.nvfp4_dequantize(cd.reshape(k, cd.shape[-1]), self._columnwise_scale_inv,
-                                      self._amax_columnwise, swizzled=swz, dtype=dtype)
+                                      self._amax_columnwise, **opts)
             return out[:, :m].t()
         return be.nvfp4_dequantize(self._rowwise_data.reshape(m, k // 2), self._rowwise_scale_inv,
-                                   self._amax_rowwise, swizzled=swz, dtype=dtype)
+                                   self._amax_rowwise, **opts)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantize the rowwise data (`numerics.md` §8). The columnwise data may live in the
@@ -69,8 +73,11 @@ class NVFP4TensorStorage(QuantizedStorage):
     def gemm_operand(self, transposed: bool) -> GemmOperand | None:
         """Rowwise ``[m, k/2]`` or columnwise ``[k, ceil(m/2)]`` packed data (columnwise in the
         RHT basis when the quantizer applied it: both wgrad operands share the transform, which
-        cancels) with that direction's scales and amax. Row-scaled amaxes are not a GEMM
-        operand of this form (``None``)."""
+        cancels) with that direction's scales and amax. Row-scaled amaxes, and scales under
+        another global bound than 448 (4over6's 256), are not a GEMM operand of this form
+        (``None``: the GEMM is emulated)."""
+        if self._nvfp4_e4m3_max != 448:
+            return None
         m, k = m_k(self.shape)
         swz = bool(self._with_gemm_swizzled_scales)
         if transposed:
@@ -97,6 +104,9 @@ class NVFP4TensorStorage(QuantizedStorage):
                     "not gather along dim 0; use 2D 16x16 weight blocks (the recipe's default)")
         if q.stochastic_rounding:
             return "NVFP4 stochastic rounding: each rank's bytes depend on its random stream"
+        if q.nvfp4_use_4over6:
+            return ("NVFP4 4over6: the columnwise copy picks its candidates from the transposed "
+                    "tiles, so it is not a function of the gathered rowwise bytes")
         refusal = row_blocks_refusal("NVFP4", shape, world)
         if refusal:
             return refusal
@@ -106,7 +116,8 @@ class NVFP4TensorStorage(QuantizedStorage):
     @classmethod
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
         """With 2D 16x16 blocks and no RHT: the transposed codes with the transposed scales."""
-        if not q.with_2d_quantization or q.with_rht or s._with_gemm_swizzled_scales:
+        if (not q.with_2d_quantization or q.with_rht or q.nvfp4_use_4over6
+                or s._with_gemm_swizzled_scales):
             return super().columnwise_from_rowwise(s, q)
         m, k = m_k(s.shape)
         codes = unpack_e2m1(s._rowwise_data.reshape(m, k // 2))  # [m, k]
@@ -139,8 +150,11 @@ class NVFP4Quantizer(Quantizer):
     rounding. K must be a multiple of 16; RHT also needs bf16 input and M a multiple of 16.
 
     ``rht_matrix_random_sign_mask_t`` is the value field for the RHT signs; the 16x16 bf16 matrix
-    is derived state built lazily per device (:meth:`rht_matrix`). The optional TE variants
-    row-scaled NVFP4 and 4over6 are fields for parity but are not implemented (``True`` raises).
+    is derived state built lazily per device (:meth:`rht_matrix`). ``nvfp4_use_4over6``
+    selects each block's scale between map-to-6 and map-to-4 (`numerics.md` §7.9) under the
+    global bound ``nvfp4_e4m3_max`` (256 or 448) by ``nvfp4_4over6_err_mode`` ("MAE"/"MSE"); it
+    takes no RHT and no stochastic rounding. Row-scaled NVFP4 is a field for parity but is not
+    implemented (``True`` raises).
     """
 
     storage_format = "nvfp4"
@@ -180,12 +194,21 @@ class NVFP4Quantizer(Quantizer):
             object.__setattr__(self, "amax_reduction_group", amax_reduction_group)
 
     def _validate(self) -> None:
-        if self.row_scaled_nvfp4 or self.nvfp4_use_4over6:
+        if self.row_scaled_nvfp4:
             raise NotImplementedError(
-                "row_scaled_nvfp4 and nvfp4_use_4over6 are optional NVFP4 variants this "
-                "project does not implement yet"
+                "row_scaled_nvfp4 is an optional NVFP4 variant this project does not implement yet"
             )
-        if self.nvfp4_e4m3_max != 448:
+        if self.nvfp4_use_4over6:
+            if self.with_rht or self.stochastic_rounding:
+                raise ValueError(
+                    "nvfp4_use_4over6=True takes neither with_rht=True nor "
+                    "stochastic_rounding=True (4over6 rounds to nearest, without the transform)"
+                )
+            if self.nvfp4_e4m3_max not in (256, 448):
+                raise ValueError(
+                    f"nvfp4_e4m3_max must be 256 or 448 with 4over6, got {self.nvfp4_e4m3_max}"
+                )
+        elif self.nvfp4_e4m3_max != 448:
             raise ValueError(
                 f"nvfp4_e4m3_max must be 448 without 4over6, got {self.nvfp4_e4m3_max}"
             )
@@ -284,7 +307,8 @@ class NVFP4Quantizer(Quantizer):
             rht_sign_mask=self.rht_matrix_random_sign_mask_t,
             with_2d_quantization=self.with_2d_quantization,
             stochastic_rounding=self.stochastic_rounding, rng_seed=seed,
-            swizzle=self.optimize_for_gemm,
+            swizzle=self.optimize_for_gemm, four_over_six=self.nvfp4_use_4over6,
+            e4m3_max=self.nvfp4_e4m3_max, err_mode=self.nvfp4_4over6_err_mode,
         )
         return self._make_storage(x.shape, x.dtype, {
             "_rowwise_data": rd, "_rowwise_scale_inv": rs,
@@ -308,7 +332,8 @@ class NVFP4Quantizer(Quantizer):
         return specs
 
     def _storage_tags(self):
-        return {"_fp4_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm}
+        return {"_fp4_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm,
+                "_nvfp4_e4m3_max": self.nvfp4_e4m3_max}
 
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
@@ -316,5 +341,5 @@ class NVFP4Quantizer(Quantizer):
     def lowerings(self) -> tuple[str, ...]:
         """The backend's kernels, recorded into the graph; none with stochastic rounding, whose
         seed must come from torch's generator as in eager mode (not from Inductor's own random
-        numbers)."""
-        return () if self.stochastic_rounding else ("kernels",)
+        numbers), nor with 4over6, which has no kernel yet (the opaque op runs it)."""
+        return () if self.stochastic_rounding or self.nvfp4_use_4over6 else ("kernels",)

@@ -8,7 +8,7 @@ the same bytes (GEMMs: the same products and fp32 sums, in any order). The round
 (stochastic rounding and its random bytes included) are :mod:`._rounding`'s; the block tiling
 :mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s; the RHT :mod:`.rht`'s; the scale swizzle
 :mod:`.swizzle`'s. ``nvfp4_4over6_quantize`` (:mod:`.nvfp4_4over6`) is NVFP4's 4over6 block
-scaling, not yet a backend function.
+scaling, which backends take as ``nvfp4_quantize(four_over_six=True)``.
 """
 
 from __future__ import annotations

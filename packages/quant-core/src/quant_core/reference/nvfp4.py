@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import E2M1_MAX, FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
+from ..constants import E2M1_MAX, FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX, rcp_f32
 from ..dtypes import DType
 from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_modes
 from ._pad import zero_pad
@@ -146,6 +146,9 @@ def nvfp4_quantize(
     stochastic_rounding: bool,
     rng_seed: torch.Tensor | None,
     swizzle: bool,
+    four_over_six: bool = False,
+    e4m3_max: int = 448,
+    err_mode: str = "MAE",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize ``x`` ``[M, K]`` to NVFP4 with the given per-direction amaxes (§7.2–§7.8).
 
@@ -154,7 +157,21 @@ def nvfp4_quantize(
     ``None``). With RHT (bf16 ``x``, ``M % 16 == 0``) the columnwise direction quantizes the RHT of
     ``xᵀ``. 2D mode uses one block scale per 16x16 tile for both directions (exclusive with RHT).
     With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
+    ``four_over_six``: 4over6 block scaling with the global bound ``e4m3_max`` and the error
+    metric ``err_mode`` (§7.9, :mod:`.nvfp4_4over6`; no RHT, no stochastic rounding).
     """
+    if four_over_six:
+        from .nvfp4_4over6 import nvfp4_4over6_quantize
+
+        if with_rht or stochastic_rounding:
+            raise ValueError("NVFP4 4over6 takes neither with_rht nor stochastic_rounding")
+        return nvfp4_4over6_quantize(
+            x, amax_rowwise, amax_columnwise, rowwise=rowwise, columnwise=columnwise,
+            with_2d_quantization=with_2d_quantization, e4m3_max=e4m3_max, err_mode=err_mode,
+            swizzle=swizzle,
+        )
+    if e4m3_max != 448:
+        raise ValueError(f"nvfp4_quantize: e4m3_max must be 448 without 4over6, got {e4m3_max}")
     check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
     check_k_multiple(k, BLOCK, "NVFP4")
@@ -194,10 +211,12 @@ def nvfp4_quantize(
 
 
 def nvfp4_dequantize(
-    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, swizzled: bool, dtype,
+    e4m3_max: int = 448,
 ) -> torch.Tensor:
     """Dequantize rowwise NVFP4 ``data`` ``[M, K/2]`` to ``dtype`` ``[M, K]`` (§8):
-    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast. A last
+    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast; with the
+    global bound ``e4m3_max`` of a 4over6 tensor, ``fp32(1 / (6 * e4m3_max))`` (§7.9). A last
     partial block (the columnwise form of a tensor whose M is not a multiple of 16, read as a
     row operand) uses its block's scale."""
     if swizzled:
@@ -208,6 +227,7 @@ def nvfp4_dequantize(
     dev = data.device
     e4m3 = fp8_decode(scale[:m, : -(-k // BLOCK)].contiguous(), DType.E4M3)
     s = e4m3 * amax.to(torch.float32)
-    s = s * _f32(RCP_NVFP4_GLOBAL_MAX, dev)  # fp32(1 / 2688)
+    rcp = RCP_NVFP4_GLOBAL_MAX if e4m3_max == 448 else rcp_f32(E2M1_MAX * e4m3_max)
+    s = s * _f32(rcp, dev)  # fp32(1 / 2688), or fp32(1 / 1536) for a bound of 256
     vals = e2m1_decode(unpack_e2m1(data)) * s.repeat_interleave(BLOCK, dim=1)[:, :k]
     return vals.to(dtype)

@@ -17,27 +17,43 @@ from ..recipe import (
 )
 from ..states import RecipeState
 
+_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_GRADIENTS = ("grad_output", "grad_input")
+
+
+def _in_scope(scope: str, kind: str) -> bool:
+    """Whether a non-gradient slot of ``kind`` falls in a 4over6 scope."""
+    return {"none": False, "all": True, "weights": kind == "weight",
+            "activations": kind != "weight"}[scope]
+
 
 class NVFP4BlockScalingRecipeState(RecipeState):
-    """Role dispatch on the fp4 QParams (the recipe refuses row scaling and 4over6 at
-    construction, so every slot is plain NVFP4)."""
+    """Role dispatch on the fp4 QParams; 4over6 on the non-gradient slots its scope selects
+    (``nvfp4_4over6``), under the 256 bound where ``nvfp4_4over6_e4m3_use_256`` selects them
+    too. A 4over6 slot whose QParams ask for RHT or stochastic rounding is refused, as in
+    TransformerEngine."""
 
     def _make(self, i: int) -> Quantizer:
         r = self.recipe
         kind = self._slot_tensor_type(i)
-        qp = r.fp4_quant_bwd_grad if kind in ("grad_output", "grad_input") else (
+        qp = r.fp4_quant_bwd_grad if kind in _GRADIENTS else (
             r.fp4_quant_fwd_weight if kind == "weight" else r.fp4_quant_fwd_inp
         )
+        four_over_six = kind not in _GRADIENTS and _in_scope(r.nvfp4_4over6, kind)
+        if four_over_six and (qp.random_hadamard_transform or qp.stochastic_rounding):
+            raise ValueError(
+                f"NVFP4BlockScaling(nvfp4_4over6={r.nvfp4_4over6!r}): the {kind} slot uses "
+                "RHT or stochastic rounding, which 4over6 does not support (disable_rht=True, "
+                "or a scope that leaves it out)"
+            )
+        bound = 256 if four_over_six and _in_scope(r.nvfp4_4over6_e4m3_use_256, kind) else 448
         return NVFP4Quantizer(
             DType.E2M1, with_rht=qp.random_hadamard_transform,
             with_post_rht_amax=qp.random_hadamard_transform,
             with_2d_quantization=qp.fp4_2d_quantization,
-            stochastic_rounding=qp.stochastic_rounding,
-            nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode, internal=True,
+            stochastic_rounding=qp.stochastic_rounding, nvfp4_use_4over6=four_over_six,
+            nvfp4_e4m3_max=bound, nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode, internal=True,
         )
-
-
-_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 
 
 @dataclass(frozen=True)
@@ -63,8 +79,10 @@ class NVFP4BlockScaling(Recipe):
     )
     #: TransformerEngine's row-scaled NVFP4 activations: not implemented (refused).
     row_scaled_activation: bool = False
-    #: TransformerEngine's 4over6 variant, by scope: only ``"none"`` is implemented.
+    #: 4over6 block scaling (`numerics.md` §7.9) for the forward tensors of a scope: ``"none"``,
+    #: ``"weights"``, ``"activations"`` or ``"all"`` (gradients never).
     nvfp4_4over6: str = "none"
+    #: The 4over6 tensors that use 256 as the global E4M3 bound (the others keep 448), by scope.
     nvfp4_4over6_e4m3_use_256: str = "all"
     nvfp4_4over6_err_mode: str = "MAE"
     fp4_format: Format = Format.E2M1
@@ -91,10 +109,10 @@ class NVFP4BlockScaling(Recipe):
                 "NVFP4BlockScaling.nvfp4_4over6_err_mode must be 'MAE' or 'MSE', "
                 f"got {self.nvfp4_4over6_err_mode!r}"
             )
-        if self.row_scaled_activation or self.nvfp4_4over6 != "none":
+        if self.row_scaled_activation:
             raise NotImplementedError(  # here, not at the first forward (NVFP4Quantizer's rule)
-                "NVFP4BlockScaling: row_scaled_activation=True and nvfp4_4over6 other than "
-                "'none' are optional NVFP4 variants this project does not implement yet"
+                "NVFP4BlockScaling: row_scaled_activation=True is an optional NVFP4 variant "
+                "this project does not implement yet"
             )
         defaults = {
             "fp4_quant_fwd_inp": QParams(random_hadamard_transform=not self.disable_rht),
