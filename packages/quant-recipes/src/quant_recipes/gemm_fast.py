@@ -5,8 +5,13 @@ result is the reference's products accumulated in fp32, in another order.
 - ``"scaled_mm"``: FP8 per-tensor on CUDA sm >= 8.9, ``torch._scaled_mm`` (cuBLAS);
 - ``"scaled_mm_blockwise"``: FP8 1x128 / 128x128 blocks on CUDA sm 9.x where torch has block
   scaling in ``F.scaled_mm`` (cuBLAS);
+- ``"scaled_mm_mxfp8"``, ``"scaled_mm_nvfp4"``: MXFP8 (1x32 E8M0 scales) and NVFP4 (1x16 E4M3
+  scales; the two per-tensor factors applied to the fp32 product afterwards, as the reference
+  does) through cuBLAS's block-scaled GEMM in ``F.scaled_mm`` on CUDA sm >= 10.0 (Blackwell),
+  scales in the 128x4 swizzle cuBLAS reads. Routed, not yet verified on such a GPU;
 - ``"triton_mxfp8"``, ``"triton_nvfp4"``: the Triton backend's GEMMs (quant-kernels: on CUDA, or
-  through the interpreter when asked for by name);
+  through the interpreter when asked for by name), elsewhere and for the operands the
+  block-scaled path does not take;
 - ``"emulated"``: MXFP8 and NVFP4 through the reference backend's GEMM (any device).
 
 :func:`fast_gemm` returns ``None`` where no path applies; the caller then dequantizes both
@@ -16,12 +21,15 @@ operands to fp32 and multiplies (``emulated``). :func:`routes` describes, per fo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from quant_core import DType, GemmOperand, backends
+from quant_core.constants import RCP_NVFP4_GLOBAL_MAX
+from quant_core.shapes import ceil_div, roundup
 
 #: Output dtypes routed to cuBLAS's block-scaled FP8 GEMM: bf16, checked against the reference on
 #: the H200 (torch 2.11, bench/speed.py gemm). torch accepted fp32 and fp16 outputs there too (the
@@ -126,6 +134,111 @@ def _blockwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
                        kind_b, bias=bias, output_dtype=out_dtype)
 
 
+#: Said of a route that has not run on its hardware yet (the Blackwell block-scaled GEMMs).
+NOT_VERIFIED = "routed, not verified on this hardware"
+
+
+def _native_block_problem(device: torch.device) -> str | None:
+    """Why cuBLAS's MXFP8/NVFP4 block-scaled GEMM cannot run on ``device``; ``None`` when it
+    can (sm_100+, and a torch whose ``F.scaled_mm`` takes 1x32 / 1x16 block scales)."""
+    cap = _cuda_capability(device)
+    if cap is None:
+        return f"no MXFP8/NVFP4 tensor cores on {device.type}"
+    if cap[0] < 10:
+        return f"sm_{cap[0]}{cap[1]}: MXFP8/NVFP4 tensor cores need sm_100+"
+    return _native_block_api_problem()
+
+
+@functools.cache
+def _native_block_api_problem() -> str | None:
+    """Why this torch's ``F.scaled_mm`` does not take the block-scaled calls below (probed
+    once, on meta tensors: torch's own shape rules check the arguments), else ``None``."""
+    scaling, swizzle = getattr(F, "ScalingType", None), getattr(F, "SwizzleType", None)
+    if not (hasattr(F, "scaled_mm") and hasattr(scaling, "BlockWise1x32")
+            and hasattr(scaling, "BlockWise1x16") and hasattr(swizzle, "SWIZZLE_32_4_4")
+            and hasattr(torch, "float8_e8m0fnu") and hasattr(torch, "float4_e2m1fn_x2")):
+        return f"torch {torch.__version__} has no MX/NVFP4 block scaling in F.scaled_mm"
+    try:
+        # a 128 x 128 x 128 problem: 128 rows x roundup(128 / block, 4) scale bytes
+        fp8 = torch.empty((128, 128), dtype=torch.float8_e4m3fn, device="meta")
+        scale = torch.empty(128 * 4, dtype=torch.uint8, device="meta")
+        _call_mxfp8(fp8, scale, fp8, scale, torch.float32)
+        fp4 = torch.empty((128, 64), dtype=torch.uint8, device="meta")
+        scale = torch.empty(128 * 8, dtype=torch.uint8, device="meta")
+        _call_nvfp4(fp4, scale, fp4, scale, torch.float32)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        return f"torch {torch.__version__}'s F.scaled_mm refuses the block-scaled call ({exc})"
+    return None
+
+
+def swizzled_scale(op: GemmOperand, block: int) -> torch.Tensor:
+    """``op``'s block scales as the flat bytes cuBLAS's block-scaled GEMM reads: the padded
+    ``[roundup(rows, 128), roundup(ceil(K / block), 4)]`` matrix in the 128x4 GEMM swizzle (the
+    storage's own bytes when it holds them swizzled; otherwise padded with zeros and swizzled)."""
+    if op.swizzled:
+        return op.scale.reshape(-1)
+    blocks = ceil_div(op.k, block)
+    s = op.scale[:op.rows, :blocks]
+    s = F.pad(s, (0, roundup(blocks, 4) - blocks, 0, roundup(op.rows, 128) - op.rows))
+    return backends.get(None, s.device).swizzle_scales(s.contiguous()).reshape(-1)
+
+
+def _native_takes(ra: GemmOperand, rb: GemmOperand, out_dtype) -> bool:
+    return (_native_block_problem(ra.data.device) is None and _aligned(ra.rows, rb.rows)
+            and ra.k % 32 == 0 and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _finish(out: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def _call_mxfp8(a, a_scale, b, b_scale, out_dtype):
+    """cuBLAS's MXFP8 GEMM of FP8 row operands ``a [M, K]``, ``b [N, K]`` (row-major) with their
+    flat swizzled E8M0 scale bytes."""
+    e8m0, swz = torch.float8_e8m0fnu, F.SwizzleType.SWIZZLE_32_4_4
+    return F.scaled_mm(
+        a, b.t(), a_scale.view(e8m0), F.ScalingType.BlockWise1x32, b_scale.view(e8m0),
+        F.ScalingType.BlockWise1x32, swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
+    )
+
+
+def _call_nvfp4(a, a_scale, b, b_scale, out_dtype):
+    """cuBLAS's NVFP4 GEMM of packed E2M1 row operands ``a [M, K/2]``, ``b [N, K/2]`` with their
+    flat swizzled E4M3 scale bytes and per-tensor factors of 1 (the two-level form every
+    release with block scaling takes), so the result is the elements' fp32 product."""
+    fp4, e4m3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
+    one = torch.ones(1, dtype=torch.float32, device=a.device)
+    recipe = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+    swz = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    return F.scaled_mm(
+        a.view(fp4), b.view(fp4).t(), [a_scale.view(e4m3), one], recipe,
+        [b_scale.view(e4m3), one], recipe, swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
+    )
+
+
+def _native_mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+    if not _native_takes(ra, rb, out_dtype):
+        return None
+    out = _call_mxfp8(_row_major(ra.fp8_view()), swizzled_scale(ra, 32),
+                      _row_major(rb.fp8_view()), swizzled_scale(rb, 32),
+                      out_dtype if bias is None else torch.float32)
+    return out if bias is None else _finish(out, bias, out_dtype)
+
+
+def _native_nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+    """The fp32 product of the E2M1 x E4M3 elements, then ``(P * alpha_a) * alpha_b``: the
+    reference's two per-tensor factors, not cuBLAS's one (which rounds differently)."""
+    if not _native_takes(ra, rb, out_dtype):
+        return None
+    p = _call_nvfp4(_row_major(ra.data), swizzled_scale(ra, 16), _row_major(rb.data),
+                    swizzled_scale(rb, 16), torch.float32)
+    alpha_a = ra.amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX
+    alpha_b = rb.amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX
+    return _finish((p * alpha_a) * alpha_b, bias, out_dtype)
+
+
 def _block_backend(device: torch.device):
     """The backend whose GEMM serves MXFP8/NVFP4 on ``device``, and its path-name prefix."""
     be = backends.get(None, device)
@@ -170,25 +283,33 @@ class _Path:
     path: str | None = None
     runs: str = ""
     takes: str = ""
+    #: The path has run on its hardware and matched the reference.
+    verified: bool = True
 
 
-_PATHS = {
-    "fp8": _Path(_tensorwise, _tensorwise_problem, "scaled_mm", "cuBLAS scaled_mm (tensorwise)",
-                 "not both E5M2; rows and K multiples of 16"),
-    "fp8_block": _Path(_blockwise, _blockwise_problem, "scaled_mm_blockwise",
-                       "cuBLAS blockwise scaled_mm",
-                       "bf16 output; not both 128x128; rows multiples of 16, K of 128"),
-    "mxfp8": _Path(_mxfp8, _block_problem),
-    "nvfp4": _Path(_nvfp4, _block_problem, takes="the standard global bound 448 (4over6 "
-                   "operands under 256 are emulated)"),
+_NATIVE_TAKES = "rows multiples of 16, K of 32"
+#: Per format, its fast paths in the order :func:`fast_gemm` tries them.
+_PATHS: dict[str, tuple[_Path, ...]] = {
+    "fp8": (_Path(_tensorwise, _tensorwise_problem, "scaled_mm", "cuBLAS scaled_mm (tensorwise)",
+                  "not both E5M2; rows and K multiples of 16"),),
+    "fp8_block": (_Path(_blockwise, _blockwise_problem, "scaled_mm_blockwise",
+                        "cuBLAS blockwise scaled_mm",
+                        "bf16 output; not both 128x128; rows multiples of 16, K of 128"),),
+    "mxfp8": (_Path(_native_mxfp8, _native_block_problem, "scaled_mm_mxfp8",
+                    "cuBLAS block-scaled scaled_mm (MXFP8, 1x32 E8M0 scales)", _NATIVE_TAKES,
+                    verified=False),
+              _Path(_mxfp8, _block_problem)),
+    "nvfp4": (_Path(_native_nvfp4, _native_block_problem, "scaled_mm_nvfp4",
+                    "cuBLAS block-scaled scaled_mm (NVFP4, 1x16 E4M3 scales), per-tensor "
+                    "factors after", _NATIVE_TAKES + "; the global bound 448", verified=False),
+              _Path(_nvfp4, _block_problem, takes="the standard global bound 448 (4over6 "
+                    "operands under 256 are emulated)")),
 }
 
 
-def path_name(ra: GemmOperand) -> str:
-    """The name :func:`fast_gemm` records for operands of ``ra``'s format."""
-    path = _PATHS[ra.format].path
-    if path is not None:
-        return path
+def _path_name(p: _Path, ra: GemmOperand) -> str:
+    if p.path is not None:
+        return p.path
     prefix = _block_backend(ra.data.device)[1]
     return "emulated" if prefix is None else f"{prefix}_{ra.format}"
 
@@ -216,16 +337,17 @@ def routes(device: torch.device | str) -> list[Route]:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     out = []
-    for fmt, p in _PATHS.items():
-        why = p.problem(device)
-        if why is not None:
-            out.append(Route(fmt, "emulated", EMULATED, False, why))
+    for fmt, paths in _PATHS.items():
+        p = next((p for p in paths if p.problem(device) is None), None)
+        if p is None:  # the reason of the last fallback
+            out.append(Route(fmt, "emulated", EMULATED, False, paths[-1].problem(device)))
             continue
         be, prefix = (None, None) if p.path is not None else _block_backend(device)
         describe = getattr(be, "gemm_route", None)
         runs = p.runs or (describe(device) if describe is not None
                           else f"the {prefix} backend's {fmt} GEMM")
-        out.append(Route(fmt, p.path or f"{prefix}_{fmt}", runs, True, p.takes))
+        note = p.takes if p.verified else f"{NOT_VERIFIED}; {p.takes}"
+        out.append(Route(fmt, p.path or f"{prefix}_{fmt}", runs, True, note))
     return out
 
 
@@ -235,5 +357,8 @@ def fast_gemm(ra: GemmOperand, rb: GemmOperand, bias: torch.Tensor | None,
     path takes these operands (mixed formats, missing features, unaligned shapes)."""
     if ra.format != rb.format or ra.k != rb.k:
         return None
-    out = _PATHS[ra.format].gemm(ra, rb, bias, out_dtype)
-    return None if out is None else (out, path_name(ra))
+    for p in _PATHS[ra.format]:
+        out = p.gemm(ra, rb, bias, out_dtype)
+        if out is not None:
+            return out, _path_name(p, ra)
+    return None
