@@ -91,7 +91,9 @@ def test_a_4over6_weight_does_not_all_gather_quantized():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_a_linear_trains_under_4over6_weights_and_compiles_to_the_same_bytes(compiled):
     if compiled:
-        pytest.importorskip("quant_dynamo", reason="compiling needs quant-dynamo")
+        dynamo = pytest.importorskip("quant_dynamo", reason="compiling needs quant-dynamo")
+        if not dynamo.compile_supported():
+            pytest.skip(f"torch {torch.__version__} bakes no quantizer into a graph")
     recipe = qr.NVFP4BlockScaling(nvfp4_4over6="weights")
     torch.manual_seed(0)
     layer = qr.Linear(64, 32, dtype=torch.bfloat16)
