@@ -15,53 +15,28 @@ torchao there).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
+import pathlib
 import statistics
+import sys
 import time
 
 import quant_recipes as qr
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# the one all-gather counter, shared with the FSDP2 tests (a test helper, not package code)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "recipes"))
+from _fsdp_counting import count_all_gathers  # noqa: E402
 from steps import recipes, register_triton
 
 register_triton()  # at import: in every rank
 RECIPES = recipes()
 CONFIGS = ["bf16", "ao_fp8_tensorwise", *RECIPES, "fp8_current:requant", "mxfp8:requant",
            *(f"{r}:fp8ag" for r in RECIPES)]
-
-
-@contextlib.contextmanager
-def count_all_gathers():
-    """Inside, every call of ``torch.distributed.all_gather_single`` / ``all_gather_into_tensor``
-    (FSDP2's collective, by torch release) appends its output's bytes to the yielded list, for
-    every parameter whatever its format (a nested call is counted once)."""
-    counted: list[int] = []
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-    depth = [0]
-
-    def counting(orig):
-        def call(output_tensor, input_tensor, *args, **kwargs):
-            if not depth[0]:
-                counted.append(output_tensor.numel() * output_tensor.element_size())
-            depth[0] += 1
-            try:
-                return orig(output_tensor, input_tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    for n, orig in originals.items():
-        setattr(dist, n, counting(orig))
-    try:
-        yield counted
-    finally:
-        for n, orig in originals.items():
-            setattr(dist, n, orig)
 
 
 def _fully_shard():

@@ -50,10 +50,10 @@ class Quantizer(metaclass=QuantizerMeta):
     internal: bool = False
     optimize_for_gemm: bool = False
 
-    #: The storage format this quantizer produces (its storage class's ``format``;
-    #: "high_precision" for a passthrough). A class attribute, so code that only sees a compiled
-    #: graph's opaque wrapper (where ``isinstance`` does not work) can still look the format up
-    #: (``quant_core.storage.storage_class``).
+    #: The storage format this quantizer produces: its ``_storage_class``'s ``format``, set when
+    #: the class is created ("high_precision" for a passthrough, which states it). A class
+    #: attribute, so code that only sees a compiled graph's opaque wrapper (where ``isinstance``
+    #: does not work) can still look the format up (``quant_core.storage.storage_class``).
     storage_format: ClassVar[str | None] = None
     #: The storage class ``quantize`` returns.
     _storage_class: ClassVar[type | None] = None
@@ -78,6 +78,9 @@ class Quantizer(metaclass=QuantizerMeta):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _record_fields(cls)
+        fmt = getattr(cls._storage_class, "format", None)
+        if fmt is not None and "storage_format" not in cls.__dict__:
+            cls.storage_format = fmt
 
     def __init__(self, **fields: Any) -> None:
         cls = type(self)

@@ -117,7 +117,6 @@ def _quantize_per_tensor(q: Quantizer, x, x2d, be, scale, amax_out=None):
 class _PerTensorFP8:
     """Buffers and tags shared by the two per-tensor FP8 quantizers (`numerics.md` §4 layout)."""
 
-    storage_format = "fp8"
     _storage_class = Float8TensorStorage
 
     def inner_tensor_specs(self, shape):

@@ -112,7 +112,6 @@ class Float8BlockwiseQTensor(QuantizedTensor, Float8BlockwiseQTensorStorage):
 class Float8BlockQuantizer(Quantizer):
     """FP8 blocks of ``block_len`` (always 128): 1D (1x128) or 2D (128x128); any shape."""
 
-    storage_format = "fp8_block"
     _storage_class = Float8BlockwiseQTensorStorage
 
     dtype: DType = DType.E4M3

@@ -107,7 +107,6 @@ class MXFP8Tensor(QuantizedTensor, MXFP8TensorStorage):
 class MXFP8Quantizer(Quantizer):
     """MXFP8 block scaling; K must be a multiple of 32, any M."""
 
-    storage_format = "mxfp8"
     _storage_class = MXFP8TensorStorage
 
     dtype: DType = DType.E4M3

@@ -157,7 +157,6 @@ class NVFP4Quantizer(Quantizer):
     implemented (``True`` raises).
     """
 
-    storage_format = "nvfp4"
     _storage_class = NVFP4TensorStorage
     reduces_amax = True
     #: Read by traced code beyond the fields (registered as members with the torch API).

@@ -34,7 +34,7 @@ from .rht import rht_columnwise
 BLOCK = shapes.NVFP4_BLOCK
 
 
-def _f32(value: float, device) -> torch.Tensor:
+def f32(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
@@ -55,7 +55,7 @@ def global_encode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor
     TE's ``fminf``, a NaN amax gives FLT_MAX."""
     amax = amax.to(torch.float32)
     top = NVFP4_GLOBAL_MAX if e4m3_max == 448 else E2M1_MAX * e4m3_max
-    s = torch.fmin(_f32(top, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    s = torch.fmin(f32(top, amax.device) / amax, f32(FLT_MAX, amax.device))
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
@@ -64,12 +64,12 @@ def block_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 bytes and fp32 encode multipliers ``enc_b`` of block amaxes, in the order of §7.3."""
     dev = block_amax.device
-    one = _f32(1.0, dev)
+    one = f32(1.0, dev)
     s_dec = one / s_enc
     t = s_enc * (one / 6.0)  # fp32(S_enc * fp32(1/6)): one / 6.0 is the correctly rounded fp32
     sdec_b = block_amax * t
-    e4m3 = fp8_encode(torch.fmin(sdec_b, _f32(FLT_MAX, dev)), DType.E4M3)
-    enc_b = torch.fmin(one / (fp8_decode(e4m3, DType.E4M3) * s_dec), _f32(FLT_MAX, dev))
+    e4m3 = fp8_encode(torch.fmin(sdec_b, f32(FLT_MAX, dev)), DType.E4M3)
+    enc_b = torch.fmin(one / (fp8_decode(e4m3, DType.E4M3) * s_dec), f32(FLT_MAX, dev))
     return e4m3, enc_b
 
 
@@ -228,6 +228,6 @@ def nvfp4_dequantize(
     e4m3 = fp8_decode(scale[:m, : -(-k // BLOCK)].contiguous(), DType.E4M3)
     s = e4m3 * amax.to(torch.float32)
     rcp = RCP_NVFP4_GLOBAL_MAX if e4m3_max == 448 else rcp_f32(E2M1_MAX * e4m3_max)
-    s = s * _f32(rcp, dev)  # fp32(1 / 2688), or fp32(1 / 1536) for a bound of 256
+    s = s * f32(rcp, dev)  # fp32(1 / 2688), or fp32(1 / 1536) for a bound of 256
     vals = e2m1_decode(unpack_e2m1(data)) * s.repeat_interleave(BLOCK, dim=1)[:, :k]
     return vals.to(dtype)

@@ -23,16 +23,12 @@ from ..dtypes import DType
 from ..inputs import check_input_dtype, check_k_multiple
 from ._pad import zero_pad
 from ._rounding import e2m1_decode, e2m1_encode, fp8_decode, fp8_encode
-from .nvfp4 import blocks_amax, global_encode_scale, pack_e2m1
+from .nvfp4 import blocks_amax, f32, global_encode_scale, pack_e2m1
 
 BLOCK = shapes.NVFP4_BLOCK
 #: The global E4M3 bounds 4over6 takes.
 E4M3_BOUNDS = (256, 448)
 ERROR_MODES = ("MAE", "MSE")
-
-
-def _f32(value: float, device) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def _candidate(v: torch.Tensor, base: torch.Tensor, s_dec: torch.Tensor, factor: float):
@@ -41,7 +37,7 @@ def _candidate(v: torch.Tensor, base: torch.Tensor, s_dec: torch.Tensor, factor:
     r, c = v.shape
     dev = v.device
     e4m3 = fp8_encode(torch.clamp(base * factor, max=E4M3_MAX), DType.E4M3)
-    enc = torch.fmin(_f32(1.0, dev) / (fp8_decode(e4m3, DType.E4M3) * s_dec), _f32(FLT_MAX, dev))
+    enc = torch.fmin(f32(1.0, dev) / (fp8_decode(e4m3, DType.E4M3) * s_dec), f32(FLT_MAX, dev))
     scaled = (v.reshape(r, c // BLOCK, BLOCK) * enc[..., None]).reshape(r, c)
     return e4m3, e2m1_encode(torch.clamp(scaled, -E2M1_MAX, E2M1_MAX))
 
@@ -53,7 +49,7 @@ def _block_errors(v, e4m3, codes, amax, e4m3_max: int, err_mode: str) -> torch.T
     dev = v.device
     vals = e2m1_decode(codes).reshape(r, c // BLOCK, BLOCK)
     sf = fp8_decode(e4m3, DType.E4M3)
-    denom = _f32(E2M1_MAX * e4m3_max, dev)
+    denom = f32(E2M1_MAX * e4m3_max, dev)
     x = v.reshape(r, c // BLOCK, BLOCK)
     err = torch.zeros((r, c // BLOCK), dtype=torch.float32, device=dev)
     for i in range(BLOCK):
@@ -81,8 +77,8 @@ def select_4over6(v: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
     dev = v.device
     amax = amax.to(torch.float32)
     s_enc = global_encode_scale(amax, e4m3_max)
-    s_dec = _f32(1.0, dev) / s_enc
-    base = block_amax / _f32(E2M1_MAX, dev) * s_enc
+    s_dec = f32(1.0, dev) / s_enc
+    base = block_amax / f32(E2M1_MAX, dev) * s_enc
     e4m3_4, codes_4 = _candidate(v, base, s_dec, NVFP4_4OVER6_MAP4)
     e4m3_6, codes_6 = _candidate(v, base, s_dec, 1.0)
     err_4 = _block_errors(v, e4m3_4, codes_4, amax, e4m3_max, err_mode)
