@@ -618,3 +618,24 @@ def test_traces_under_torch_compile():
     compiled = torch.compile(f, fullgraph=True, backend="eager")(x, seed)
     for c, e in zip(compiled, f(x, seed), strict=True):
         assert torch.equal(c, e)
+
+
+def test_row_scaled_worked_example():
+    """numerics.md §7.9's row-scaled example, derived by hand there: a row 2^20 times smaller
+    than the tensor's amax flushes to zero under one amax and is exact under its own."""
+    x = torch.zeros(2, 16)
+    x[0, 0], x[1, 0], x[1, 1] = 448.0, 2.0**-12, 2.0**-13
+    opts = dict(rowwise=True, columnwise=False, with_rht=False, rht_sign_mask=0)
+    qopts = dict(opts, with_2d_quantization=False, stochastic_rounding=False, rng_seed=None,
+                 swizzle=False)
+    amax, _ = nvfp4_amax(x, **opts)
+    data, scale, _, _ = nvfp4_quantize(x, amax, None, **qopts)
+    assert scale[1, 0].item() == 0x00
+    assert nvfp4_dequantize(data, scale, amax, swizzled=False,
+                            dtype=torch.float32)[1].abs().sum().item() == 0.0
+    amax, _ = nvfp4_amax(x, **opts, row_scaled=True)
+    assert amax.tolist() == [448.0, 2.0**-12]
+    data, scale, _, _ = nvfp4_quantize(x, amax, None, **qopts, row_scaled=True)
+    assert scale[1, 0].item() == 0x7E and data[1, 0].item() == 0x57  # codes 7 (low), 5 (high)
+    out = nvfp4_dequantize(data, scale, amax, swizzled=False, dtype=torch.float32)
+    assert out[1, :2].tolist() == [2.0**-12, 2.0**-13]

@@ -187,8 +187,11 @@ def test_constructor_errors_name_the_argument():
         Float8BlockQuantizer(block_scaling_dim=3)
     with pytest.raises(ValueError, match="with_post_rht_amax"):
         NVFP4Quantizer(with_rht=True)
-    with pytest.raises(NotImplementedError, match="row_scaled_nvfp4"):
+    with pytest.raises(ValueError, match="row_scaled_nvfp4=True is rowwise only.*columnwise_usage"):
         NVFP4Quantizer(row_scaled_nvfp4=True)
+    with pytest.raises(ValueError, match="takes no with_rht=True, with_2d_quantization=True"):
+        NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False, with_rht=True,
+                       with_post_rht_amax=True, with_2d_quantization=True)
     with pytest.raises(TypeError, match="fp32 tensor"):
         Float8Quantizer(torch.ones(1, dtype=torch.float16), torch.zeros(1))
 

@@ -262,7 +262,13 @@ def test_nvte_flags_parse_the_usual_false_spellings(monkeypatch, spelling, value
     assert qr.NVFP4BlockScaling().disable_rht is value
 
 
-def test_row_scaled_nvfp4_is_refused_at_construction():
-    """Issue 15 item 5: it used to pass construction and fail at the first forward."""
-    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling: row_scaled_activation"):
-        qr.NVFP4BlockScaling(row_scaled_activation=True)
+def test_row_scaled_nvfp4_without_what_it_needs_is_refused_at_construction():
+    """A row-scaled activation has no columnwise form and takes no RHT: the recipe says so when
+    it is made, not at the first forward."""
+    with pytest.raises(ValueError, match="needs backward_override='dequantized'"):
+        qr.NVFP4BlockScaling(row_scaled_activation=True, disable_rht=True)
+    with pytest.raises(ValueError, match="fp4_quant_fwd_inp has random_hadamard_transform=True"):
+        qr.NVFP4BlockScaling(row_scaled_activation=True, backward_override="dequantized")
+    r = qr.NVFP4BlockScaling(row_scaled_activation=True, disable_rht=True,
+                             backward_override="dequantized")
+    assert r.row_scaled_activation

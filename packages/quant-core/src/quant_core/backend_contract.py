@@ -90,26 +90,28 @@ class Backend(Protocol):
 
     # ------------------------------------------------------------------------ NVFP4 (§7)
     def nvfp4_amax(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
-                   rht_sign_mask: int) -> Tensors2:
+                   rht_sign_mask: int, row_scaled: bool = False) -> Tensors2:
         """``(amax_row (1,), amax_col (1,))``; the columnwise one after the bf16-rounded RHT
-        when ``with_rht`` (§7.6)."""
+        when ``with_rht`` (§7.6). ``row_scaled``: ``(amax_row (M,), None)``, one per row
+        (§7.9)."""
 
     def nvfp4_quantize(self, x: torch.Tensor, amax_rowwise: torch.Tensor | None,
                        amax_columnwise: torch.Tensor | None, *, rowwise: bool, columnwise: bool,
                        with_rht: bool, rht_sign_mask: int, with_2d_quantization: bool,
                        stochastic_rounding: bool, rng_seed: torch.Tensor | None, swizzle: bool,
-                       four_over_six: bool = False, e4m3_max: int = 448, err_mode: str = "MAE"
-                       ) -> Tensors4:
+                       four_over_six: bool = False, e4m3_max: int = 448, err_mode: str = "MAE",
+                       row_scaled: bool = False) -> Tensors4:
         """``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)``; ``rng_seed``
         an int64 ``(1,)`` (ignored without stochastic rounding), element ``i``'s random byte
         ``reference._rounding.sr_random_byte(seed, i)``, which any backend can repeat.
         ``four_over_six``: 4over6 block scaling with the global bound ``e4m3_max`` (256 or 448)
-        and the error metric ``err_mode`` ("MAE" or "MSE"), §7.9."""
+        and the error metric ``err_mode`` ("MAE" or "MSE"), §7.9. ``row_scaled``: rowwise only,
+        ``amax_rowwise`` one per row ``(M,)``, each row with its own ``S_enc`` (§7.9)."""
 
     def nvfp4_dequantize(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *,
                          swizzled: bool, dtype, e4m3_max: int = 448) -> torch.Tensor:
         """``[M, K]`` in ``dtype`` from rowwise data quantized with the global bound
-        ``e4m3_max``."""
+        ``e4m3_max``; ``amax`` ``(1,)``, or ``(M,)`` for a row-scaled tensor."""
 
     # ------------------------------------------------------------- scale swizzle (§5)
     def swizzle_scales(self, s: torch.Tensor) -> torch.Tensor:

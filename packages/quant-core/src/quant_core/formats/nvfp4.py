@@ -29,7 +29,8 @@ from ._swizzled import split_refusal, swizzled_shard_refusal
 
 class NVFP4TensorStorage(QuantizedStorage):
     """NVFP4: packed E2M1 data (two codes a byte, low nibble first), E4M3 block scales and the
-    per-tensor amaxes ``_amax_rowwise`` / ``_amax_columnwise`` (fp32 ``(1,)``)."""
+    per-tensor amaxes ``_amax_rowwise`` / ``_amax_columnwise`` (fp32 ``(1,)``; a row-scaled
+    tensor's ``_amax_rowwise`` holds one per row, ``(M,)``, and it has no columnwise form)."""
 
     format = "nvfp4"
     buffer_names = (
@@ -37,9 +38,10 @@ class NVFP4TensorStorage(QuantizedStorage):
         "_amax_rowwise", "_amax_columnwise",
     )
     #: ``_nvfp4_e4m3_max``: the global E4M3 bound the quantization used (448; 4over6 may use
-    #: 256), which dequantization divides by.
-    tag_types = {"_fp4_dtype": DType, "_with_gemm_swizzled_scales": bool, "_nvfp4_e4m3_max": int}
-    tag_defaults = {"_nvfp4_e4m3_max": 448}
+    #: 256), which dequantization divides by. ``_row_scaled_nvfp4``: one amax per row.
+    tag_types = {"_fp4_dtype": DType, "_with_gemm_swizzled_scales": bool, "_nvfp4_e4m3_max": int,
+                 "_row_scaled_nvfp4": bool}
+    tag_defaults = {"_nvfp4_e4m3_max": 448, "_row_scaled_nvfp4": False}
     rowwise_data_name, columnwise_data_name = "_rowwise_data", "_columnwise_data"
     rowwise_only_names = ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
 
@@ -76,7 +78,7 @@ class NVFP4TensorStorage(QuantizedStorage):
         cancels) with that direction's scales and amax. Row-scaled amaxes, and scales under
         another global bound than 448 (4over6's 256), are not a GEMM operand of this form
         (``None``: the GEMM is emulated)."""
-        if self._nvfp4_e4m3_max != 448:
+        if self._nvfp4_e4m3_max != 448 or self._row_scaled_nvfp4:
             return None
         m, k = m_k(self.shape)
         swz = bool(self._with_gemm_swizzled_scales)
@@ -107,6 +109,8 @@ class NVFP4TensorStorage(QuantizedStorage):
         if q.nvfp4_use_4over6:
             return ("NVFP4 4over6: the columnwise copy picks its candidates from the transposed "
                     "tiles, so it is not a function of the gathered rowwise bytes")
+        if q.row_scaled_nvfp4:
+            return "row-scaled NVFP4: it has no columnwise form for the weight's backward GEMM"
         refusal = row_blocks_refusal("NVFP4", shape, world)
         if refusal:
             return refusal
@@ -117,7 +121,7 @@ class NVFP4TensorStorage(QuantizedStorage):
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
         """With 2D 16x16 blocks and no RHT: the transposed codes with the transposed scales."""
         if (not q.with_2d_quantization or q.with_rht or q.nvfp4_use_4over6
-                or s._with_gemm_swizzled_scales):
+                or q.row_scaled_nvfp4 or s._with_gemm_swizzled_scales):
             return super().columnwise_from_rowwise(s, q)
         m, k = m_k(s.shape)
         codes = unpack_e2m1(s._rowwise_data.reshape(m, k // 2))  # [m, k]
@@ -130,7 +134,8 @@ class NVFP4TensorStorage(QuantizedStorage):
 
 
 class NVFP4Tensor(QuantizedTensor, NVFP4TensorStorage):
-    """NVFP4 as a tensor (the per-tensor amaxes are shared by every piece of a split)."""
+    """NVFP4 as a tensor (the per-tensor amaxes are shared by every piece of a split; a
+    row-scaled tensor's per-row amaxes split with their rows)."""
 
     _storage_type = NVFP4TensorStorage
     _row_block = 16
@@ -138,7 +143,8 @@ class NVFP4Tensor(QuantizedTensor, NVFP4TensorStorage):
     def _layout(self):
         return {"_rowwise_data": ("rows", 0, 1, 1), "_rowwise_scale_inv": ("2d", 0, 1, 128),
                 "_columnwise_data": ("2d", 1, 2, 1), "_columnwise_scale_inv": ("2d", 1, 16, 4),
-                "_amax_rowwise": None, "_amax_columnwise": None}
+                "_amax_rowwise": ("2d", 0, 1, 1) if self._row_scaled_nvfp4 else None,
+                "_amax_columnwise": None}
 
     def _split_refusal(self):
         return split_refusal(self)
@@ -153,8 +159,9 @@ class NVFP4Quantizer(Quantizer):
     is derived state built lazily per device (:meth:`rht_matrix`). ``nvfp4_use_4over6``
     selects each block's scale between map-to-6 and map-to-4 (`numerics.md` §7.9) under the
     global bound ``nvfp4_e4m3_max`` (256 or 448) by ``nvfp4_4over6_err_mode`` ("MAE"/"MSE"); it
-    takes no RHT and no stochastic rounding. Row-scaled NVFP4 is a field for parity but is not
-    implemented (``True`` raises).
+    takes no RHT and no stochastic rounding. ``row_scaled_nvfp4`` gives each row its own amax
+    and ``S_enc`` (`numerics.md` §7.9): rowwise only (``columnwise_usage=False``), 1x16 blocks,
+    round to nearest, no RHT and no amax reduction.
     """
 
     _storage_class = NVFP4TensorStorage
@@ -194,9 +201,14 @@ class NVFP4Quantizer(Quantizer):
 
     def _validate(self) -> None:
         if self.row_scaled_nvfp4:
-            raise NotImplementedError(
-                "row_scaled_nvfp4 is an optional NVFP4 variant this project does not implement yet"
-            )
+            refused = [name for name in ("columnwise_usage", "with_rht", "with_2d_quantization",
+                                         "stochastic_rounding", "with_amax_reduction")
+                       if getattr(self, name)]
+            if refused:
+                raise ValueError(
+                    f"row_scaled_nvfp4=True is rowwise only, with 1x16 blocks rounded to nearest "
+                    f"and one amax per row; it takes no {', '.join(f'{n}=True' for n in refused)}"
+                )
         if self.nvfp4_use_4over6:
             if self.with_rht or self.stochastic_rounding:
                 raise ValueError(
@@ -250,7 +262,11 @@ class NVFP4Quantizer(Quantizer):
         return self._quantize(x, x2d, be, amax_r, amax_c, generator)
 
     def amax_numel(self) -> int:
-        """One amax per usage (rowwise, columnwise)."""
+        """One amax per usage (rowwise, columnwise). A row-scaled quantizer's amaxes, one per
+        row, depend on the input's shape and are never reduced: ``ValueError``."""
+        if self.row_scaled_nvfp4:
+            raise ValueError("row_scaled_nvfp4=True takes no amax reduction: its amaxes, one "
+                             "per row, are local to the rows")
         return int(self.rowwise_usage) + int(self.columnwise_usage)
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
@@ -292,7 +308,13 @@ class NVFP4Quantizer(Quantizer):
             x2d, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
             with_rht=self.with_rht and self.columnwise_usage,
             rht_sign_mask=self.rht_matrix_random_sign_mask_t,
+            **self._row_scaled(),
         )
+
+    def _row_scaled(self) -> dict[str, bool]:
+        """The backend keyword of the row-scaled variant, passed only when it is on (a backend
+        written before the variant existed takes the other quantizers' calls unchanged)."""
+        return {"row_scaled": True} if self.row_scaled_nvfp4 else {}
 
     def _quantize(self, x, x2d, be, amax_r, amax_c, generator):
         seed = None
@@ -308,6 +330,7 @@ class NVFP4Quantizer(Quantizer):
             stochastic_rounding=self.stochastic_rounding, rng_seed=seed,
             swizzle=self.optimize_for_gemm, four_over_six=self.nvfp4_use_4over6,
             e4m3_max=self.nvfp4_e4m3_max, err_mode=self.nvfp4_4over6_err_mode,
+            **self._row_scaled(),
         )
         return self._make_storage(x.shape, x.dtype, {
             "_rowwise_data": rd, "_rowwise_scale_inv": rs,
@@ -325,14 +348,15 @@ class NVFP4Quantizer(Quantizer):
             specs["_columnwise_data"] = (nvfp4_columnwise_data_shape(m, k), torch.uint8)
             specs["_columnwise_scale_inv"] = (nvfp4_columnwise_scale_shape(m, k), torch.uint8)
         if self.rowwise_usage:
-            specs["_amax_rowwise"] = ((1,), torch.float32)
+            specs["_amax_rowwise"] = ((m,) if self.row_scaled_nvfp4 else (1,), torch.float32)
         if self.columnwise_usage:
             specs["_amax_columnwise"] = ((1,), torch.float32)
         return specs
 
     def _storage_tags(self):
         return {"_fp4_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm,
-                "_nvfp4_e4m3_max": self.nvfp4_e4m3_max}
+                "_nvfp4_e4m3_max": self.nvfp4_e4m3_max,
+                "_row_scaled_nvfp4": self.row_scaled_nvfp4}
 
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
@@ -340,5 +364,8 @@ class NVFP4Quantizer(Quantizer):
     def lowerings(self) -> tuple[str, ...]:
         """The backend's kernels, recorded into the graph; none with stochastic rounding, whose
         seed must come from torch's generator as in eager mode (not from Inductor's own random
-        numbers), nor with 4over6, which has no kernel yet (the opaque op runs it)."""
-        return () if self.stochastic_rounding or self.nvfp4_use_4over6 else ("kernels",)
+        numbers), nor with 4over6 or row scaling, which have no kernel yet (the opaque op runs
+        them)."""
+        if self.stochastic_rounding or self.nvfp4_use_4over6 or self.row_scaled_nvfp4:
+            return ()
+        return ("kernels",)

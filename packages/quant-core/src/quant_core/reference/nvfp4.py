@@ -1,7 +1,8 @@
 """NVFP4 reference: two-level scaled E2M1 with E4M3 block scales (`numerics.md` §7, §8, §10).
 
 This module is the TE-default core (``nvfp4_e4m3_max = 448``); 4over6's block-scale selection
-is :mod:`.nvfp4_4over6`, and the row-scaled variant (§7.9) is not implemented. Blocks are 1x16
+is :mod:`.nvfp4_4over6`. Row-scaled NVFP4 (§7.9) takes one amax per row, so ``S_enc`` and
+everything derived from it is per row; it is rowwise only. Blocks are 1x16
 along K (rowwise) or along M (columnwise, the quantization of ``xᵀ`` stored as
 ``[K, ceil(M/2)]``), or 16x16 tiles in 2D mode. Partial blocks along M take their amax over the
 valid rows only (§0 Shapes).
@@ -110,16 +111,44 @@ def _quantize_direction(
     return data, zero_pad(e4m3, scale_shape[0], scale_shape[1])
 
 
+def check_row_scaled(*, columnwise: bool, with_rht: bool, with_2d_quantization: bool = False,
+                     stochastic_rounding: bool = False) -> None:
+    """``ValueError`` for what row-scaled NVFP4 does not take: a columnwise direction, RHT, 2D
+    blocks or stochastic rounding."""
+    refused = [name for name, on in (("columnwise", columnwise), ("with_rht", with_rht),
+                                     ("with_2d_quantization", with_2d_quantization),
+                                     ("stochastic_rounding", stochastic_rounding)) if on]
+    if refused:
+        raise ValueError(f"row-scaled NVFP4 is rowwise only, with 1x16 blocks rounded to "
+                         f"nearest; it takes no {', '.join(refused)}")
+
+
+def row_amax(amax: torch.Tensor, rows: int, padded_rows: int) -> torch.Tensor:
+    """A row-scaled amax ``(rows,)`` as fp32 ``[padded_rows, 1]`` (zero past ``rows``), to
+    broadcast over the rows of a block-padded tensor."""
+    if amax.shape != (rows,):
+        raise ValueError(f"row-scaled NVFP4: the rowwise amax must hold one value per row, "
+                         f"shape ({rows},), got {tuple(amax.shape)}")
+    return zero_pad(amax.to(torch.float32).reshape(rows, 1), padded_rows, 1)
+
+
 def nvfp4_amax(
-    x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool, rht_sign_mask: int
+    x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool, rht_sign_mask: int,
+    row_scaled: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """NaN-dropping amaxes (fp32 ``(1,)``, 0 for an empty tensor) of §7.1.
 
     Without RHT both directions get ``max|x|``; with RHT the columnwise amax is taken over the
-    bf16-rounded RHT of ``xᵀ``. A direction not asked for is ``None``.
+    bf16-rounded RHT of ``xᵀ``. A direction not asked for is ``None``. ``row_scaled``: the
+    rowwise amax is one value per row, fp32 ``(M,)`` (0 for an empty row); no columnwise one.
     """
     check_input_dtype(x, "nvfp4_amax")
     check_k_multiple(x.shape[1], BLOCK, "NVFP4")
+    if row_scaled:
+        check_row_scaled(columnwise=columnwise, with_rht=with_rht)
+        if x.shape[1] == 0:
+            return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device), None
+        return nan_to_zero_abs(x).amax(dim=1).to(torch.float32), None
 
     def amax_of(t: torch.Tensor) -> torch.Tensor:
         if t.numel() == 0:
@@ -149,6 +178,7 @@ def nvfp4_quantize(
     four_over_six: bool = False,
     e4m3_max: int = 448,
     err_mode: str = "MAE",
+    row_scaled: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize ``x`` ``[M, K]`` to NVFP4 with the given per-direction amaxes (§7.2–§7.8).
 
@@ -159,7 +189,14 @@ def nvfp4_quantize(
     With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
     ``four_over_six``: 4over6 block scaling with the global bound ``e4m3_max`` and the error
     metric ``err_mode`` (§7.9, :mod:`.nvfp4_4over6`; no RHT, no stochastic rounding).
+    ``row_scaled``: ``amax_rowwise`` holds one value per row (``(M,)``) and each row has its own
+    ``S_enc`` (§7.9); rowwise only, 1x16 blocks, round to nearest.
     """
+    if row_scaled:
+        check_row_scaled(columnwise=columnwise, with_rht=with_rht,
+                         with_2d_quantization=with_2d_quantization,
+                         stochastic_rounding=stochastic_rounding)
+        amax_rowwise = row_amax(amax_rowwise, x.shape[0], shapes.roundup(x.shape[0], BLOCK))
     if four_over_six:
         from .nvfp4_4over6 import nvfp4_4over6_quantize
 
@@ -216,9 +253,10 @@ def nvfp4_dequantize(
 ) -> torch.Tensor:
     """Dequantize rowwise NVFP4 ``data`` ``[M, K/2]`` to ``dtype`` ``[M, K]`` (§8):
     ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, then an RNE cast; with the
-    global bound ``e4m3_max`` of a 4over6 tensor, ``fp32(1 / (6 * e4m3_max))`` (§7.9). A last
-    partial block (the columnwise form of a tensor whose M is not a multiple of 16, read as a
-    row operand) uses its block's scale."""
+    global bound ``e4m3_max`` of a 4over6 tensor, ``fp32(1 / (6 * e4m3_max))`` (§7.9). ``amax``
+    is fp32 ``(1,)``, or ``(M,)`` for a row-scaled tensor (each row its own). A last partial
+    block (the columnwise form of a tensor whose M is not a multiple of 16, read as a row
+    operand) uses its block's scale."""
     if swizzled:
         from .swizzle import unswizzle_scales
 
@@ -226,7 +264,10 @@ def nvfp4_dequantize(
     m, k = data.shape[0], data.shape[1] * 2
     dev = data.device
     e4m3 = fp8_decode(scale[:m, : -(-k // BLOCK)].contiguous(), DType.E4M3)
-    s = e4m3 * amax.to(torch.float32)
+    if amax.numel() not in (1, m):
+        raise ValueError(f"nvfp4_dequantize: amax must have 1 or {m} (one per row) elements, "
+                         f"got shape {tuple(amax.shape)}")
+    s = e4m3 * amax.to(torch.float32).reshape(-1, 1)
     rcp = RCP_NVFP4_GLOBAL_MAX if e4m3_max == 448 else rcp_f32(E2M1_MAX * e4m3_max)
     s = s * f32(rcp, dev)  # fp32(1 / 2688), or fp32(1 / 1536) for a bound of 256
     vals = e2m1_decode(unpack_e2m1(data)) * s.repeat_interleave(BLOCK, dim=1)[:, :k]

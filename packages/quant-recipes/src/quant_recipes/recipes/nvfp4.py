@@ -31,7 +31,8 @@ class NVFP4BlockScalingRecipeState(RecipeState):
     """Role dispatch on the fp4 QParams; 4over6 on the non-gradient slots its scope selects
     (``nvfp4_4over6``), under the 256 bound where ``nvfp4_4over6_e4m3_use_256`` selects them
     too. A 4over6 slot whose QParams ask for RHT or stochastic rounding is refused, as in
-    TransformerEngine."""
+    TransformerEngine. With ``row_scaled_activation`` the forward non-weight slots are
+    row-scaled and rowwise only."""
 
     def _make(self, i: int) -> Quantizer:
         r = self.recipe
@@ -47,12 +48,14 @@ class NVFP4BlockScalingRecipeState(RecipeState):
                 "or a scope that leaves it out)"
             )
         bound = 256 if four_over_six and _in_scope(r.nvfp4_4over6_e4m3_use_256, kind) else 448
+        row_scaled = r.row_scaled_activation and kind not in (*_GRADIENTS, "weight")
         return NVFP4Quantizer(
             DType.E2M1, with_rht=qp.random_hadamard_transform,
             with_post_rht_amax=qp.random_hadamard_transform,
             with_2d_quantization=qp.fp4_2d_quantization,
             stochastic_rounding=qp.stochastic_rounding, nvfp4_use_4over6=four_over_six,
-            nvfp4_e4m3_max=bound, nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode, internal=True,
+            nvfp4_e4m3_max=bound, nvfp4_4over6_err_mode=r.nvfp4_4over6_err_mode,
+            row_scaled_nvfp4=row_scaled, columnwise_usage=not row_scaled, internal=True,
         )
 
 
@@ -77,8 +80,12 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = field(
         default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
     )
-    #: TransformerEngine's row-scaled NVFP4 activations: not implemented (refused).
-    row_scaled_activation: bool = False
+    #: Row-scaled NVFP4 for the forward non-weight tensors (`numerics.md` §7.9): one amax per
+    #: row, rowwise only, so it needs a ``backward_override`` (the backward GEMMs read the
+    #: rowwise forms or the originals) and an input QParams without RHT, 2D blocks or
+    #: stochastic rounding (``disable_rht=True``).
+    row_scaled_activation: bool = field(
+        default_factory=_env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
     #: 4over6 block scaling (`numerics.md` §7.9) for the forward tensors of a scope: ``"none"``,
     #: ``"weights"``, ``"activations"`` or ``"all"`` (gradients never).
     nvfp4_4over6: str = "none"
@@ -109,11 +116,6 @@ class NVFP4BlockScaling(Recipe):
                 "NVFP4BlockScaling.nvfp4_4over6_err_mode must be 'MAE' or 'MSE', "
                 f"got {self.nvfp4_4over6_err_mode!r}"
             )
-        if self.row_scaled_activation:
-            raise NotImplementedError(  # here, not at the first forward (NVFP4Quantizer's rule)
-                "NVFP4BlockScaling: row_scaled_activation=True is an optional NVFP4 variant "
-                "this project does not implement yet"
-            )
         defaults = {
             "fp4_quant_fwd_inp": QParams(random_hadamard_transform=not self.disable_rht),
             "fp4_quant_fwd_weight": QParams(fp4_2d_quantization=not self.disable_2d_quantization),
@@ -123,6 +125,26 @@ class NVFP4BlockScaling(Recipe):
             ),
         }
         _fill_unset(self, defaults)
+        if self.row_scaled_activation:
+            self._check_row_scaled()
+
+    def _check_row_scaled(self) -> None:
+        """Refuse, at construction, what a row-scaled activation cannot do."""
+        if self.backward_override is None:
+            raise ValueError(
+                "NVFP4BlockScaling(row_scaled_activation=True) needs backward_override="
+                "'dequantized' or 'high_precision': row-scaled tensors have no columnwise form "
+                "for the backward GEMMs"
+            )
+        qp = self.fp4_quant_fwd_inp
+        refused = [name for name in ("random_hadamard_transform", "fp4_2d_quantization",
+                                     "stochastic_rounding") if getattr(qp, name)]
+        if refused:
+            raise ValueError(
+                "NVFP4BlockScaling(row_scaled_activation=True): fp4_quant_fwd_inp has "
+                f"{', '.join(f'{n}=True' for n in refused)}, which row-scaled NVFP4 does not "
+                "take (disable_rht=True, or QParams() for the input)"
+            )
 
     state_class = NVFP4BlockScalingRecipeState
 
