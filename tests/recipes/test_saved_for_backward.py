@@ -8,6 +8,8 @@ an operand whose gradient partner is not needed, and all of them for the "dequan
 
 from __future__ import annotations
 
+import dataclasses
+
 import formats
 import pytest
 import quant_recipes as qr
@@ -68,16 +70,35 @@ def test_only_the_columnwise_copies_are_saved(name, grads):
     y.float().sum().backward()  # and backward runs on what was kept
 
 
-def test_dequantized_override_keeps_the_rowwise_forms():
-    """``backward_override="dequantized"`` runs the backward GEMMs on the rowwise forms."""
+#: The buffers of each storage that a rowwise use reads.
+ROWWISE = {
+    "Float8TensorStorage": ("_data", "_scale_inv"),
+    "MXFP8TensorStorage": ("_rowwise_data", "_rowwise_scale_inv"),
+    "Float8BlockwiseQTensorStorage": ("_rowwise_data", "_rowwise_scale_inv"),
+    "NVFP4TensorStorage": ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise"),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_dequantized_override_keeps_only_the_rowwise_forms(name):
+    """``backward_override="dequantized"`` runs the backward GEMMs on the rowwise forms, so
+    those are all that is saved: forward makes no columnwise copy no GEMM would read."""
     torch.manual_seed(0)
-    recipe = qr.Float8CurrentScaling(backward_override="dequantized")
+    recipe = dataclasses.replace(RECIPES[name](), backward_override="dequantized")
     m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     y, saved = _saved_in_forward(m, x, recipe)
-    assert any(t.shape == (32, 64) and t.dtype == torch.uint8 for t in saved)  # x's data
+    assert _signature(saved) == _expected(m, x, ROWWISE, {0, 1})
     y.float().sum().backward()
     assert x.grad is not None and m.weight.grad is not None
+
+
+def test_high_precision_override_saves_the_originals_only():
+    torch.manual_seed(0)
+    m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    _, saved = _saved_in_forward(m, x, qr.Float8CurrentScaling(backward_override="high_precision"))
+    assert len(saved) == 2 and saved[0] is x and saved[1] is m.weight
 
 
 def _grads(m, x, recipe, seed=0):

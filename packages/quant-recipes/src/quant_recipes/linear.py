@@ -327,8 +327,13 @@ class Linear(QuantizedModule, torch.nn.Linear):
                    and frame.recipe.backward_override is None and _requantizable(qset.fwd[1]))
         requant_x = (not self.save_input_copy and wgrad and frame.recipe.backward_override is None
                      and _requantizable(qset.fwd[0]))
-        input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad and not requant_x, **red)
-        weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and not requant, **red)
+        # a backward override runs the backward GEMMs on the rowwise forms (or the originals):
+        # no columnwise copy is made
+        transposed = frame.recipe.backward_override is None
+        input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad and transposed
+                               and not requant_x, **red)
+        weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and transposed
+                                and not requant, **red)
         grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad, **red)
         # what backward quantizes again: the columnwise copy alone
