@@ -311,3 +311,49 @@ def test_the_backend_runs_the_devices_implementation(monkeypatch):
     with pytest.raises(ValueError, match="nvfp4_gemm: implementation must be one of"):
         nvfp4_gemm.nvfp4_gemm_using("bf16", a, a, a, a, a, a, a_swizzled=False, b_swizzled=False,
                                     bias=None, out_dtype=torch.float32)
+
+
+def _row_scaled(x):
+    return NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False).quantize(x)
+
+
+def test_row_scaled_reference_gemm_is_the_product_of_each_row_alone():
+    """A row-scaled operand's factor is its row's: output row ``i`` (A row-scaled) or column
+    ``j`` (B row-scaled) equals the GEMM of that row quantized alone, with its scalar amax."""
+    m, n, k = 12, 20, 64
+    x, w = _x(m, k, 11).cpu(), _x(n, k, 12).cpu()
+    ra, rb = _row_scaled(x).gemm_operand(False), _row_scaled(w).gemm_operand(False)
+    assert ra.amax.shape == (m,) and rb.amax.shape == (n,)
+    out = reference.nvfp4_gemm(ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax,
+                               a_swizzled=False, b_swizzled=False, bias=None,
+                               out_dtype=torch.float32)
+    for i in range(m):
+        for j in (0, n - 1):
+            a1 = NVFP4Quantizer(columnwise_usage=False).quantize(x[i:i + 1]).gemm_operand(False)
+            b1 = NVFP4Quantizer(columnwise_usage=False).quantize(w[j:j + 1]).gemm_operand(False)
+            one = reference.nvfp4_gemm(a1.data, a1.scale, a1.amax, b1.data, b1.scale, b1.amax,
+                                       a_swizzled=False, b_swizzled=False, bias=None,
+                                       out_dtype=torch.float32)
+            assert torch.equal(out[i, j], one[0, 0])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, indirect=True)
+@pytest.mark.parametrize("scaled", ["a", "b", "both"])
+def test_row_scaled_nvfp4_gemm_matches_reference(impl, scaled):
+    """Per-row factors on the exact (integer) operands: the reference's bytes, in every
+    implementation, including the dequant one's row blocks (each block its rows' factors: 300
+    rows in blocks of 128)."""
+    m, n, k = 300, 48, 64
+    x, w = _x(m, k, 13, True), _x(n, k, 14, True)
+    x = x * torch.exp2(torch.arange(m, device=DEVICE) % 5 - 2.0)[:, None]  # rows of 5 amaxes
+    qa = _row_scaled if scaled in ("a", "both") else NVFP4Quantizer(columnwise_usage=False).quantize
+    qb = _row_scaled if scaled in ("b", "both") else NVFP4Quantizer(columnwise_usage=False).quantize
+    ra, rb = qa(x).gemm_operand(False), qb(w).gemm_operand(False)
+    args = (ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax)
+    kw = dict(a_swizzled=False, b_swizzled=False, bias=torch.arange(48.0, device=DEVICE))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = nvfp4_gemm.nvfp4_gemm_using(impl, *args, **kw, out_dtype=out_dtype)
+        assert torch.equal(got, reference.nvfp4_gemm(*args, **kw, out_dtype=out_dtype))
+    with pytest.raises(ValueError, match="a_amax must hold 1 value or one per row"):
+        nvfp4_gemm.nvfp4_gemm_using("fused", ra.data, ra.scale, torch.ones(3, device=DEVICE),
+                                    rb.data, rb.scale, rb.amax, **kw, out_dtype=torch.float32)

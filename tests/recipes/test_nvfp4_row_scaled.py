@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
-from quant_core import NVFP4Quantizer
+from quant_core import NVFP4Quantizer, reference
 from quant_core.formats.nvfp4 import NVFP4TensorStorage
 
 
@@ -39,10 +39,10 @@ def test_forward_non_weight_slots_are_row_scaled():
     assert not any(q.row_scaled_nvfp4 for q in bwd.make_quantizers())
 
 
-def test_linear_equals_the_decoded_operands():
-    """Forward: the fp32 product of the row-scaled input and the weight, each decoded by its
-    storage, plus the bias; backward ("dequantized" override): dgrad from the decoded weight,
-    wgrad from the decoded input, the gradient itself unquantized."""
+def test_linear_equals_the_reference_gemms():
+    """Forward: the reference NVFP4 GEMM of the row-scaled input and the weight (one factor per
+    output row), plus the bias; backward ("dequantized" override): dgrad from the decoded
+    weight, wgrad from the decoded input, the gradient itself unquantized."""
     m, x = _layer_and_input()
     with qr.autocast(recipe=row_scaled_recipe()):
         y = m(x)
@@ -52,7 +52,10 @@ def test_linear_equals_the_decoded_operands():
     wq = NVFP4Quantizer(columnwise_usage=False).quantize(m.weight.detach())
     assert xq._amax_rowwise.shape == (24,)
     xd, wd = xq.dequantize(torch.float32), wq.dequantize(torch.float32)
-    want = (xd @ wd.t() + m.bias.float()).bfloat16()
+    ra, rb = xq.gemm_operand(False), wq.gemm_operand(False)
+    want = reference.nvfp4_gemm(ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax,
+                                a_swizzled=False, b_swizzled=False, bias=m.bias,
+                                out_dtype=torch.bfloat16)
     assert torch.equal(y, want)
     assert torch.equal(x.grad, (gy.float() @ wd).bfloat16())
     assert torch.equal(m.weight.grad, (gy.float().t() @ xd).bfloat16())
@@ -81,13 +84,15 @@ def test_rows_split_and_concatenate_with_their_amaxes():
     assert torch.equal(t.view(4, 12, 32).dequantize().reshape(48, 32), t.dequantize())
 
 
-def test_the_storage_is_not_a_native_gemm_operand():
-    """One amax per row is not the per-tensor alpha of a block-scaled GEMM: the GEMM is
-    emulated from the decoded values."""
+def test_the_gemm_operand_carries_one_factor_per_row():
+    """Rowwise, the operand's amax is one per row (each output row's factor); there is no
+    transposed operand (no columnwise form)."""
     s = NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False).quantize(
         torch.randn(32, 32))
     assert isinstance(s, NVFP4TensorStorage) and s._row_scaled_nvfp4
-    assert s.gemm_operand(False) is None
+    op = s.gemm_operand(False)
+    assert op.rows == 32 and torch.equal(op.amax, s._amax_rowwise)
+    assert s.gemm_operand(True) is None
 
 
 def test_amax_reduction_and_columnwise_use_are_refused():

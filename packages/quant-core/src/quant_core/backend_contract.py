@@ -132,7 +132,8 @@ class Backend(Protocol):
                    b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor, *,
                    a_swizzled: bool, b_swizzled: bool, bias: torch.Tensor | None,
                    out_dtype: torch.dtype) -> torch.Tensor:
-        """As :meth:`mxfp8_gemm` for packed NVFP4 row operands with their fp32 amaxes."""
+        """As :meth:`mxfp8_gemm` for packed NVFP4 row operands with their fp32 amaxes (``(1,)``,
+        or one per row of a row-scaled operand: the factor of each output row or column)."""
 
 
 #: The functions of the contract, in declaration order (``name``, ``priority`` and

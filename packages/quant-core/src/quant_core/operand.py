@@ -31,7 +31,8 @@ class GemmOperand:
       (``block_scaling_dim`` 1: ``[ceil(K/128), roundup(rows, 4)]``; 2:
       ``[ceil(rows/128), roundup(ceil(K/128), 4)]``, `numerics.md` §6);
     - ``"nvfp4"``: the padded E4M3 matrix ``[roundup(rows, 128), roundup(ceil(K/16), 4)]``
-      (swizzled when ``swizzled``), with the per-tensor ``amax`` fp32 ``(1,)`` of the direction.
+      (swizzled when ``swizzled``), with the per-tensor ``amax`` fp32 ``(1,)`` of the direction
+      (``(rows,)``, one per row, for a row-scaled operand).
     """
 
     format: str

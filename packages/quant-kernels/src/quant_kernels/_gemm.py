@@ -90,6 +90,29 @@ def store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS: tl.cons
     tl.store(ptrs, to_out(acc, OUT), mask=mask)
 
 
+@triton.jit
+def alpha(amax_ptr, rows, PER_ROW: tl.constexpr):
+    """The fp32 amax for each of ``rows``: its own (a row-scaled operand's, one per row) or the
+    tensor's, broadcast."""
+    if PER_ROW:
+        return tl.load(amax_ptr + rows)
+    else:
+        return tl.zeros_like(rows).to(tl.float32) + tl.load(amax_ptr)
+
+
+def amaxes(amax: torch.Tensor, rows: int, name: str) -> tuple[torch.Tensor, bool]:
+    """An NVFP4 operand's fp32 amaxes as a kernel reads them, and whether there is one per row
+    (a row-scaled operand) rather than one for the tensor; ``ValueError`` naming ``name`` for
+    another count."""
+    a = amax.to(torch.float32).reshape(-1).contiguous()
+    if a.numel() == 1:
+        return a, False
+    if a.numel() != rows:
+        raise ValueError(f"{name} must hold 1 value or one per row ({rows}), got "
+                         f"{tuple(amax.shape)}")
+    return a, True
+
+
 def grid(m: int, n: int, cfg: Mapping[str, int]) -> tuple[int]:
     return (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]),)
 

@@ -26,7 +26,7 @@ from quant_core.dtypes import DType
 from quant_core.kernel_capture import NotCapturable, capturing
 from quant_core.shapes import ceil_div
 
-from . import mxfp8, nvfp4
+from . import _gemm, mxfp8, nvfp4
 from ._common import launch, out_code
 from ._rounding import RCP_2688, separately_rounded, to_out
 from .configs import launch_config
@@ -74,18 +74,22 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, N,
-                     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     HAS_ALPHA: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
     """``BLOCK`` elements of ``cast((acc * alpha_a) * alpha_b + bias)`` (:func:`_finish`).
 
     acc_ptr: fp32 GEMM result ``[M, N]``, contiguous.
     out_ptr: output ``[M, N]`` of the dtype ``OUT`` codes, contiguous.
     bias_ptr: bias ``[N]`` when ``HAS_BIAS`` (else a dummy).
-    amax_a_ptr: fp32 NVFP4 global amax of A ``(1,)`` when ``HAS_ALPHA`` (else a dummy).
-    amax_b_ptr: fp32 NVFP4 global amax of B ``(1,)`` when ``HAS_ALPHA`` (else a dummy).
+    amax_a_ptr: fp32 NVFP4 global amax of A ``(1,)`` (``(M,)`` when ``A_ROWS``) when
+        ``HAS_ALPHA`` (else a dummy).
+    amax_b_ptr: fp32 NVFP4 global amax of B ``(1,)`` (``(N,)`` when ``B_ROWS``) when
+        ``HAS_ALPHA`` (else a dummy).
     total: element count ``M * N``.
     N: columns (the bias index of element i is ``i % N``).
     HAS_ALPHA: multiply by NVFP4's per-tensor factors ``amax * fp32(1/2688)`` of A, then B.
+    A_ROWS: A is row-scaled (the amax of element i's row, ``i // N``).
+    B_ROWS: B is row-scaled (the amax of element i's column, ``i % N``).
     HAS_BIAS: add ``bias`` before the cast.
     OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
     BLOCK: elements per program.
@@ -94,8 +98,9 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     mask = offs < total
     v = tl.load(acc_ptr + offs, mask=mask, other=0.0)
     if HAS_ALPHA:
-        v = separately_rounded((v * (tl.load(amax_a_ptr) * RCP_2688))
-                               * (tl.load(amax_b_ptr) * RCP_2688))
+        alpha_a = _gemm.alpha(amax_a_ptr, offs // N, A_ROWS) * RCP_2688
+        alpha_b = _gemm.alpha(amax_b_ptr, offs % N, B_ROWS) * RCP_2688
+        v = separately_rounded((v * alpha_a) * alpha_b)
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)
@@ -112,13 +117,16 @@ def _finish(acc: torch.Tensor, bias, out_dtype, amax_a=None, amax_b=None,
         out = torch.empty_like(acc, dtype=out_dtype)
     if acc.numel() == 0:
         return out
+    a_rows = b_rows = False
+    if has_alpha:
+        amax_a, a_rows = _gemm.amaxes(amax_a, acc.shape[0], "a_amax")
+        amax_b, b_rows = _gemm.amaxes(amax_b, acc.shape[1], "b_amax")
     cfg, kw = launch_config("gemm_epilogue")
     launch(
         _epilogue_kernel, (ceil_div(acc.numel(), cfg["BLOCK"]),),
-        acc, out, bias if bias is not None else acc,
-        amax_a.to(torch.float32).reshape(1) if has_alpha else acc,
-        amax_b.to(torch.float32).reshape(1) if has_alpha else acc, acc.numel(), acc.shape[1],
-        HAS_ALPHA=has_alpha, HAS_BIAS=bias is not None, OUT=out_code(out_dtype),
+        acc, out, bias if bias is not None else acc, amax_a if has_alpha else acc,
+        amax_b if has_alpha else acc, acc.numel(), acc.shape[1], HAS_ALPHA=has_alpha,
+        A_ROWS=a_rows, B_ROWS=b_rows, HAS_BIAS=bias is not None, OUT=out_code(out_dtype),
         **kw,
     )
     return out
@@ -163,9 +171,11 @@ def _product(a_rows, m: int, bv, rows: int | None, bias, out_dtype, amax_a=None,
     if rows is None:
         return _finish(_mm_fp32(a_rows(0, m), bv), bias, out_dtype, amax_a, amax_b)
     out = torch.empty((m, bv.shape[0]), dtype=out_dtype, device=bv.device)
+    per_row = amax_a is not None and amax_a.numel() > 1  # a row-scaled A: its rows' amaxes
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
-        _finish(_mm_fp32(a_rows(r0, r1), bv), bias, out_dtype, amax_a, amax_b, out=out[r0:r1])
+        _finish(_mm_fp32(a_rows(r0, r1), bv), bias, out_dtype,
+                amax_a.reshape(-1)[r0:r1] if per_row else amax_a, amax_b, out=out[r0:r1])
     return out
 
 

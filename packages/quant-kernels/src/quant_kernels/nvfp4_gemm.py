@@ -9,7 +9,8 @@ with cuBLAS (:mod:`quant_kernels.dequant_gemm`); ``"fused"`` (under the interpre
 the mainloop of a Triton GEMM. Either way each element becomes ``e2m1 * e4m3`` (at most 2 x 4
 significant bits, exact in bf16), products accumulate in fp32, and the per-tensor scales are
 applied once to the result, ``(acc * (amax_a * R)) * (amax_b * R)`` with ``R = fp32(1/2688)``
-(TE's GEMM alpha, §8; each factor is one fp32 product, as in the reference).
+(TE's GEMM alpha, §8; each factor is one fp32 product, as in the reference). A row-scaled
+operand brings one amax per row: the factor of each output row (A) or column (B).
 In the fused kernel the two nibbles of a byte are two K elements: the low nibbles of A
 meet the low nibbles of B in one product and the high nibbles in another, so no interleaving is
 needed (the contraction order is free). Columnwise operands in the RHT basis work as they are:
@@ -55,7 +56,8 @@ def _dot(x, y, acc):
 def _nvfp4_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, c_ptr, M, N, K,
     s_am, s_bn, SA_C, SB_C, s_cm, s_cn,
-    A_SWZ: tl.constexpr, B_SWZ: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    A_SWZ: tl.constexpr, B_SWZ: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One ``[BM, BN]`` output tile of ``A @ B.T (+ bias)``, the ``"fused"`` implementation of
@@ -65,8 +67,8 @@ def _nvfp4_gemm_kernel(
     b_ptr: uint8 packed E2M1 row operand B ``[N, K/2]``, row stride ``s_bn``, K-contiguous.
     sa_ptr: uint8 E4M3 scales of A ``[roundup(M, 128), SA_C]``, contiguous; swizzled when ``A_SWZ``.
     sb_ptr: uint8 E4M3 scales of B ``[roundup(N, 128), SB_C]``, contiguous; swizzled when ``B_SWZ``.
-    amax_a_ptr: fp32 global amax of A ``(1,)``.
-    amax_b_ptr: fp32 global amax of B ``(1,)``.
+    amax_a_ptr: fp32 global amax of A ``(1,)``, or ``(M,)`` when ``A_ROWS``.
+    amax_b_ptr: fp32 global amax of B ``(1,)``, or ``(N,)`` when ``B_ROWS``.
     bias_ptr: bias ``[N]`` when ``HAS_BIAS`` (else a dummy).
     c_ptr: output ``[M, N]`` of the dtype ``OUT`` codes, strides ``s_cm``, ``s_cn``.
     M: rows of A and of the output.
@@ -80,6 +82,8 @@ def _nvfp4_gemm_kernel(
     s_cn: the output's stride over columns.
     A_SWZ: A's scales in the GEMM swizzle.
     B_SWZ: B's scales in the GEMM swizzle.
+    A_ROWS: A is row-scaled: one amax per row of A (per output row).
+    B_ROWS: B is row-scaled: one amax per row of B (per output column).
     HAS_BIAS: add ``bias`` after the per-tensor scales, before the cast.
     OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
     BM: tile rows.
@@ -104,9 +108,9 @@ def _nvfp4_gemm_kernel(
         b_lo, b_hi = _decode(b, fp8_decode(eb, True), BN, BK)
         acc = _dot(a_lo, tl.trans(b_lo), acc)
         acc = _dot(a_hi, tl.trans(b_hi), acc)
-    alpha_a = tl.load(amax_a_ptr) * RCP_2688
-    alpha_b = tl.load(amax_b_ptr) * RCP_2688
-    acc = separately_rounded((acc * alpha_a) * alpha_b)  # the bias add must not contract
+    alpha_a = _gemm.alpha(amax_a_ptr, rm_l, A_ROWS) * RCP_2688
+    alpha_b = _gemm.alpha(amax_b_ptr, rn_l, B_ROWS) * RCP_2688
+    acc = separately_rounded((acc * alpha_a[:, None]) * alpha_b[None, :])  # no contraction
     _gemm.store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 
@@ -117,8 +121,9 @@ def nvfp4_gemm(
 ) -> torch.Tensor:
     """``A @ B.T (+ bias)`` as ``out_dtype [M, N]``; the contract of
     ``quant_core.reference.nvfp4_gemm``: packed row operands ``a [M, K/2]``, ``b [N, K/2]``
-    (K-contiguous here), padded E4M3 scale matrices (contiguous), fp32 amaxes ``(1,)``; computed
-    by the device's implementation (``_gemm.default_implementation``)."""
+    (K-contiguous here), padded E4M3 scale matrices (contiguous), fp32 amaxes ``(1,)`` (or one
+    per row of a row-scaled operand); computed by the device's implementation
+    (``_gemm.default_implementation``)."""
     return nvfp4_gemm_using(
         _gemm.default_implementation(), a, a_scale, a_amax, b, b_scale, b_amax,
         a_swizzled=a_swizzled, b_swizzled=b_swizzled, bias=bias, out_dtype=out_dtype)
@@ -148,12 +153,13 @@ def nvfp4_gemm_using(
     if out.numel() == 0 or k == 0:
         return _gemm.empty_k(out, bias)
     cfg, kw = launch_config("nvfp4_gemm")
+    amax_a, a_rows = _gemm.amaxes(a_amax, m, "a_amax")
+    amax_b, b_rows = _gemm.amaxes(b_amax, n, "b_amax")
     launch(
         _nvfp4_gemm_kernel, _gemm.grid(m, n, cfg),
-        a, b, a_scale, b_scale, a_amax.to(torch.float32).reshape(1),
-        b_amax.to(torch.float32).reshape(1), bias if bias is not None else out, out, m, n, k,
+        a, b, a_scale, b_scale, amax_a, amax_b, bias if bias is not None else out, out, m, n, k,
         a.stride(0), b.stride(0), a_scale.shape[1], b_scale.shape[1], out.stride(0),
-        out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled),
-        HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **kw,
+        out.stride(1), A_SWZ=bool(a_swizzled), B_SWZ=bool(b_swizzled), A_ROWS=a_rows,
+        B_ROWS=b_rows, HAS_BIAS=bias is not None, OUT=out_code(out_dtype), **kw,
     )
     return out

@@ -234,8 +234,9 @@ def _native_nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
         return None
     p = _call_nvfp4(_row_major(ra.data), swizzled_scale(ra, 16), _row_major(rb.data),
                     swizzled_scale(rb, 16), torch.float32)
-    alpha_a = ra.amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX
-    alpha_b = rb.amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX
+    # one factor per output row / column for a row-scaled operand, else one for the tensor
+    alpha_a = ra.amax.to(torch.float32).reshape(-1, 1) * RCP_NVFP4_GLOBAL_MAX
+    alpha_b = rb.amax.to(torch.float32).reshape(1, -1) * RCP_NVFP4_GLOBAL_MAX
     return _finish((p * alpha_a) * alpha_b, bias, out_dtype)
 
 
@@ -303,7 +304,7 @@ _PATHS: dict[str, tuple[_Path, ...]] = {
                     "cuBLAS block-scaled scaled_mm (NVFP4, 1x16 E4M3 scales), per-tensor "
                     "factors after", _NATIVE_TAKES + "; the global bound 448", verified=False),
               _Path(_nvfp4, _block_problem, takes="the standard global bound 448 (4over6 "
-                    "operands under 256 are emulated)")),
+                    "operands under 256 are emulated); row-scaled operands' factors per row")),
 }
 
 

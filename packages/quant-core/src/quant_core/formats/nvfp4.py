@@ -75,10 +75,10 @@ class NVFP4TensorStorage(QuantizedStorage):
     def gemm_operand(self, transposed: bool) -> GemmOperand | None:
         """Rowwise ``[m, k/2]`` or columnwise ``[k, ceil(m/2)]`` packed data (columnwise in the
         RHT basis when the quantizer applied it: both wgrad operands share the transform, which
-        cancels) with that direction's scales and amax. Row-scaled amaxes, and scales under
-        another global bound than 448 (4over6's 256), are not a GEMM operand of this form
-        (``None``: the GEMM is emulated)."""
-        if self._nvfp4_e4m3_max != 448 or self._row_scaled_nvfp4:
+        cancels) with that direction's scales and amax (a row-scaled tensor's: one per row,
+        the factor of each output row). Scales under another global bound than 448 (4over6's
+        256) are not a GEMM operand of this form (``None``: the GEMM is emulated)."""
+        if self._nvfp4_e4m3_max != 448:
             return None
         m, k = m_k(self.shape)
         swz = bool(self._with_gemm_swizzled_scales)
@@ -88,7 +88,7 @@ class NVFP4TensorStorage(QuantizedStorage):
         else:
             data, scale, amax, rows, kk = (self._rowwise_data, self._rowwise_scale_inv,
                                            self._amax_rowwise, m, k)
-        if data is None or amax is None or amax.numel() != 1:
+        if data is None or amax is None or amax.numel() not in (1, rows):
             return None
         return GemmOperand("nvfp4", data.reshape(rows, data.shape[-1]), scale, self._fp4_dtype,
                            rows, kk, swz, amax=amax)

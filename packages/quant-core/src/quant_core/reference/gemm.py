@@ -80,10 +80,12 @@ def nvfp4_gemm(
 
     ``a [M, K/2]`` / ``b [N, K/2]``: packed E2M1 codes along K (element ``2j`` in the low nibble;
     a last partial block zero-padded), ``a_scale`` / ``b_scale`` the padded E4M3 block-scale
-    matrices (swizzled when ``*_swizzled``), ``a_amax`` / ``b_amax`` fp32 ``(1,)``.
+    matrices (swizzled when ``*_swizzled``), ``a_amax`` / ``b_amax`` fp32 ``(1,)``, or one per
+    row of a row-scaled operand (``(M,)`` / ``(N,)``: the factor of output row ``i`` / column
+    ``j``).
     """
     av = _nvfp4_operand(a, a_scale, a_swizzled)
     bv = _nvfp4_operand(b, b_scale, b_swizzled)
-    alpha = (a_amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX,
-             b_amax.to(torch.float32).reshape(()) * RCP_NVFP4_GLOBAL_MAX)
+    alpha = (a_amax.to(torch.float32).reshape(-1, 1) * RCP_NVFP4_GLOBAL_MAX,
+             b_amax.to(torch.float32).reshape(1, -1) * RCP_NVFP4_GLOBAL_MAX)
     return _finish(av, bv, bias, out_dtype, alpha)
