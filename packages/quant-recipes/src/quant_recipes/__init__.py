@@ -42,6 +42,13 @@ from .recipes import (
 )
 from .role import QuantizerRole
 from .states import RecipeState
+from .tensor_parallel import (
+    PrepareQuantModuleInput,
+    QuantColwiseParallel,
+    QuantRowwiseParallel,
+    reset_tensor_parallel_gather_bytes,
+    tensor_parallel_gather_bytes,
+)
 from .weight_cache import cached_weights
 
 __version__ = "0.1.0"
@@ -59,5 +66,7 @@ __all__ = [
     "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
     "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",
-    "recipe", "RECIPE_NAMES",
+    "recipe", "RECIPE_NAMES", "QuantColwiseParallel", "QuantRowwiseParallel",
+    "PrepareQuantModuleInput", "tensor_parallel_gather_bytes",
+    "reset_tensor_parallel_gather_bytes",
 ]

@@ -66,7 +66,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     return shared_quantization(x, q, group, quantize)
 
 
-def _saved(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
+def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
     """What backward keeps of a forward operand: nothing when no backward GEMM reads it (x
     without a weight gradient, the weight without an input gradient); the columnwise copy alone
     when the backward GEMMs use it transposed (no override); all of it for the
@@ -149,7 +149,7 @@ class _QLinearFn(torch.autograd.Function):
         ctx.weight_bwd_q = None
         ctx.input_bwd_q = input_bwd_q
         # x itself when backward quantizes it again, else what the wgrad GEMM reads of xb
-        kept_x = [x] if input_bwd_q is not None else _saved(
+        kept_x = [x] if input_bwd_q is not None else kept_for_backward(
             xb, xm, override, ctx.needs_input_grad[1])
         if ctx.weight_quantized:  # the weight tensor itself (FSDP2 refills its buffers)
             saved = (x,) if override == "high_precision" else kept_x
@@ -167,7 +167,8 @@ class _QLinearFn(torch.autograd.Function):
             ctx.weight_bwd_q = weight_bwd_q
             ctx.nx = len(kept_x)
         else:
-            ctx.save_for_backward(*kept_x, *_saved(wb, wm, override, ctx.needs_input_grad[0]))
+            ctx.save_for_backward(*kept_x,
+                                  *kept_for_backward(wb, wm, override, ctx.needs_input_grad[0]))
             ctx.nx = len(kept_x)
         ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
         ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region

@@ -1,0 +1,224 @@
+"""The forward of a tensor-parallel ``Linear``: quantized GEMMs on the local shards.
+
+The parallel styles (:mod:`.styles`) keep the layer's parameters as DTensors and hand its
+forward local tensors. :func:`forward` takes the local weight shard (``DTensor.to_local``, so the
+gradient reaches the DTensor parameter with the parameter's placement), quantizes the local
+operands with the layer's recipe quantizers and runs the GEMMs of :class:`TensorParallelLinearFn`
+on them. Each operand's tensor-wide amax (FP8 current scaling, NVFP4) is all-reduced (MAX) over
+the groups whose ranks hold other pieces of the tensor a single process would have quantized
+whole (:func:`operand_groups`), so every rank quantizes with the scale of the unsharded run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from quant_core.distributed import reduce_amax
+from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
+
+from ..compiling import compiling, dynamo
+from ..fsdp_layout import base, columnwise_buffer_list
+from ..gemm import HP, HP_META, qgemm, quantizer_meta
+from ..linear import kept_for_backward, quantize_buffers
+from ..module import is_value, module_frame
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+def quantize_over(x: torch.Tensor, q, groups: tuple) -> list[torch.Tensor]:
+    """``q``'s buffers of ``x`` with the tensor amax all-reduced (MAX) over each group of
+    ``groups`` (``None`` entries skipped); no group: :func:`quant_recipes.linear.quantize_buffers`
+    (its eager sharing of one quantization between layers included)."""
+    groups = tuple(g for g in groups if g is not None)
+    if not groups or quantizer_meta(q)[0] == HP or not q.reduces_amax:
+        return quantize_buffers(x, q, None)
+    if compiling():
+        ops = dynamo()
+        amax = ops.amax(x, q)
+        for g in groups:
+            amax = reduce_amax(amax, g)
+        return list(ops.quantize_with_amax(x, amax, q))
+    amax = q.local_amax(x)
+    for g in groups:
+        amax = reduce_amax(amax, g)
+    return q.quantize_with_amax(x, amax).buffer_list(x)
+
+
+def operand_groups(kind: str, tp_group, frame_group) -> tuple[tuple, tuple, tuple]:
+    """``(input, weight, grad_output)`` amax groups of a layer parallelized ``kind``.
+
+    The weight is always a shard of the weight one process would quantize whole: its amax is
+    reduced over the TP group. Column-parallel: the input is replicated (or arrives quantized
+    from :class:`~quant_recipes.PrepareQuantModuleInput`, its amax already reduced), the
+    output gradient holds this rank's output features (reduced). Row-parallel: the input holds
+    this rank's slice of K (reduced); the output gradient is the gradient of the reduced,
+    replicated output, whole on every rank (not reduced). ``frame_group`` (autocast's
+    ``amax_reduction_group``) is added to every operand, as autocast does for plain layers."""
+    sharded = (tp_group, frame_group)
+    whole = (frame_group,)
+    if kind == COLWISE:
+        return whole, sharded, sharded
+    return sharded, sharded, whole
+
+
+class TensorParallelLinearFn(torch.autograd.Function):
+    """``y = x Wᵀ (+ b)`` on local tensors with one amax group tuple per operand. ``x`` is 2-D
+    high precision, or a quantized storage (an input gathered quantized) of any rank."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, input_q, weight_q, grad_q, groups, override):
+        gx, gw, gg = groups
+        quantized_x = isinstance(x, QuantizedStorage)
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        n = w.shape[0]
+        xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
+        if quantized_x:  # every buffer, with the columnwise copy the wgrad GEMM reads
+            xb = (columnwise_buffer_list(x, w, input_q) if override is None
+                  and ctx.needs_input_grad[1] else _buffers(x, input_q, w))
+        else:
+            xb = quantize_over(x, input_q, gx)
+        wb = quantize_over(w, weight_q, gw)
+        y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
+        if override == "high_precision":
+            ctx.save_for_backward(x, w)
+            xm = wm = list(HP_META)
+            ctx.nx = 1
+        else:
+            kept_x = kept_for_backward(xb, xm, override, ctx.needs_input_grad[1])
+            ctx.save_for_backward(*kept_x,
+                                  *kept_for_backward(wb, wm, override, ctx.needs_input_grad[0]))
+            ctx.nx = len(kept_x)
+        ctx.meta = (xm, wm, (m, k), n, x.dtype, w.dtype, tuple(x.shape))
+        ctx.grad_q, ctx.gg, ctx.override, ctx.has_bias = grad_q, gg, override, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        saved = ctx.saved_tensors
+        xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
+        xm, wm, (m, k), n, x_dtype, w_dtype, x_shape = ctx.meta
+        gy = gy.contiguous()
+        if ctx.override is None:
+            gb, gm, col = quantize_over(gy, ctx.grad_q, ctx.gg), quantizer_meta(ctx.grad_q), True
+        else:
+            gb, gm, col = [gy], list(HP_META), False
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = qgemm(gb, gm, (m, n), False, False, wb, wm, (n, k), col, False, None, x_dtype)
+            dx = dx.reshape(x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = qgemm(gb, gm, (m, n), col, True, xb, xm, (m, k), col, False, None, w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = gy.to(torch.float32).sum(0).to(w_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+def _buffers(s: QuantizedStorage, q, like: torch.Tensor) -> list[torch.Tensor]:
+    """The buffer list of ``s`` (a storage of ``q``'s format) by attribute reads, which
+    compiled code can do on a traced quantized tensor (its method calls are taken for tensor
+    methods)."""
+    names = storage_class(q.storage_format).buffer_names
+    return [absent_buffer(like) if getattr(s, n) is None else getattr(s, n) for n in names]
+
+
+class AddBias(torch.autograd.Function):
+    """``y + b`` after a row-parallel reduction; the bias gradient is summed in fp32 (as the
+    quantized linear's is) and, for an output sharded over ``group`` (sequence parallel),
+    all-reduced in fp32 before its rounding."""
+
+    @staticmethod
+    def forward(ctx, y, b, group):
+        ctx.group, ctx.dtype = group, b.dtype
+        return y + b
+
+    @staticmethod
+    def backward(ctx, g):
+        db = g.reshape(-1, g.shape[-1]).to(torch.float32).sum(0)
+        if ctx.group is not None:
+            from torch.distributed import _functional_collectives as funcol
+
+            db = funcol.all_reduce(db, "sum", ctx.group)
+            wait = getattr(db, "wait", None)
+            db = wait() if wait is not None else db
+        return g, db.to(ctx.dtype), None
+
+
+def block_of(q) -> int:
+    """The elements one scale covers along a sharded dimension of ``q``'s operands (1 for a
+    per-tensor format)."""
+    if quantizer_meta(q)[0] == HP:
+        return 1
+    block = getattr(q, "block_len", None)
+    return block if block is not None else q.shape_rule()[1]
+
+
+def check_alignment(module, kind: str, world: int, quantizers) -> None:
+    """``ValueError`` unless each rank's slice of the sharded dimension (out_features for a
+    column-parallel layer, in_features for a row-parallel one) is a whole number of the format's
+    blocks: a block across a shard boundary would be scaled from a part of its elements."""
+    full = module.out_features if kind == COLWISE else module.in_features
+    dim = "out_features" if kind == COLWISE else "in_features"
+    local = full // world
+    for q in quantizers:
+        block = block_of(q)
+        if full % world or local % block:
+            raise ValueError(
+                f"{'QuantColwiseParallel' if kind == COLWISE else 'QuantRowwiseParallel'}: "
+                f"layer {layer_name(module)} shards {dim}={full} over {world} ranks into "
+                f"{full / world:g} per rank, not a multiple of the {q.storage_format} block of "
+                f"{block} along that dimension ({type(q).__name__}); use a width whose shard "
+                "holds whole blocks, or another recipe")
+
+
+def check_gathered_input(x: QuantizedStorage, q, module) -> None:
+    """``ValueError`` unless the gathered input was quantized by ``q`` up to usages: its bytes
+    are the GEMM operand, quantizing their dequantized value again would round twice."""
+    if not (is_value(x.quantizer) and is_value(q) and base(x.quantizer) == base(q)):
+        raise ValueError(
+            f"tensor parallelism: layer {layer_name(module)} takes an input gathered quantized "
+            f"by {x.quantizer!r}, but its recipe quantizes its input with {q!r}; give "
+            "PrepareQuantModuleInput the consuming layer's recipe (run both under one autocast)")
+
+
+def layer_name(module) -> str:
+    return repr(module.name) if module.name else (
+        f"Linear(in_features={module.in_features}, out_features={module.out_features})")
+
+
+def forward(module, x: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel layer's forward on its local input (a high-precision tensor, or the
+    quantized tensor :class:`~quant_recipes.PrepareQuantModuleInput` gathered); a row-parallel
+    layer returns its partial sum without the bias (its style reduces it and adds the bias)."""
+    kind, tp_group, world = module._quant_tp
+    w = module.weight.to_local()
+    b = module.bias.to_local() if kind == COLWISE and module.bias is not None else None
+    frame = module_frame(module)
+    quantized_x = isinstance(x, QuantizedStorage)
+    if frame is None or not frame.enabled:  # high precision (calibration has no state here)
+        xh = x.dequantize(dtype=x.dtype) if quantized_x else x
+        return F.linear(xh, w, b)
+    if frame.recipe.delayed():
+        raise ValueError(f"tensor parallelism: layer {layer_name(module)} runs under "
+                         "DelayedScaling, whose amax histories are per process; use a "
+                         "stateless recipe (Float8CurrentScaling, ...)")
+    if x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        raise RuntimeError(f"Linear: the input's last dimension must be the local in_features="
+                           f"{w.shape[1]}, got input shape {tuple(x.shape)}")
+    qset = module.quantizers(frame, device=w.device)
+    if not compiling() or dynamo().DERIVES_IN_GRAPH:
+        check_alignment(module, kind, world, (qset.fwd[0], qset.fwd[1], qset.bwd[0]))
+    grad = torch.is_grad_enabled()
+    wgrad, dgrad = grad and w.requires_grad, grad and x.requires_grad
+    transposed = frame.recipe.backward_override is None  # as Linear: no copy an override skips
+    input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad and transposed)
+    weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and transposed)
+    grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad)
+    if quantized_x and not compiling():
+        check_gathered_input(x, qset.fwd[0], module)
+    groups = operand_groups(kind, tp_group, frame.amax_reduction_group)
+    lead = x.shape[:-1]
+    x2 = x if quantized_x or x.dim() == 2 else x.reshape(lead.numel(), x.shape[-1])
+    y = TensorParallelLinearFn.apply(x2, w, b, input_q, weight_q, grad_q, groups,
+                                     frame.recipe.backward_override)
+    return y if x.dim() == 2 else y.reshape(*lead, w.shape[0])
