@@ -55,3 +55,20 @@ def test_a_second_storage_under_a_registered_name_is_refused():
 def test_an_unknown_format_names_the_registered_ones():
     with pytest.raises(TypeError, match="'fp16' is not registered; registered: fp8, "):
         storage_class("fp16")
+
+
+def test_row_alignment_is_the_row_block_of_each_format():
+    """The row multiple a caller pads to (grouped GEMMs): MXFP8's 32-row columnwise blocks,
+    FP8 blocks' 128, and 16 (cuBLAS's row multiple, NVFP4's 16-row transform) otherwise."""
+    from quant_core import (
+        Float8BlockQuantizer,
+        Float8CurrentScalingQuantizer,
+        MXFP8Quantizer,
+        NVFP4Quantizer,
+    )
+
+    assert MXFP8Quantizer().row_alignment() == 32
+    assert Float8BlockQuantizer(block_scaling_dim=1).row_alignment() == 128
+    assert Float8BlockQuantizer(block_scaling_dim=2).row_alignment() == 128
+    assert NVFP4Quantizer().row_alignment() == 16
+    assert Float8CurrentScalingQuantizer().row_alignment() == 16

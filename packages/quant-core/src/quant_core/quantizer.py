@@ -265,6 +265,13 @@ class Quantizer(metaclass=QuantizerMeta):
         """``(format name, K multiple)``: the shape rule of ``quantize`` and ``make_empty``."""
         return type(self).__name__, 1
 
+    def row_alignment(self) -> int:
+        """The row count that closes this format's blocks along the rows (the columnwise
+        direction's, and the fast GEMMs' row multiple): a caller that pads rows (a grouped GEMM
+        padding each group) pads to a multiple of it. 16 for per-element scales, cuBLAS's row
+        multiple."""
+        return 16
+
     def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None):
         """What ``quantize`` returns (a quantized tensor, or with ``internal=True`` a storage) with
         exactly the buffers, shapes and dtypes it would produce for an input of ``shape`` and

@@ -9,6 +9,8 @@ from .autocast import Frame, autocast, current_frame, default_recipe
 from .convert import convert, unconvert
 from .fsdp import all_gather_bytes, enable_fsdp_quantized_all_gather, reset_all_gather_bytes
 from .gemm import compiled_gemm_paths, gemm_paths, last_gemm_path, reset_gemm_paths
+from .grouped_gemm import grouped_gemm_paths, reset_grouped_gemm_paths
+from .grouped_linear import GroupedLinear
 from .identity import HighPrecisionStorage, IdentityQuantizer
 from .linear import Linear
 from .module import QuantizedModule, intern
@@ -62,7 +64,7 @@ __all__ = [
     "NVFP4BlockScalingRecipeState", "CustomRecipeState", "IdentityQuantizer",
     "HighPrecisionStorage", "autocast", "Frame", "current_frame", "default_recipe",
     "QuantizedModule", "Linear", "intern", "gemm_paths", "compiled_gemm_paths", "last_gemm_path",
-    "reset_gemm_paths",
+    "reset_gemm_paths", "GroupedLinear", "grouped_gemm_paths", "reset_grouped_gemm_paths",
     "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
     "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",

@@ -131,6 +131,10 @@ class Float8BlockQuantizer(Quantizer):
     def shape_rule(self) -> tuple[str, int]:
         return "FP8 block", 1
 
+    def row_alignment(self) -> int:
+        """The columnwise (and 2D) blocks of ``block_len`` rows."""
+        return self.block_len
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)

@@ -119,6 +119,10 @@ class MXFP8Quantizer(Quantizer):
     def shape_rule(self) -> tuple[str, int]:
         return "MXFP8", MXFP8_BLOCK
 
+    def row_alignment(self) -> int:
+        """The 32-row columnwise blocks."""
+        return MXFP8_BLOCK
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None):
         x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)

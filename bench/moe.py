@@ -1,0 +1,216 @@
+"""MoE expert layer: forward + backward of gate/up then down grouped GEMMs, bf16 against
+torchao's FP8 grouped GEMM and each quant recipe, every figure a ratio to bf16 of the same run.
+
+The layer is DeepSeek-V3's routed experts by default (hidden 7168, expert intermediate 2048,
+8 of 256 experts per token): ``h = silu(x W_gate) * (x W_up)`` with gate and up one grouped GEMM
+``[E, 2 * inter, hidden]``, then ``y = h W_down`` ``[E, hidden, inter]``, on the rows sorted by
+expert. Routing is ``balanced`` (every expert the same rows) or ``skewed`` (Zipf-like counts,
+some experts empty); counts are multiples of 16, as MoE trainers pad them for grouped GEMMs.
+
+Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
+``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
+recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (``quant_recipes.GroupedLinear``
+under ``autocast``, with the grouped GEMM paths it took). Per config one JSON line (median ms of
+``--iters`` steps after ``--warmup``, CUDA events on a GPU), then a markdown table of speed-ups
+over bf16. ``--smoke`` runs tiny shapes on the CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import measure
+import steps
+import torch
+import torch.nn.functional as F
+
+CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS)
+
+
+def route(tokens: int, topk: int, experts: int, kind: str, align: int = 16) -> list[int]:
+    """Rows per expert for ``tokens * topk`` routed rows (``kind`` balanced or skewed), each a
+    multiple of ``align``, summing to ``tokens * topk`` rounded up to ``align``."""
+    rows = -(-tokens * topk // align) * align
+    if kind == "balanced":
+        weights = torch.ones(experts)
+    else:  # Zipf-like: a few hot experts, a long tail, some empty
+        weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        weights[experts // 2:: 3] = 0
+    blocks = (weights / weights.sum() * (rows // align)).floor().long()
+    blocks[0] += rows // align - int(blocks.sum())
+    return (blocks * align).tolist()
+
+
+def _ao_grouped_mm():
+    """torchao's FP8 rowwise grouped GEMM as ``f(A [T, K], B_t [E, K, N], offs)``, or None."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import (
+            _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm,
+        )
+
+        return lambda a, b_t, offs: fp8_gmm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn)
+    except ImportError:
+        pass
+    try:
+        from torchao.prototype.moe_training import _quantize_then_scaled_grouped_mm as gmm
+        from torchao.prototype.moe_training.conversion_utils import MoEScalingType
+
+        return lambda a, b_t, offs: gmm(a, b_t, offs, scaling_type=MoEScalingType.FP8_ROWWISE)
+    except ImportError:
+        return None
+
+
+class Experts(torch.nn.Module):
+    """The routed experts: ``mm(x, w [E, N, K], offs)`` computes each group times ``w[g]ᵀ``."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, mm, device, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w13 = torch.nn.Parameter((torch.randn(experts, 2 * inter, hidden, generator=g)
+                                       * hidden ** -0.5).to(device, torch.bfloat16))
+        self.w2 = torch.nn.Parameter((torch.randn(experts, hidden, inter, generator=g)
+                                      * inter ** -0.5).to(device, torch.bfloat16))
+        self.mm = mm
+
+    def forward(self, x, offs):
+        gate, up = self.mm(x, self.w13, offs).chunk(2, dim=-1)
+        return self.mm(F.silu(gate) * up, self.w2, offs)
+
+
+class QuantExperts(torch.nn.Module):
+    """The same layer from two ``quant_recipes.GroupedLinear`` under ``recipe``."""
+
+    def __init__(self, ref: Experts, recipe):
+        super().__init__()
+        import quant_recipes as qr
+
+        e, n13, k = ref.w13.shape
+        self.w13 = qr.GroupedLinear(e, k, n13, device="meta", name="w13")
+        self.w2 = qr.GroupedLinear(e, n13 // 2, k, device="meta", name="w2")
+        self.w13.weight, self.w2.weight = ref.w13, ref.w2  # the very same Parameters
+        self.recipe = recipe
+
+    def forward(self, x, offs):
+        import quant_recipes as qr
+
+        with qr.autocast(recipe=self.recipe):
+            gate, up = self.w13(x, offs).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up, offs)
+
+
+def build(name: str, ref_args, device):
+    """The layer of config ``name``; ``steps.Unavailable`` where its API is missing here."""
+    if name == "bf16":
+        if not hasattr(torch, "_grouped_mm"):
+            raise steps.Unavailable(f"torch {torch.__version__} has no torch._grouped_mm")
+        return Experts(*ref_args, lambda x, w, offs: torch._grouped_mm(
+            x, w.transpose(-2, -1), offs=offs), device)
+    if name == "ao_fp8_rowwise":
+        gmm = _ao_grouped_mm()
+        if gmm is None:
+            raise steps.Unavailable("torchao.prototype.moe_training is not importable")
+        return Experts(*ref_args, lambda x, w, offs: gmm(x, w.transpose(-2, -1), offs), device)
+    return QuantExperts(Experts(*ref_args, None, device), steps.recipes()[name]())
+
+
+def run(name: str, args, counts: list[int], device) -> dict:
+    """One config at one routing: median ms of forward + backward, and quant's GEMM paths."""
+    import quant_recipes as qr
+
+    res = {"config": name, "routing": args.routing_now, "tokens": args.tokens,
+           "rows": sum(counts), "experts": args.experts, "hidden": args.hidden,
+           "inter": args.inter}
+    try:
+        layer = build(name, (args.experts, args.hidden, args.inter), device)
+    except steps.Unavailable as e:
+        return {**res, "error": f"unavailable: {e}"}
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), args.hidden, device=device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    g = torch.randn_like(x)
+    fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        fwd(x, offs).backward(g)
+
+    try:
+        step()
+        qr.reset_gemm_paths()
+        qr.reset_grouped_gemm_paths()
+        step()
+        res["grouped_gemm_paths"] = qr.grouped_gemm_paths()
+        res["gemm_paths"] = qr.gemm_paths()
+        res["ms"] = measure.time_steps(step, device, warmup=args.warmup, iters=args.iters)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next config
+        res["error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per routing, each config's ms and speed-up over that routing's bf16."""
+    out = ["| routing | config | ms | speed-up over bf16 | grouped GEMM paths |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['routing']} | {r['config']} | {r['error'][:70]} | - | - |")
+            continue
+        base = next((b for b in rows if b["routing"] == r["routing"] and b["config"] == "bf16"
+                     and "ms" in b), None)
+        ratio = f"{base['ms'] / r['ms']:.3f}x" if base else "-"
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(r["grouped_gemm_paths"].items())) or "-"
+        out.append(f"| {r['routing']} | {r['config']} | {r['ms']:.3f} | {ratio} | {paths} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per step (before top-k)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
+    p.add_argument("--experts", type=int, default=256, help="experts on this GPU")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048, help="expert intermediate width")
+    p.add_argument("--routing", default="balanced,skewed", help="balanced,skewed")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--iters", type=int, default=measure.ITERS, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=measure.WARMUP)
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the layer")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in seconds")
+    p.add_argument("--json", metavar="OUT", help="also write the rows to this file")
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.topk, args.experts, args.hidden, args.inter = 24, 2, 4, 128, 64
+        args.iters, args.warmup, args.device = 2, 1, "cpu"
+    import quant_dynamo  # noqa: F401  (compile support, before any quant module is traced)
+
+    steps.register_triton()
+    device = torch.device(args.device)
+    print(json.dumps(measure.env_line(device)), flush=True)
+    if device.type == "cuda":
+        measure.warm_up(device=args.device)
+    rows = []
+    for kind in args.routing.split(","):
+        args.routing_now = kind
+        counts = route(args.tokens, args.topk, args.experts, kind)
+        for name in args.configs.split(","):
+            res = run(name, args, counts, device)
+            print(json.dumps(res), flush=True)
+            rows.append(res)
+    print(table(rows))
+    ok = [r["ms"] for r in rows if "ms" in r]
+    if ok:
+        print(f"\nmedian over configs: {statistics.median(ok):.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``GroupedLinear``: one linear layer per expert over rows sorted by expert (mixture of experts).
+
+``forward(x, offs)``: ``x [T, in_features]`` holds the rows of expert 0, then expert 1, ...;
+``offs`` (int32/int64 ``[num_experts]``) are the cumulative end offsets of the groups, as
+``torch._grouped_mm`` takes them; ``forward(x, counts=...)`` takes the rows per expert instead.
+It returns ``[T, out_features]``: group ``g`` times ``weight[g]ᵀ`` (plus ``bias[g]``).
+
+Inside :func:`~quant_recipes.autocast` every group's GEMMs (fprop, dgrad, wgrad) are those of
+the dense :class:`~quant_recipes.Linear` on that group's rows, padded with zero rows to the
+recipe's token alignment (:func:`~quant_recipes.grouped_gemm.token_alignment`): the same
+quantizers (roles with ``module_type="grouped_linear"``), one quantize call per group (a
+tensor-wide amax is the group's), the same GEMM paths. The padding changes no output and no
+gradient. Backward quantizes the input and the weight again (their columnwise copies; the
+rowwise forms under ``backward_override="dequantized"``), so the input and weight quantizers must
+give the same bytes again: value quantizers without stochastic rounding (no ``DelayedScaling``).
+Outside autocast it is a high-precision grouped linear (fp32 products, one rounding;
+groups padded to 16 rows for ``torch._grouped_mm``).
+
+Under ``torch.compile`` the grouped GEMMs are custom ops with static output shapes
+(:mod:`quant_recipes.grouped_ops`): group sizes may change on every step without a recompile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from quant_core.inputs import check_dense
+from quant_core.storage import QuantizedStorage
+
+from .compiling import compiling
+from .grouped_gemm import check_offsets, token_alignment
+from .grouped_ops import bprop, fprop
+from .identity import IdentityQuantizer
+from .module import QuantizedModule, intern, is_value, module_frame
+from .role import QuantizerRole
+
+#: The quantizer of every high-precision slot.
+_HIGH_PRECISION = intern(IdentityQuantizer())
+
+
+class _GroupedFn(torch.autograd.Function):
+    """Forward/backward of the grouped linear; quantizers are plain arguments."""
+
+    @staticmethod
+    def forward(ctx, x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, col, align, traced):
+        y = fprop(x, offs, w, b, qx, qw, align, traced)
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if wgrad else None, offs, w if dgrad else None)
+        ctx.shapes = (x.shape, x.dtype, w.shape, w.dtype)
+        ctx.q = (qg, qx_bwd, qw_bwd)
+        ctx.col, ctx.align, ctx.traced, ctx.has_bias = col, align, traced, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, offs, w = ctx.saved_tensors
+        (x_shape, x_dtype, w_shape, w_dtype) = ctx.shapes
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        dbias = ctx.has_bias and ctx.needs_input_grad[3]
+        # a stand-in (no data read) for the operand whose gradient partner is not needed
+        x = x if x is not None else gy.new_empty(x_shape, dtype=x_dtype)
+        w = w if w is not None else gy.new_empty(w_shape, dtype=w_dtype)
+        dx, dw, db = bprop(gy.contiguous(), x, offs, w, *ctx.q, ctx.col, ctx.align, dgrad, wgrad,
+                           dbias, ctx.traced)
+        return (dx if dgrad else None, None, dw if wgrad else None, db if dbias else None,
+                None, None, None, None, None, None, None, None)
+
+
+class GroupedLinear(QuantizedModule):
+    """``num_experts`` linear layers ``in_features -> out_features`` in one module; one
+    ``weight`` parameter ``[num_experts, out_features, in_features]`` (and ``bias``
+    ``[num_experts, out_features]``), each expert initialised as ``nn.Linear`` initialises its
+    layer.
+
+    Roles: forward ``[("grouped_linear", "input", name), ("grouped_linear", "weight", name),
+    output_quantizer_role]``, backward ``[("grouped_linear", "grad_output", name),
+    grad_input_quantizer_role]``; one quantizer per slot, applied to every group.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 *, device=None, dtype=None, name: str = "") -> None:
+        super().__init__(name=name)
+        for what, v in (("num_experts", num_experts), ("in_features", in_features),
+                        ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GroupedLinear: {what} must be an int >= 1, got {v!r}")
+        self.num_experts, self.in_features, self.out_features = (num_experts, in_features,
+                                                                 out_features)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(
+            torch.empty((num_experts, out_features, in_features), **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty((num_experts, out_features), **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+        self._roles_changed()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                torch.nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.in_features)
+                torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def _roles_changed(self) -> None:
+        name = self.name
+        self._fwd_roles = (QuantizerRole("grouped_linear", "input", name),
+                           QuantizerRole("grouped_linear", "weight", name),
+                           self._output_quantizer_role)
+        self._bwd_roles = (QuantizerRole("grouped_linear", "grad_output", name),
+                           self._grad_input_quantizer_role)
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
+        roles = self._fwd_roles if fwd else self._bwd_roles
+        if num_quantizers != len(roles):
+            raise ValueError(f"GroupedLinear has {len(roles)} {'forward' if fwd else 'backward'} "
+                             f"slots, asked for {num_quantizers}")
+        return roles
+
+    def _offsets(self, x: torch.Tensor, offs, counts) -> torch.Tensor:
+        """``offs``, or the cumulative sum of ``counts``, checked against ``x``."""
+        if (offs is None) == (counts is None):
+            raise TypeError("GroupedLinear: pass exactly one of offs (cumulative end offsets of "
+                            "the groups) and counts (rows per expert)")
+        what, t = ("offs", offs) if offs is not None else ("counts", counts)
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"GroupedLinear: {what} must be an int32 or int64 tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if tuple(t.shape) != (self.num_experts,):
+            raise ValueError(f"GroupedLinear: {what} must have shape ({self.num_experts},) (one "
+                             f"entry per expert), got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"GroupedLinear: {what} is on {t.device} but x is on {x.device}")
+        if counts is not None and not compiling():
+            if bool((counts < 0).any()):
+                raise ValueError(f"GroupedLinear: counts must be non-negative, got "
+                                 f"{counts.tolist()}")
+            if int(counts.sum()) != x.shape[0]:
+                raise ValueError(f"GroupedLinear: counts must sum to the rows of x "
+                                 f"({x.shape[0]}), got {int(counts.sum())}")
+        if counts is not None:
+            return counts.cumsum(0)
+        if not compiling():
+            check_offsets([int(v) for v in offs.tolist()], x.shape[0])
+        return offs
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None, *,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if isinstance(w, QuantizedStorage):
+            raise TypeError("GroupedLinear: the weight must be a high-precision tensor")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"GroupedLinear: x must be a tensor, got {type(x).__name__}")
+        check_dense(x, "GroupedLinear")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear: x must be [tokens, in_features={self.in_features}]"
+                             f", got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"GroupedLinear: x must be a floating-point tensor, got {x.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"GroupedLinear: x is on {x.device} but the weight on {w.device}")
+        offs = self._offsets(x, offs, counts)
+        traced = compiling()
+        frame = module_frame(self)
+        if frame is None or not frame.enabled:
+            hp = _HIGH_PRECISION
+            return _GroupedFn.apply(x, offs, w, b, hp, hp, hp, hp, hp, False, 16, traced)
+        if frame.amax_reduction_group is not None:
+            raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
+                             "(each expert group has its own amax)")
+        if frame.recipe.delayed():
+            raise ValueError("GroupedLinear does not support DelayedScaling (its backward "
+                             "quantizes the input and weight again, which needs stateless "
+                             "quantizers); use Float8CurrentScaling")
+        qset = self.quantizers(frame, device=w.device)
+        for q, what in ((qset.fwd[0], "input"), (qset.fwd[1], "weight")):
+            if not (is_value(q) and q.is_requantization_safe()):
+                raise ValueError(
+                    f"GroupedLinear {self.name!r}: the {what} quantizer {q!r} does not give the "
+                    "same bytes when it quantizes again, which the backward does; use a value "
+                    "quantizer without stochastic rounding for the input and weight")
+        grad = torch.is_grad_enabled()
+        wgrad, dgrad = grad and w.requires_grad, grad and x.requires_grad
+        qx = qset.variant(qset.fwd[0], columnwise_usage=False)
+        qw = qset.variant(qset.fwd[1], columnwise_usage=False)
+        override = frame.recipe.backward_override
+        if override is None:
+            qg = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
+                              columnwise_usage=wgrad)
+            qx_bwd, qw_bwd = (qset.variant(q, rowwise_usage=False, columnwise_usage=True)
+                              for q in qset.fwd[:2])
+        elif override == "dequantized":  # the rowwise forms, against the unquantized gradient
+            qg, qx_bwd, qw_bwd = _HIGH_PRECISION, qx, qw
+        else:  # "high_precision": the originals
+            qg = qx_bwd = qw_bwd = _HIGH_PRECISION
+        return _GroupedFn.apply(x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, override is None,
+                                token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0])),
+                                traced)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"name={self.name!r}")

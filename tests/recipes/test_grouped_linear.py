@@ -1,0 +1,284 @@
+"""GroupedLinear: each expert group equals the dense quantized Linear on that group's rows, bit
+for bit (forward and backward, every built-in recipe), ragged and empty groups, CustomRecipe
+roles, fullgraph compile without recompiles, checkpointing, state_dict, deepcopy, wrong inputs.
+
+The oracle is ``qr.Linear`` (tested against the reference elsewhere), run once per group on the
+group's rows padded with zero rows to the alignment the contract states (ALIGN below), and, for
+recipes whose dense Linear takes any row count and draws no random bits, on the unpadded rows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import formats
+import pytest
+import quant_recipes as qr
+import torch
+from quant_recipes import grouped_gemm
+from torch.utils.checkpoint import checkpoint
+
+E, K, N = 4, 128, 64
+COUNTS = [5, 0, 37, 22]  # ragged, one empty group, none a multiple of a block
+#: The row multiple of each recipe's groups (behaviour.md, GroupedLinear).
+ALIGN = {"fp8": 16, "fp8_block": 128, "mxfp8": 32, "nvfp4": 16}
+
+RECIPES = {**formats.recipes(),
+           "current_dequantized": lambda: qr.Float8CurrentScaling(backward_override="dequantized"),
+           "mxfp8_high_precision": lambda: qr.MXFP8BlockScaling(
+               backward_override="high_precision")}
+#: Recipes whose dense Linear takes any row count and rounds to nearest: padding is invisible.
+UNPADDED = {"current": qr.Float8CurrentScaling, "block": qr.Float8BlockScaling,
+            "mxfp8": qr.MXFP8BlockScaling,
+            "nvfp4_plain": lambda: qr.NVFP4BlockScaling(disable_rht=True,
+                                                        disable_stochastic_rounding=True)}
+
+
+def _align(recipe) -> int:
+    if recipe is None:
+        return 1
+    if recipe.custom():
+        return recipe.quantization_alignment
+    return ALIGN[formats.format_of(_recipe_id(recipe)).name]
+
+
+def _recipe_id(recipe) -> str:
+    return {qr.Float8CurrentScaling: "current", qr.Float8BlockScaling: "block",
+            qr.MXFP8BlockScaling: "mxfp8", qr.NVFP4BlockScaling: "nvfp4"}[type(recipe)]
+
+
+def _data(counts, dtype=torch.bfloat16, bias=True, seed=0):
+    torch.manual_seed(seed)
+    m = qr.GroupedLinear(E, K, N, bias=bias, dtype=dtype, name="experts")
+    x = torch.randn(sum(counts), K, dtype=dtype)
+    gy = torch.randn(sum(counts), N, dtype=dtype)
+    dense = [qr.Linear(K, N, bias=bias, dtype=dtype) for _ in range(E)]
+    with torch.no_grad():
+        for g, d in enumerate(dense):
+            d.weight.copy_(m.weight[g])
+            if bias:
+                d.bias.copy_(m.bias[g])
+    return m, x, gy, dense
+
+
+def _grouped(m, x, gy, counts, recipe, **kw):
+    x = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    with qr.autocast(enabled=recipe is not None, recipe=recipe):
+        y = m(x, counts=torch.tensor(counts), **kw)
+    y.backward(gy)
+    return y.detach(), x.grad, m.weight.grad, None if m.bias is None else m.bias.grad
+
+
+def _dense(dense, x, gy, counts, recipe, align):
+    """Per group: the dense Linear on the group's rows padded to ``align``; the real rows."""
+    ys, dxs, dws, dbs, s = [], [], [], [], 0
+    for d, c in zip(dense, counts, strict=True):
+        if c == 0:  # nothing to run: no output rows, zero weight gradient
+            dws.append(torch.zeros_like(d.weight))
+            dbs.append(None if d.bias is None else torch.zeros_like(d.bias))
+            continue
+        rows = -(-c // align) * align
+        xg = torch.zeros(rows, K, dtype=x.dtype)
+        xg[:c] = x[s:s + c]
+        xg.requires_grad_()
+        gg = torch.zeros(rows, N, dtype=gy.dtype)
+        gg[:c] = gy[s:s + c]
+        d.zero_grad(set_to_none=True)
+        with qr.autocast(enabled=recipe is not None, recipe=recipe):
+            yg = d(xg)
+        yg.backward(gg)
+        ys.append(yg.detach()[:c])
+        dxs.append(xg.grad[:c])
+        dws.append(d.weight.grad)
+        dbs.append(None if d.bias is None else d.bias.grad)
+        s += c
+    db = None if dbs[0] is None else torch.stack(dbs)
+    return torch.cat(ys), torch.cat(dxs), torch.stack(dws), db
+
+
+def _assert_equal(got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("rid", list(RECIPES))
+def test_each_group_equals_the_dense_linear(rid):
+    m, x, gy, dense = _data(COUNTS)
+    recipe = RECIPES[rid]()
+    qr.reset_grouped_gemm_paths()
+    torch.manual_seed(7)  # stochastic rounding: one seed per group's gradient, in group order
+    got = _grouped(m, x, gy, COUNTS, recipe)
+    assert qr.grouped_gemm_paths() == {"per_group": 3}  # fprop, dgrad, wgrad
+    torch.manual_seed(7)
+    _assert_equal(got, _dense(dense, x, gy, COUNTS, recipe, _align(recipe)))
+
+
+@pytest.mark.parametrize("rid", list(UNPADDED))
+def test_padding_is_invisible(rid):
+    m, x, gy, dense = _data(COUNTS)
+    recipe = UNPADDED[rid]()
+    _assert_equal(_grouped(m, x, gy, COUNTS, recipe), _dense(dense, x, gy, COUNTS, recipe, 1))
+
+
+def test_fp32_and_no_bias():
+    m, x, gy, dense = _data(COUNTS, dtype=torch.float32, bias=False)
+    recipe = qr.MXFP8BlockScaling()
+    _assert_equal(_grouped(m, x, gy, COUNTS, recipe), _dense(dense, x, gy, COUNTS, recipe, 32))
+
+
+def test_outside_autocast_is_the_high_precision_linear():
+    m, x, gy, dense = _data(COUNTS)
+    _assert_equal(_grouped(m, x, gy, COUNTS, None), _dense(dense, x, gy, COUNTS, None, 1))
+
+
+def test_offsets_equal_counts():
+    m, x, _, _ = _data(COUNTS)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    with torch.no_grad(), qr.autocast(recipe=qr.Float8CurrentScaling()):
+        assert torch.equal(m(x, offs), m(x, counts=torch.tensor(COUNTS, dtype=torch.int32)))
+
+
+def test_no_rows_at_all():
+    m, _, _, _ = _data(COUNTS)
+    x = torch.zeros(0, K, dtype=torch.bfloat16, requires_grad=True)
+    with qr.autocast(recipe=qr.NVFP4BlockScaling()):
+        y = m(x, counts=torch.zeros(E, dtype=torch.int64))
+    y.sum().backward()
+    assert y.shape == (0, N) and x.grad.shape == (0, K)
+    assert not m.weight.grad.any() and not m.bias.grad.any()
+
+
+def test_custom_recipe_sees_grouped_linear_roles():
+    seen = []
+
+    def factory(role):
+        seen.append(role)
+        return formats.quantizer("current")
+
+    m, x, gy, _ = _data(COUNTS)
+    _grouped(m, x, gy, COUNTS, qr.CustomRecipe(qfactory=factory, quantization_alignment=16))
+    roles = {(r.module_type, r.tensor_type, r.name) for r in seen if r is not None}
+    assert roles == {("grouped_linear", t, "experts") for t in ("input", "weight", "grad_output")}
+
+
+def test_custom_recipe_alignment_pads_groups():
+    m, x, gy, dense = _data(COUNTS)
+    recipe = qr.CustomRecipe(qfactory=lambda role: formats.quantizer("mxfp8"),
+                             quantization_alignment=64)
+    _assert_equal(_grouped(m, x, gy, COUNTS, recipe), _dense(dense, x, gy, COUNTS, recipe, 64))
+
+
+def test_grouped_mm_path(monkeypatch):
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    m, x, gy, _ = _data(COUNTS, bias=False)
+    for recipe in (qr.MXFP8BlockScaling(), None):
+        qr.reset_grouped_gemm_paths()
+        got = _grouped(m, x, gy, COUNTS, recipe)
+        assert qr.grouped_gemm_paths() == {"grouped_mm": 3}
+        monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", set())
+        want = _grouped(m, x, gy, COUNTS, recipe)
+        monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+        for a, b in zip(got[:3], want[:3], strict=True):  # only the fp32 accumulation order
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    qr.reset_grouped_gemm_paths()  # NVFP4's per-tensor factors scale the product: per group
+    _grouped(m, x, gy, COUNTS, formats.recipe("nvfp4_no_sr"))
+    assert qr.grouped_gemm_paths() == {"per_group": 3}
+
+
+@pytest.mark.parametrize("rid", ["current", "nvfp4_no_sr", "off"])
+def test_compile_fullgraph_without_recompiles(rid):
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.compile_supported():
+        pytest.skip("this torch cannot bake quantizers into graphs")
+    if not quant_dynamo.DERIVES_IN_GRAPH:
+        pytest.skip("torch 2.10 reads no member of a baked quantizer (grouped ops need its key)")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    m, x, gy, _ = _data(COUNTS)
+    recipe = RECIPES[rid]() if rid != "off" else None
+
+    def step(x, counts):
+        with qr.autocast(enabled=recipe is not None, recipe=recipe):
+            return m(x, counts=counts)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for counts in (COUNTS, [16, 16, 16, 16], [0, 0, 64, 0], [1, 2, 3, 58]):
+        results = []
+        for fn in (compiled, step):
+            xi = x.clone().requires_grad_()
+            m.zero_grad(set_to_none=True)
+            y = fn(xi, torch.tensor(counts))
+            y.backward(gy)
+            results.append((y.detach(), xi.grad, m.weight.grad, m.bias.grad))
+        _assert_equal(*results)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_activation_checkpointing(inside):
+    m, x, gy, _ = _data(COUNTS)
+    recipe = qr.MXFP8BlockScaling() if inside else None
+    want = _grouped(m, x, gy, COUNTS, recipe)
+    xi = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    with qr.autocast(enabled=inside, recipe=recipe):
+        y = checkpoint(m, xi, counts=torch.tensor(COUNTS), use_reentrant=False)
+    y.backward(gy)  # the recompute runs outside the region, under the forward's frame
+    _assert_equal((y.detach(), xi.grad, m.weight.grad, m.bias.grad), want)
+
+
+def test_state_dict_and_deepcopy():
+    m, x, _, _ = _data(COUNTS)
+    assert set(m.state_dict()) == {"weight", "bias"}
+    assert m.weight.shape == (E, N, K) and m.bias.shape == (E, N)
+    fresh = qr.GroupedLinear(E, K, N, bias=True, dtype=torch.bfloat16)
+    fresh.load_state_dict(m.state_dict(), strict=True)
+    twin = copy.deepcopy(m)
+    counts = torch.tensor(COUNTS)
+    with torch.no_grad(), qr.autocast(recipe=qr.Float8BlockScaling()):
+        want = m(x, counts=counts)
+        assert torch.equal(fresh(x, counts=counts), want)
+        assert torch.equal(twin(x, counts=counts), want)
+    assert twin.weight is not m.weight
+
+
+def test_delayed_scaling_is_refused():
+    m, x, _, _ = _data(COUNTS)
+    with pytest.raises(ValueError, match="DelayedScaling"), qr.autocast(
+            recipe=qr.DelayedScaling()):
+        m(x, counts=torch.tensor(COUNTS))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"counts": torch.tensor([5, 0, 37, 21])}, ValueError, "counts must sum"),
+    ({"counts": torch.tensor([5, -1, 38, 22])}, ValueError, "counts must be non-negative"),
+    ({"counts": torch.tensor([5.0, 0, 37, 22])}, TypeError, "counts must be an int32"),
+    ({"counts": torch.tensor([64])}, ValueError, r"counts must have shape \(4,\)"),
+    ({"counts": torch.tensor([5, 0, 37, 22], device="meta")}, ValueError, "counts is on meta"),
+    ({"offs": torch.tensor([5, 4, 42, 64])}, ValueError, "offs must be non-decreasing"),
+    ({"offs": torch.tensor([5, 5, 42, 63])}, ValueError, "offs must end"),
+    ({}, TypeError, "exactly one of offs"),
+    ({"offs": torch.tensor([5, 5, 42, 64]), "counts": torch.tensor(COUNTS)}, TypeError,
+     "exactly one of offs"),
+])
+def test_wrong_inputs_name_the_argument(kwargs, error, match):
+    m, x, _, _ = _data(COUNTS)
+    with pytest.raises(error, match=match):
+        m(x, **kwargs)
+
+
+def test_wrong_x():
+    m, x, _, _ = _data(COUNTS)
+    with pytest.raises(ValueError, match="x must be"):
+        m(x[:, :64], counts=torch.tensor(COUNTS))
+    with pytest.raises(TypeError, match="floating-point"):
+        m(x.to(torch.int32), counts=torch.tensor(COUNTS))
+    with pytest.raises(ValueError, match="num_experts must be"):
+        qr.GroupedLinear(0, K, N)
