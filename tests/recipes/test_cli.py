@@ -113,6 +113,8 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
     for needle in ("torch", "compile API", "backends", "reference", "mxfp8", "nvfp4"):
         assert needle in text
     assert "emulated" in text
+    assert "nvfp4 4over6" in text and "nvfp4 row-scaled" in text
+    assert "GroupedLinear    one GEMM per group" in text  # the CPU: no torch._grouped_mm path
 
 
 def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):

@@ -57,6 +57,21 @@ def gemm_lines(device: torch.device | str) -> list[str]:
     return lines
 
 
+def variant_lines(device: torch.device | str) -> list[str]:
+    """NVFP4's optional variants and the grouped GEMMs on ``device``: what runs them."""
+    from ..grouped_gemm import grouped_mm_available
+
+    grouped = ("one torch._grouped_mm for operands exact in bf16, else one GEMM per group"
+               if grouped_mm_available(torch.device(device)) else "one GEMM per group")
+    return [
+        "nvfp4 4over6     NVFP4BlockScaling(nvfp4_4over6=...): global bound 256 or 448, MAE or "
+        "MSE; GEMMs as NVFP4 under 448, emulated under 256",
+        "nvfp4 row-scaled NVFP4BlockScaling(row_scaled_activation=True): one amax per row, "
+        "rowwise only (needs backward_override); GEMMs with per-row factors",
+        f"GroupedLinear    {grouped}",
+    ]
+
+
 def run_doctor() -> int:
     print(f"torch            {torch.__version__}")
     print(f"triton           {_version('triton')}")
@@ -85,5 +100,8 @@ def run_doctor() -> int:
     print()
     print(f"GEMMs on {devices[0]} (quantization runs on every device, same bytes)")
     for line in gemm_lines(devices[0]):
+        print(line)
+    print()
+    for line in variant_lines(devices[0]):
         print(line)
     return status
