@@ -31,6 +31,10 @@
 #                the recipes (default fp8_current ao_fp8_tensorwise bf16)
 #   demo         quant doctor, then quant demo on the GPU (150 steps)
 #   gpt          quant demo --model gpt per recipe, one process each; args: the recipes
+#   parity       NVFP4's 4over6 and row-scaled variants on the GPU: tests/gpu's NVFP4 kernel
+#                checks, then tests/kernels and tests/recipes of the variants and the NVFP4 GEMMs
+#   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
+#                (args: moe.py's, e.g. --tokens 2048 --experts 64)
 #
 # Environment: OUT (where results go; set by the GPU machine), LIMIT (seconds for each step,
 # instead of the step's own limit), SRC=1 (put this tree's packages/*/src before the wheels;
@@ -138,6 +142,12 @@ profile_spy() {
       --meta "$OUT/spy_$r.json"
   done
 }
+profile_parity() {
+  step parity_gpu 300 "${PYTEST[@]}" tests/gpu -k "nvfp4" "$@"
+  step parity_tests 300 "${PYTEST[@]}" tests/kernels tests/recipes tests/core \
+    -k "4over6 or row_scaled or nvfp4_gemm or te_compile or te_nvfp4"
+}
+profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
 profile_demo() {
   step doctor 30 python3 -m quant_recipes.cli doctor
   step demo 200 python3 -m quant_recipes.cli demo --device cuda --steps 150 --out "$OUT/demo"
