@@ -9,8 +9,9 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
-recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (``quant_recipes.GroupedLinear``
-under ``autocast``, with the grouped GEMM paths it took). Per config one JSON line (median ms of
+recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
+gradients) (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it
+took). Per config one JSON line (median ms of
 ``--iters`` steps after ``--warmup``, CUDA events on a GPU), then a markdown table of speed-ups
 over bf16. ``--smoke`` runs tiny shapes on the CPU in seconds.
 """
@@ -26,7 +27,17 @@ import steps
 import torch
 import torch.nn.functional as F
 
-CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS)
+CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3")
+
+
+def _recipe(name: str):
+    """The recipe of config ``name``: ``fp8_current_e4m3`` is current scaling with E4M3
+    gradients too (``Format.E4M3``), whose three GEMMs all take ``torch._scaled_grouped_mm``."""
+    import quant_recipes as qr
+
+    if name == "fp8_current_e4m3":
+        return qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
+    return steps.recipes()[name]()
 
 
 def route(tokens: int, topk: int, experts: int, kind: str, align: int = 16) -> list[int]:
@@ -112,7 +123,7 @@ def build(name: str, ref_args, device):
         if gmm is None:
             raise steps.Unavailable("torchao.prototype.moe_training is not importable")
         return Experts(*ref_args, lambda x, w, offs: gmm(x, w.transpose(-2, -1), offs), device)
-    return QuantExperts(Experts(*ref_args, None, device), steps.recipes()[name]())
+    return QuantExperts(Experts(*ref_args, None, device), _recipe(name))
 
 
 def run(name: str, args, counts: list[int], device) -> dict:
@@ -145,9 +156,25 @@ def run(name: str, args, counts: list[int], device) -> dict:
         res["grouped_gemm_paths"] = qr.grouped_gemm_paths()
         res["gemm_paths"] = qr.gemm_paths()
         res["ms"] = measure.time_steps(step, device, warmup=args.warmup, iters=args.iters)
+        if args.profile:
+            _profile(step, name)
     except Exception as e:  # noqa: BLE001 - report and go on with the next config
         res["error"] = f"{type(e).__name__}: {e}"
     return res
+
+
+def _profile(step, name: str) -> None:
+    """One step under torch.profiler: the kernels by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(f"# profile {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=14,
+                                                            max_name_column_width=60))
 
 
 def table(rows: list[dict]) -> str:
@@ -181,6 +208,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=measure.ITERS, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=measure.WARMUP)
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the layer")
+    p.add_argument("--profile", action="store_true",
+                   help="print one step's kernels by device time, per config")
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in seconds")
     p.add_argument("--json", metavar="OUT", help="also write the rows to this file")

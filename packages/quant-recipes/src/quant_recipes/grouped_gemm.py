@@ -18,8 +18,14 @@ The paths (:func:`grouped_gemm_paths` counts one per grouped GEMM):
   (high precision, MXFP8, FP8 with power-of-2 scales; never NVFP4, whose per-tensor factors apply
   to the product): the operands' fp32 values as bf16, one ``torch._grouped_mm``. It differs from
   ``"per_group"`` only in the order of the fp32 accumulation;
-- ``"scaled_grouped_mm"``: reserved for FP8 operands through ``torch._scaled_grouped_mm``
-  (:func:`scaled_grouped_gemm` is the hook; it takes no operands yet).
+- ``"scaled_grouped_mm"``: FP8 current-scaling operands (:mod:`.grouped_fp8`) on devices in
+  ``grouped_fp8.SCALED_GROUPED_MM_DEVICES`` where ``torch._scaled_grouped_mm`` runs, bf16
+  outputs without bias, the second operand E4M3 (and the first a type this torch's kernel
+  takes): all groups quantized at once, each with its own amax (the per-group bytes), then one
+  ``torch._scaled_grouped_mm`` with each row's (column's) group scale-inverse as its row scale.
+  It differs from ``"per_group"`` in the order of the fp32 accumulation and in applying the two
+  scale-inverses one after the other to the fp32 sum. A backward whose GEMMs it does not all
+  take (an E5M2 gradient: HYBRID) runs ``"per_group"`` whole.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import grouped_fp8
 from .gemm import HP, dequantize, qgemm_impl, quantizer_meta
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
@@ -146,10 +153,26 @@ def _grouped_mm(a_vals, b_vals, kind: str, rows: list[int]):
         return None
 
 
-def scaled_grouped_gemm(*operands):
-    """The hook of FP8 grouped GEMMs on FP8 tensor cores (``torch._scaled_grouped_mm``); returns
-    None: no operands take it yet, and the grouped GEMM runs another path."""
-    return None
+def _batched(quantizers, device: torch.device) -> bool:
+    """Every operand is FP8 current scaling on a device of the ``"scaled_grouped_mm"`` path:
+    its groups are quantized at once (:mod:`.grouped_fp8`)."""
+    return (device.type in grouped_fp8.SCALED_GROUPED_MM_DEVICES
+            and all(grouped_fp8.takes(q) for q in quantizers))
+
+
+def scaled_grouped_gemm(kind: str, a, b, offs, qa, qb, align: int, out_dtype: torch.dtype):
+    """The ``"scaled_grouped_mm"`` GEMM ``kind`` (``"fprop"``: ``a`` = x, ``b`` = w;
+    ``"dgrad"``: gy, w; ``"wgrad"``: gy, x), or None where it does not take the operands."""
+    experts = offs.shape[0]
+    n, k = (b.shape[1], b.shape[2]) if kind != "wgrad" else (a.shape[1], b.shape[1])
+    if not grouped_fp8.gemm_takes(qa, qb, a.device, out_dtype, experts, n, k):
+        return None
+    if kind == "wgrad":
+        out = grouped_fp8.wgrad(a, b, offs, qa, qb, align)
+    else:
+        out = getattr(grouped_fp8, kind)(a, offs, b, qa, qb, align)
+    _PATHS["scaled_grouped_mm"] += 1
+    return out
 
 
 def _grouped_takes(quantizers, device: torch.device, out_dtype: torch.dtype) -> bool:
@@ -176,6 +199,10 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
     ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does."""
     (total, k), n = x.shape, w.shape[1]
+    if b is None and _batched((qx, qw), x.device):
+        y = scaled_grouped_gemm("fprop", x, w, offs, qx, qw, align, x.dtype)
+        if y is not None:
+            return y
     y = x.new_zeros((total, n))
     work = _work(offs, total, align)
     if not work:
@@ -214,6 +241,9 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
+    if (col and not bias and _batched((qg, qx, qw), x.device)
+            and _backward_takes(x, w, qg, qx, qw, dgrad, wgrad)):
+        return _batched_bprop(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
     dx = x.new_zeros((total, k) if dgrad else (0,))
     dw = w.new_zeros((experts, n, k) if wgrad else (0,))
     db = w.new_zeros((experts, n) if bias else (0,))
@@ -256,3 +286,20 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
                                    None, w.dtype)
             _PATHS["per_group"] += 1
     return dx, dw, db
+
+
+def _backward_takes(x, w, qg, qx, qw, dgrad: bool, wgrad: bool) -> bool:
+    """Every backward GEMM asked for takes ``"scaled_grouped_mm"`` (an E5M2 gradient does not:
+    such a backward runs ``"per_group"`` whole)."""
+    experts, n, k = w.shape
+    return ((not dgrad or grouped_fp8.gemm_takes(qg, qw, x.device, x.dtype, experts, n, k))
+            and (not wgrad or grouped_fp8.gemm_takes(qg, qx, x.device, w.dtype, experts, n, k)))
+
+
+def _batched_bprop(gy, x, offs, w, qg, qx, qw, align: int, dgrad: bool, wgrad: bool):
+    """:func:`grouped_bprop` of FP8 current-scaling operands, every GEMM through
+    ``"scaled_grouped_mm"`` (:func:`_backward_takes`)."""
+    dx = scaled_grouped_gemm("dgrad", gy, w, offs, qg, qw, align, x.dtype) if dgrad else None
+    dw = scaled_grouped_gemm("wgrad", gy, x, offs, qg, qx, align, w.dtype) if wgrad else None
+    return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
+            w.new_zeros((0,)))
