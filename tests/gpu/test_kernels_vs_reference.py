@@ -5,7 +5,8 @@ patterns: the software FP8 and bf16 encoders and the native-cast ones the kernel
 
 FP8 bytes and floats compare NaN by NaN-ness. Each test asserts 0 mismatches for every check it
 makes and names the checks that had some. ``-k "not exhaustive"`` leaves out the 2^32 sweep;
-``-k mxfp8`` (``fp8_tensor``, ``fp8_block``, ``nvfp4``) picks one format.
+``-k mxfp8`` (``fp8_tensor``, ``fp8_block``, ``nvfp4``, ``nvfp4_4over6``, ``nvfp4_row_scaled``)
+picks one format.
 """
 
 from __future__ import annotations
@@ -217,8 +218,71 @@ def check_nvfp4(x: torch.Tensor, checks: Checks) -> None:
         checks[f"nvfp4 rht={rht} 2d={two_d} sr={sr} (+amax, dequant)"] = n
 
 
+def _nvfp4_quantize_and_dequantize(x: torch.Tensor, amax: torch.Tensor, kw: dict) -> int:
+    """Mismatches of ``nvfp4_quantize(x, amax, amax)`` and of dequantizing its rowwise data."""
+    col = None if kw.get("row_scaled") else amax
+    got, want = B.nvfp4_quantize(x, amax, col, **kw), ref.nvfp4_quantize(x, amax, col, **kw)
+    dkw = dict(swizzled=kw["swizzle"], dtype=x.dtype, e4m3_max=kw["e4m3_max"])
+    return (sum(count(g, w) for g, w in zip(got, want, strict=True))
+            + count(B.nvfp4_dequantize(got[0], got[1], amax, **dkw),
+                    ref.nvfp4_dequantize(want[0], want[1], amax, **dkw)))
+
+
+#: A 4over6 tie block (amax 4, bound 256, MSE) scaled by ``1 + 188317 * 2^-23``: within rounding
+#: of a tie, it takes the other candidate if the compiler fuses the squares into their sum (FMA
+#: contraction); tests/kernels/test_triton_nvfp4_4over6.py has more such blocks.
+_NEAR_TIE_MSE = (4.0, 3.75, 1.0, -2.0, -2.25, 1.25, 2.25, -2.75, 1.0, -3.0, 0.5, -2.25, 0.5,
+                 -0.25, 1.75, -3.5)
+
+
+#: (bound, metric, 2D, swizzle): each value of each once or twice, for few kernel variants (each
+#: compiles in seconds).
+_4OVER6_CASES = ((256, "MSE", False, True), (448, "MAE", False, False), (256, "MAE", True, False),
+                 (448, "MSE", True, True))
+
+
+def check_nvfp4_4over6(x: torch.Tensor, checks: Checks) -> None:
+    """4over6 for both bounds, metrics and block shapes, with the amax of the finite elements
+    and, once, the tensor amax (Inf here: every error is NaN, so map-to-6); plus the
+    FMA-sensitive block."""
+    xf = x.float()
+    finite = xf.masked_fill(~torch.isfinite(xf), 0.0).abs().amax().reshape(1)
+    base = dict(rowwise=True, columnwise=True, with_rht=False, rht_sign_mask=0,
+                stochastic_rounding=False, rng_seed=None, four_over_six=True)
+    for i, (bound, mode, two_d, sw) in enumerate(_4OVER6_CASES):
+        kw = dict(base, with_2d_quantization=two_d, swizzle=sw, e4m3_max=bound, err_mode=mode)
+        name = f"nvfp4 4over6 {bound} {mode} 2d={two_d} swizzle={sw}"
+        checks[f"{name} (+dequant)"] = _nvfp4_quantize_and_dequantize(x, finite, kw)
+        if i == 0:
+            amax = ref.nvfp4_amax(x, rowwise=True, columnwise=False, with_rht=False,
+                                  rht_sign_mask=0)[0]
+            checks[f"{name} tensor amax (+dequant)"] = _nvfp4_quantize_and_dequantize(x, amax,
+                                                                                      kw)
+    c = 1.0 + 188317 * 2.0**-23
+    v = torch.tensor(_NEAR_TIE_MSE, device=DEV) * c
+    y = torch.zeros(16, 16, device=DEV)
+    y[0], y[:, 0] = v, v
+    kw = dict(base, with_2d_quantization=False, swizzle=False, e4m3_max=256, err_mode="MSE")
+    checks["nvfp4 4over6 near-tie MSE block"] = _nvfp4_quantize_and_dequantize(
+        y, torch.tensor([4.0 * c], device=DEV), kw)
+
+
+def check_nvfp4_row_scaled(x: torch.Tensor, checks: Checks) -> None:
+    """Row-scaled NVFP4 (one amax per row; row 0 holds Inf), standard and 4over6."""
+    ka = dict(rowwise=True, columnwise=False, with_rht=False, rht_sign_mask=0, row_scaled=True)
+    ga, wa = B.nvfp4_amax(x, **ka), ref.nvfp4_amax(x, **ka)
+    checks["nvfp4 row-scaled amax"] = count(ga[0], wa[0]) + count(ga[1], wa[1])
+    base = dict(ka, with_2d_quantization=False, stochastic_rounding=False, rng_seed=None)
+    for fos, bound, mode, sw in ((False, 448, "MAE", False), (False, 448, "MAE", True),
+                                 (True, 256, "MSE", True), (True, 448, "MAE", False)):
+        kw = dict(base, swizzle=sw, four_over_six=fos, e4m3_max=bound, err_mode=mode)
+        checks[f"nvfp4 row-scaled 4over6={fos} {bound} {mode} swizzle={sw} (+dequant)"] = (
+            _nvfp4_quantize_and_dequantize(x, wa[0], kw))
+
+
 FORMATS = {"fp8_tensor": check_fp8_tensor, "mxfp8": check_mxfp8, "fp8_block": check_fp8_block,
-           "nvfp4": check_nvfp4}
+           "nvfp4": check_nvfp4, "nvfp4_4over6": check_nvfp4_4over6,
+           "nvfp4_row_scaled": check_nvfp4_row_scaled}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])

@@ -2,7 +2,8 @@
 amax. Rowwise 1x16 blocks; columnwise 16x1 blocks of ``xᵀ`` (optionally through the 16x16
 RHT: the exact sum by an fp64 butterfly, rounded to fp32 and then bf16) stored
 ``[K, ceil(M/2)]``; 2D 16x16 blocks; stochastic rounding with the shared counter hash; packing
-low nibble first."""
+low nibble first. Row-scaled NVFP4 (one amax, so one ``S_enc``, per row; rowwise only) reads the
+amax per row; 4over6's kernels are in :mod:`.nvfp4_4over6`."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import torch
 import triton
 import triton.language as tl
 from quant_core import reference, shapes
+from quant_core.constants import E2M1_MAX, rcp_f32
 from quant_core.inputs import (
     check_input_dtype,
     check_k_multiple,
     check_nvfp4_modes,
     check_rht_input,
 )
+from quant_core.reference.nvfp4 import check_row_scaled, row_amax
 from quant_core.shapes import ceil_div
 
 from ._amax import amax_into
@@ -27,8 +30,8 @@ from ._rounding import (
     FLT_MAX,
     NVFP4_GLOBAL_MAX,
     RCP_6,
-    RCP_2688,
     abs_for_max,
+    abs_nan0,
     bf16_round,
     e2m1_decode,
     e2m1_rne,
@@ -46,12 +49,28 @@ from .configs import launch_config
 
 
 @triton.jit
-def _global_scales(amax_ptr):
-    """(``S_dec``, ``t = fp32(S_enc * fp32(1/6))``) of §7.2 from the stored amax."""
-    amax = tl.load(amax_ptr)
-    s_enc = tl.math.div_rn(tl.full(amax.shape, NVFP4_GLOBAL_MAX, tl.float32), amax)
+def _encode_scale(amax, TOP: tl.constexpr):
+    """``S_enc`` of fp32 amaxes (§7.2): ``fminf(fp32(TOP / amax), FLT_MAX)`` (a NaN amax gives
+    FLT_MAX), 1 where ``amax == 0`` or that is 0; ``TOP`` is ``6 * e4m3_max``."""
+    s_enc = tl.math.div_rn(tl.full(amax.shape, TOP, tl.float32), amax)
     s_enc = tl.where((s_enc != s_enc) | (s_enc > FLT_MAX), FLT_MAX, s_enc)
-    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    return tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+
+
+@triton.jit
+def _load_amax(amax_ptr, rows, M, ROW_SCALED: tl.constexpr):
+    """The fp32 amax of §7.1: the tensor's ``(1,)``, or with ``ROW_SCALED`` one per row of
+    ``rows`` (``[R, 1]``, 0 past ``M``)."""
+    if ROW_SCALED:
+        return tl.load(amax_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    else:
+        return tl.load(amax_ptr)
+
+
+@triton.jit
+def _global_scales(amax):
+    """(``S_dec``, ``t = fp32(S_enc * fp32(1/6))``) of §7.2 from the amax."""
+    s_enc = _encode_scale(amax, NVFP4_GLOBAL_MAX)
     return tl.math.div_rn(1.0, s_enc), s_enc * RCP_6
 
 
@@ -91,13 +110,13 @@ def _unpair(p, DT: tl.constexpr):
 def _nvfp4_row_kernel(
     xp_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, S_C,
     DT: tl.constexpr, SR: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, ROW_SCALED: tl.constexpr = False,
 ):
     """Rowwise: the input is read as pair words, so the even and odd elements of each packed
     byte come out in the same layout (no split / join).
 
     xp_ptr: input x ``[M, K]`` as pair words ``[M, K/2]``: int64 (fp32) or int32 (bf16, fp16).
-    amax_ptr: fp32 rowwise global amax ``(1,)``.
+    amax_ptr: fp32 rowwise global amax ``(1,)``, or ``(M,)`` with ``ROW_SCALED``.
     seed_ptr: int64 stochastic-rounding seed ``(1,)`` (read only when ``SR``).
     d_ptr: uint8 packed E2M1 data ``[M, K/2]``, low nibble first.
     s_ptr: uint8 E4M3 scales ``[roundup(M, 128), S_C]``, zero-initialised.
@@ -110,6 +129,7 @@ def _nvfp4_row_kernel(
     SWIZZLE: scales in the GEMM swizzle.
     BM: tile rows (a multiple of 16 with ``TWO_D``).
     BK: tile columns in elements (a multiple of 16).
+    ROW_SCALED: one amax (so one ``S_enc``) per row.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -125,14 +145,20 @@ def _nvfp4_row_kernel(
                           [BM, BK // 16])
     else:
         bmax = nan_to_0(tl.max(tl.reshape(a, [BM, BK // 16, 8]), axis=2))
-    s_dec, t = _global_scales(amax_ptr)
+    s_dec, t = _global_scales(_load_amax(amax_ptr, rm, M, ROW_SCALED))
     e4, enc = _block_scales(bmax, s_dec, t)
     enc = tl.reshape(tl.broadcast_to(enc[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
     state = sr_seed_state(seed_ptr) if SR else 0
     c_lo = _encode(lo * enc, 2 * poffs, state, SR)
     c_hi = _encode(hi * enc, 2 * poffs + 1, state, SR)
     tl.store(d_ptr + poffs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=mask)
-    kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    _store_row_scales(s_ptr, e4, rm, pid_k * (BK // 16) + tl.arange(0, BK // 16), M, K, S_C,
+                      SWIZZLE)
+
+
+@triton.jit
+def _store_row_scales(s_ptr, e4, rm, kb, M, K, S_C, SWIZZLE: tl.constexpr):
+    """Store the E4M3 bytes ``e4 [R, NB]`` of rows ``rm`` and blocks ``kb`` (rowwise scales)."""
     tl.store(s_ptr + scale_offset(rm[:, None], kb[None, :], S_C, SWIZZLE), e4.to(tl.uint8),
              mask=(rm[:, None] < M) & (kb[None, :] < K // 16))
 
@@ -275,6 +301,21 @@ def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 
 
 @triton.jit
+def _tile_amax(bmax, AXIS: tl.constexpr):
+    """Block amaxes ``bmax [R, C]`` (1x16 or 16x1 blocks) to the amaxes of their 16x16 tiles,
+    one per block: the max over each run of 16 along ``AXIS`` (0 or 1, whose length is a
+    multiple of 16)."""
+    R: tl.constexpr = bmax.shape[0]
+    C: tl.constexpr = bmax.shape[1]
+    if AXIS == 0:
+        t = tl.max(tl.reshape(bmax, [R // 16, 16, C]), axis=1)
+        return tl.reshape(tl.broadcast_to(t[:, None, :], [R // 16, 16, C]), [R, C])
+    else:
+        t = tl.max(tl.reshape(bmax, [R, C // 16, 16]), axis=2)
+        return tl.reshape(tl.broadcast_to(t[:, :, None], [R, C // 16, 16]), [R, C])
+
+
+@triton.jit
 def _rht_amax_kernel(x_ptr, out_bits_ptr, M, K, MASK: tl.constexpr, G: tl.constexpr,
                      BK: tl.constexpr):
     """Atomic max of ``max|RHT(x)|`` over a ``[16G, BK]`` tile (:func:`nvfp4_amax`).
@@ -299,6 +340,36 @@ def _byte(ye, yo, enc, idx, J: tl.constexpr, state, SR: tl.constexpr):
     lo = _encode(ye * enc, idx + J, state, SR)
     hi = _encode(yo * enc, idx + (J + 1), state, SR)
     return (lo | (hi << 4)).to(tl.int64)
+
+
+@triton.jit
+def _pack16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, enc, idx,
+            state, SR: tl.constexpr):
+    """The 16 E2M1 codes of ``y_j * enc`` packed into one int64 word per block: element ``j``
+    in bits ``4j .. 4j + 3`` (byte ``j // 2``, low nibble first); ``idx + j`` numbers the
+    elements for stochastic rounding."""
+    w = _byte(y0, y1, enc, idx, 0, state, SR)
+    w = w | (_byte(y2, y3, enc, idx, 2, state, SR) << 8)
+    w = w | (_byte(y4, y5, enc, idx, 4, state, SR) << 16)
+    w = w | (_byte(y6, y7, enc, idx, 6, state, SR) << 24)
+    w = w | (_byte(y8, y9, enc, idx, 8, state, SR) << 32)
+    w = w | (_byte(y10, y11, enc, idx, 10, state, SR) << 40)
+    w = w | (_byte(y12, y13, enc, idx, 12, state, SR) << 48)
+    return w | (_byte(y14, y15, enc, idx, 14, state, SR) << 56)
+
+
+@triton.jit
+def _store_col(d_ptr, s_ptr, w, e4, pid_m, pid_k, M, K, MHW, S_C, SWIZZLE: tl.constexpr,
+               G: tl.constexpr, BK: tl.constexpr):
+    """Store a ``[16G, BK]`` tile's columnwise words ``w [G, BK]`` and E4M3 bytes
+    ``e4 [G, BK]`` transposed: data ``[K, MHW]`` int64 words, scales ``[., S_C]`` bytes."""
+    gi = pid_m * G + tl.arange(0, G)
+    rk = pid_k * BK + tl.arange(0, BK)
+    tl.store(d_ptr + rk[:, None].to(tl.int64) * MHW + gi[None, :], tl.trans(w),
+             mask=(rk[:, None] < K) & (gi[None, :] < MHW))
+    so = scale_offset(rk[:, None], gi[None, :], S_C, SWIZZLE)
+    tl.store(s_ptr + so, tl.trans(e4.to(tl.uint8)),
+             mask=(rk[:, None] < K) & (gi[None, :] < (M + 15) // 16))
 
 
 @triton.jit
@@ -334,9 +405,8 @@ def _nvfp4_col_kernel(
         x_ptr, pid_m, pid_k, M, K, RHT, MASK, G, BK)
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
-        t2 = tl.max(tl.reshape(bmax, [G, BK // 16, 16]), axis=2)
-        bmax = tl.reshape(tl.broadcast_to(t2[:, :, None], [G, BK // 16, 16]), [G, BK])
-    s_dec, t = _global_scales(amax_ptr)
+        bmax = _tile_amax(bmax, 1)
+    s_dec, t = _global_scales(tl.load(amax_ptr))
     e4, enc = _block_scales(bmax, s_dec, t)
     gi = pid_m * G + tl.arange(0, G)
     rk = pid_k * BK + tl.arange(0, BK)
@@ -345,19 +415,9 @@ def _nvfp4_col_kernel(
         idx = M.to(tl.int64) * K + rk[None, :].to(tl.int64) * M + gi[:, None].to(tl.int64) * 16
     else:
         idx = 0
-    w = _byte(y0, y1, enc, idx, 0, state, SR)
-    w = w | (_byte(y2, y3, enc, idx, 2, state, SR) << 8)
-    w = w | (_byte(y4, y5, enc, idx, 4, state, SR) << 16)
-    w = w | (_byte(y6, y7, enc, idx, 6, state, SR) << 24)
-    w = w | (_byte(y8, y9, enc, idx, 8, state, SR) << 32)
-    w = w | (_byte(y10, y11, enc, idx, 10, state, SR) << 40)
-    w = w | (_byte(y12, y13, enc, idx, 12, state, SR) << 48)
-    w = w | (_byte(y14, y15, enc, idx, 14, state, SR) << 56)
-    tl.store(d_ptr + rk[:, None].to(tl.int64) * MHW + gi[None, :], tl.trans(w),
-             mask=(rk[:, None] < K) & (gi[None, :] < MHW))
-    so = scale_offset(rk[:, None], gi[None, :], S_C, SWIZZLE)
-    tl.store(s_ptr + so, tl.trans(e4.to(tl.uint8)),
-             mask=(rk[:, None] < K) & (gi[None, :] < (M + 15) // 16))
+    w = _pack16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, enc, idx,
+                state, SR)
+    _store_col(d_ptr, s_ptr, w, e4, pid_m, pid_k, M, K, MHW, S_C, SWIZZLE, G, BK)
 
 
 def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -370,20 +430,54 @@ def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.view(torch.int32), 1 if x.dtype == torch.bfloat16 else 2
 
 
-def _col_grid(m: int, k: int, cfg: Mapping[str, int]) -> tuple[int, int]:
+def row_grid(m: int, k: int, cfg: Mapping[str, int]) -> tuple[int, int]:
+    """The grid of a rowwise launch over ``[BM, BK]`` tiles."""
+    return (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
+
+
+def col_grid(m: int, k: int, cfg: Mapping[str, int]) -> tuple[int, int]:
+    """The grid of a columnwise launch over ``[16G, BK]`` tiles."""
     return (ceil_div(m, 16 * cfg["G"]), ceil_div(k, cfg["BK"]))
 
 
+@triton.jit
+def _row_amax_kernel(x_ptr, out_bits_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    """Atomic max of each row's ``max|x|`` over a ``[BM, BK]`` tile (row-scaled
+    :func:`nvfp4_amax`).
+
+    x_ptr: input x ``[M, K]``, contiguous.
+    out_bits_ptr: fp32 row amaxes ``(M,)`` as int32, zero-initialised.
+    M: rows of x.
+    K: columns of x.
+    BM: tile rows.
+    BK: tile columns.
+    """
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
+                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+    tl.atomic_max(out_bits_ptr + rm, f32_bits(tl.max(abs_nan0(x), axis=1)), mask=rm < M)
+
+
 def nvfp4_amax(
-    x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool, rht_sign_mask: int
+    x: torch.Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool, rht_sign_mask: int,
+    row_scaled: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """NaN-dropping amaxes (atomic max on fp32 bits); with RHT the columnwise one is taken over
-    the bf16-rounded RHT computed in-kernel (never materialised). Mirrors
-    ``reference.nvfp4_amax``."""
+    the bf16-rounded RHT computed in-kernel (never materialised); ``row_scaled``: one rowwise
+    amax per row ``(M,)`` and no columnwise one. Mirrors ``reference.nvfp4_amax``."""
     check_input_dtype(x, "nvfp4_amax")
     m, k = x.shape
     check_k_multiple(k, shapes.NVFP4_BLOCK, "NVFP4")
     dev = x.device
+    if row_scaled:
+        check_row_scaled(columnwise=columnwise, with_rht=with_rht)
+        row = torch.zeros(m, dtype=torch.float32, device=dev)
+        if m and k:
+            cfg, kw = launch_config("nvfp4_row")
+            launch(_row_amax_kernel, row_grid(m, k, cfg), x.contiguous(), row.view(torch.int32),
+                   m, k, **kw)
+        return row, None
     row = col = None
     if rowwise or (columnwise and not with_rht):
         row = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -395,7 +489,7 @@ def nvfp4_amax(
             if m and k:
                 cfg, kw = launch_config("nvfp4_col")
                 launch(
-                    _rht_amax_kernel, _col_grid(m, k, cfg),
+                    _rht_amax_kernel, col_grid(m, k, cfg),
                     x, col.view(torch.int32), m, k, MASK=int(rht_sign_mask),
                     **kw,
                 )
@@ -420,18 +514,34 @@ def nvfp4_quantize(
     four_over_six: bool = False,
     e4m3_max: int = 448,
     err_mode: str = "MAE",
+    row_scaled: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One kernel per direction: rowwise ``[M, K/2]`` from ``[BM, BK]`` tiles; columnwise
     ``[K, ceil(M/2)]`` from ``[16G, BK]`` tiles (RHT fused). Scales E4M3 bytes, zero-padded,
-    swizzled in place when asked. Mirrors ``reference.nvfp4_quantize``; 4over6 has no kernel
-    yet and runs the reference's torch ops on the tensor's device."""
-    if four_over_six or e4m3_max != 448:
-        return reference.nvfp4_quantize(
+    swizzled in place when asked. 4over6 runs the kernels of :mod:`.nvfp4_4over6`;
+    ``row_scaled`` reads ``amax_rowwise`` ``(M,)`` one per row (rowwise only). Mirrors
+    ``reference.nvfp4_quantize``, and refuses what it refuses with its messages."""
+    if row_scaled:
+        check_row_scaled(columnwise=columnwise, with_rht=with_rht,
+                         with_2d_quantization=with_2d_quantization,
+                         stochastic_rounding=stochastic_rounding)
+        amax_rowwise = row_amax(amax_rowwise, x.shape[0], x.shape[0]).reshape(-1)
+    if (four_over_six and (with_rht or stochastic_rounding)) or (
+            not four_over_six and e4m3_max != 448):
+        return reference.nvfp4_quantize(  # raises its ValueError
             x, amax_rowwise, amax_columnwise, rowwise=rowwise, columnwise=columnwise,
             with_rht=with_rht, rht_sign_mask=rht_sign_mask,
             with_2d_quantization=with_2d_quantization, stochastic_rounding=stochastic_rounding,
             rng_seed=rng_seed, swizzle=swizzle, four_over_six=four_over_six, e4m3_max=e4m3_max,
             err_mode=err_mode,
+        )
+    if four_over_six:
+        from .nvfp4_4over6 import nvfp4_4over6_quantize
+
+        return nvfp4_4over6_quantize(
+            x, amax_rowwise, amax_columnwise, rowwise=rowwise, columnwise=columnwise,
+            with_2d_quantization=with_2d_quantization, e4m3_max=e4m3_max, err_mode=err_mode,
+            swizzle=swizzle, row_scaled=row_scaled,
         )
     check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
@@ -444,53 +554,70 @@ def nvfp4_quantize(
             else torch.zeros(1, dtype=torch.int64, device=dev))
     rd = rs = cd = cs = None
     if rowwise:
-        rd = torch.empty(shapes.nvfp4_rowwise_data_shape(m, k), dtype=torch.uint8, device=dev)
-        rs = torch.zeros(shapes.nvfp4_rowwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+        rd, rs = row_buffers(m, k, dev)
         if m and k:
             cfg, kw = launch_config("nvfp4_row")
-            grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
             xp, dt = _pairs(x)
             launch(
-                _nvfp4_row_kernel, grid,
-                xp, amax_rowwise.to(torch.float32).reshape(1), seed, rd, rs, m, k, rs.shape[1],
+                _nvfp4_row_kernel, row_grid(m, k, cfg),
+                xp, amax_rowwise.to(torch.float32).reshape(-1), seed, rd, rs, m, k, rs.shape[1],
                 DT=dt, SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
-                SWIZZLE=bool(swizzle), **kw,
+                SWIZZLE=bool(swizzle), ROW_SCALED=bool(row_scaled), **kw,
             )
     if columnwise:
-        cd_shape = shapes.nvfp4_columnwise_data_shape(m, k)
-        # rows padded to whole int64 words (8 bytes = one 16-row group), cut back below
-        mhw = ceil_div(cd_shape[1], 8)
-        cdw = torch.empty((cd_shape[0], mhw * 8), dtype=torch.uint8, device=dev)
-        cs = torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+        cdw, cs, mhw = col_buffers(m, k, dev)
         if m and k:
             cfg, kw = launch_config("nvfp4_col")
             launch(
-                _nvfp4_col_kernel, _col_grid(m, k, cfg),
+                _nvfp4_col_kernel, col_grid(m, k, cfg),
                 x, amax_columnwise.to(torch.float32).reshape(1), seed, cdw.view(torch.int64), cs,
                 m, k, mhw, cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
                 SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
                 SWIZZLE=bool(swizzle), **kw,
             )
-        cd = cdw if cdw.shape[1] == cd_shape[1] else cdw[:, :cd_shape[1]].contiguous()
+        cd = col_data(cdw, m, k)
     return rd, rs, cd, cs
+
+
+def row_buffers(m: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rowwise data ``[M, K/2]`` (uninitialised) and zeroed scale buffers."""
+    return (torch.empty(shapes.nvfp4_rowwise_data_shape(m, k), dtype=torch.uint8, device=dev),
+            torch.zeros(shapes.nvfp4_rowwise_scale_shape(m, k), dtype=torch.uint8, device=dev))
+
+
+def col_buffers(m: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The columnwise data with rows padded to whole int64 words (8 bytes = one 16-row group;
+    :func:`col_data` cuts it back), the zeroed scales, and the words per data row."""
+    mhw = ceil_div(shapes.nvfp4_columnwise_data_shape(m, k)[1], 8)
+    return (torch.empty((k, mhw * 8), dtype=torch.uint8, device=dev),
+            torch.zeros(shapes.nvfp4_columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev),
+            mhw)
+
+
+def col_data(cdw: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """The columnwise data ``[K, ceil(M/2)]`` of the word-padded buffer of :func:`col_buffers`."""
+    width = shapes.nvfp4_columnwise_data_shape(m, k)[1]
+    return cdw if cdw.shape[1] == width else cdw[:, :width].contiguous()
 
 
 @triton.jit
 def _nvfp4_dequant_kernel(
     d_ptr, s_ptr, amax_ptr, out_ptr, M, K, S_C, SWIZZLE: tl.constexpr, OUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    RCP: tl.constexpr, ROW_SCALED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile of :func:`nvfp4_dequantize`.
 
     d_ptr: uint8 packed E2M1 rowwise data ``[M, K/2]``, low nibble first, contiguous.
     s_ptr: uint8 E4M3 scales, row length ``S_C``, contiguous.
-    amax_ptr: fp32 global amax ``(1,)``.
+    amax_ptr: fp32 global amax ``(1,)``, or ``(M,)`` with ``ROW_SCALED``.
     out_ptr: output ``[M, K]`` of the dtype ``OUT`` codes.
     M: rows.
     K: columns in elements (twice the data's bytes per row).
     S_C: dim 1 of the scales.
     SWIZZLE: scales in the GEMM swizzle.
     OUT: output dtype code (``out_code``: 0 fp32, 1 bf16, 2 fp16).
+    RCP: ``fp32(1 / (6 * e4m3_max))``, the global bound's decode factor.
+    ROW_SCALED: one amax per row.
     BM: tile rows.
     BK: tile columns in elements (a multiple of 16).
     """
@@ -503,8 +630,8 @@ def _nvfp4_dequant_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     e4 = tl.load(s_ptr + scale_offset(rm[:, None], rk[None, :] // 16, S_C, SWIZZLE), mask=mask,
                  other=0)
-    s = fp8_decode(e4, True) * tl.load(amax_ptr)
-    s = s * RCP_2688
+    s = fp8_decode(e4, True) * _load_amax(amax_ptr, rm, M, ROW_SCALED)
+    s = s * RCP
     v = e2m1_decode(codes) * s
     tl.store(out_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], to_out(v, OUT), mask=mask)
 
@@ -514,12 +641,13 @@ def nvfp4_dequantize(
     e4m3_max: int = 448,
 ) -> torch.Tensor:
     """Rowwise ``[M, K/2]`` to ``dtype [M, K]``:
-    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/2688))``, RNE cast. Mirrors
-    ``reference.nvfp4_dequantize``; a 4over6 tensor's other bound runs the reference's ops."""
-    if e4m3_max != 448:
-        return reference.nvfp4_dequantize(data, scale, amax, swizzled=swizzled, dtype=dtype,
-                                          e4m3_max=e4m3_max)
+    ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/(6 * e4m3_max)))``, RNE cast;
+    ``amax`` ``(1,)``, or ``(M,)`` for a row-scaled tensor. Mirrors
+    ``reference.nvfp4_dequantize``."""
     m, k = data.shape[0], data.shape[1] * 2
+    if amax.numel() not in (1, m):
+        return reference.nvfp4_dequantize(data, scale, amax, swizzled=swizzled, dtype=dtype,
+                                          e4m3_max=e4m3_max)  # raises its ValueError
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0 or k == 0:
         return out
@@ -527,7 +655,8 @@ def nvfp4_dequantize(
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
     launch(
         _nvfp4_dequant_kernel, grid,
-        data.contiguous(), scale.contiguous(), amax.to(torch.float32).reshape(1), out, m, k,
-        scale.shape[1], SWIZZLE=bool(swizzled), OUT=out_code(dtype), **kw,
+        data.contiguous(), scale.contiguous(), amax.to(torch.float32).reshape(-1), out, m, k,
+        scale.shape[1], SWIZZLE=bool(swizzled), OUT=out_code(dtype),
+        RCP=rcp_f32(E2M1_MAX * e4m3_max), ROW_SCALED=amax.numel() != 1, **kw,
     )
     return out
