@@ -338,7 +338,7 @@ def _fully_shard():
     return fully_shard
 
 
-def _fsdp_tp_worker(rank, port, names, out):
+def _fsdp_tp_worker(rank, port, cases, out):
     """2x2 mesh: FSDP2 over "dp" (each dp rank its own batch), TP over "tp"."""
     init(rank, port, 2 * WORLD)
     try:
@@ -348,7 +348,7 @@ def _fsdp_tp_worker(rank, port, names, out):
         mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
         dp_rank = rank // WORLD
         results = {}
-        for name in names:
+        for name, compiled in cases:
             recipe = RECIPES[name]()
             gen = torch.Generator().manual_seed(1)
             xs = [torch.randn(2, 32, D, generator=gen).to(DTYPE) for _ in range(2)]
@@ -369,6 +369,8 @@ def _fsdp_tp_worker(rank, port, names, out):
             mean = {n: (ref_grads[0][n] + ref_grads[1][n]) / 2 for n in ref_grads[0]}
             parallelize_module(model, mesh["tp"], _styles("mlp"))
             for layer in (model.up, model.down):
+                if compiled:  # each layer one graph, as with FSDP2 alone (test_fsdp2.py)
+                    layer.compile(fullgraph=True, backend="aot_eager")
                 _fully_shard()(layer, mesh=mesh["dp"])
             _fully_shard()(model, mesh=mesh["dp"])
             y, _ = _run(model, recipe, xs[dp_rank], g, False)
@@ -377,7 +379,7 @@ def _fsdp_tp_worker(rank, port, names, out):
             if dp_rank == 1:
                 res["output (reduced)"] = _bound(y, ref_y[1], s_y)
             torch.optim.AdamW(model.parameters()).step()
-            results[name] = res
+            results[(name, compiled)] = res
         out[rank] = results
     finally:
         dist.destroy_process_group()
@@ -386,14 +388,19 @@ def _fsdp_tp_worker(rank, port, names, out):
 @pytest.mark.timeout(300)
 def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh():
     """FSDP2 (plain all-gather; the quantized one is refused with TP, see the refusals) on one
-    mesh dimension, TP on the other: every gradient equals the dp-mean of the single-process
-    gradients bit for bit, the output is within the reduction bound."""
+    mesh dimension, TP on the other, eager under every recipe and with the layers compiled:
+    every gradient equals the dp-mean of the single-process gradients bit for bit, the output
+    is within the reduction bound."""
     try:
         _fully_shard()
     except ImportError:
         pytest.skip("this torch has no FSDP2")
-    names = ["fp8_current", "mxfp8"]
-    out = spawn(_fsdp_tp_worker, names, world=2 * WORLD)
+    # NVFP4's default stochastic rounding draws each rank's own bits for a gradient shard, so it
+    # is not bitwise; "nvfp4_no_sr" covers the format
+    cases = [(name, False) for name in RECIPES if name != "nvfp4"]
+    if _compile_supported():
+        cases += [("fp8_current", True)]
+    out = spawn(_fsdp_tp_worker, cases, world=2 * WORLD)
     for rank in range(2 * WORLD):
-        for name in names:
-            assert all(out[rank][name].values()), (rank, name, out[rank][name])
+        for key in cases:
+            assert all(out[rank][key].values()), (rank, key, out[rank][key])
