@@ -239,7 +239,7 @@ def compat(session: nox.Session, torch: str) -> None:
     session.run("python", *QUIET, "-c", "import torch; print('torch', torch.__version__)")
     _pytest(
         session, "tests/dynamo", "tests/recipes", "tests/compat",
-        env={"QUANT_EXPECT_TORCH": torch},
+        env={"QUANT_EXPECT_TORCH": torch, "QUANT_TEST_SCOPE": "compat"},
     )
 
 
