@@ -149,8 +149,10 @@ def block_of(q) -> int:
     per-tensor format)."""
     if quantizer_meta(q)[0] == HP:
         return 1
-    block = getattr(q, "block_len", None)
-    return block if block is not None else q.shape_rule()[1]
+    # fields and registered members only: traced code (torch 2.11) reads nothing else
+    if "block_len" in (q.value_fields() or ()):
+        return q.block_len
+    return q.shape_rule()[1]
 
 
 def check_alignment(module, kind: str, world: int, quantizers) -> None:
