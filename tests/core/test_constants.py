@@ -1,4 +1,4 @@
-"""quant_core.constants: each format constant defined once, reciprocals derived (issue 15)."""
+"""quant_core.constants: each format constant defined once, reciprocals derived."""
 
 from __future__ import annotations
 

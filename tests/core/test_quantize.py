@@ -359,7 +359,7 @@ def test_delayed_quantizer_refuses_a_scale_that_cannot_dequantize(bad):
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_buffer_list_keeps_positions_with_absent_buffers(name):
-    """One convention for buffer lists (issue 15 item 7): declaration order, an absent buffer as
+    """One convention for buffer lists: declaration order, an absent buffer as
     an empty uint8 tensor on the input's device."""
     q = QUANTIZERS[name].with_usage(rowwise=True, columnwise=False)
     x = _randn(32, 64)

@@ -144,7 +144,7 @@ BF16_MAX = torch.finfo(torch.bfloat16).max
 
 def _near_max_columns() -> torch.Tensor:
     """Columns of 16 rows whose partial sums in a sequential fp32 order overflow while the exact
-    sums are finite (issue 12 item 20): with mask 0 output 0 is Σ x_i / 4, and 5 terms of
+    sums are finite: with mask 0 output 0 is Σ x_i / 4, and 5 terms of
     BF16_MAX / 4 already pass FLT_MAX."""
     cols = [
         [BF16_MAX] * 8 + [-BF16_MAX] * 8,  # out_0 = 0 exactly, out_8 = 4 * BF16_MAX -> +Inf

@@ -1,4 +1,4 @@
-"""``torch.library.opcheck`` of every ``quant`` custom op and every format (issue 12 item 12).
+"""``torch.library.opcheck`` of every ``quant`` custom op and every format.
 
 ``quant::quantize`` is not differentiable: its autograd registration marks every output
 non-differentiable, and the storages' buffers carry no autograd history either

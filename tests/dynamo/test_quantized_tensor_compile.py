@@ -1,4 +1,4 @@
-"""Quantized tensors as inputs of compiled functions (behaviour.md §1.5, §11; issue 18): the
+"""Quantized tensors as inputs of compiled functions (behaviour.md §1.5, §11): the
 quantizer sits in the ``__tensor_flatten__`` context, so Dynamo guards on its value: one compile
 per distinct quantizer value, none for an equal quantizer on a new tensor, zero graph breaks with
 ``fullgraph=True``, compiled results bitwise equal to eager, and a stored group refused."""

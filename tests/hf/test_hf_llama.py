@@ -1,4 +1,4 @@
-"""A Hugging Face ``LlamaForCausalLM`` end to end (issue 17 item 2): built from a config
+"""A Hugging Face ``LlamaForCausalLM`` end to end: built from a config
 (random weights, no download), converted with ``quant_recipes.convert``, trained eagerly and
 compiled under each recipe. Runs in its own nox session (``nox -s hf``): transformers is a test
 dependency only."""

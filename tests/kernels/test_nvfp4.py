@@ -76,7 +76,7 @@ def test_nvfp4_rht_requires_m16_and_bf16():
 
 
 #: Columns (in units of the largest bf16) whose 16 RHT outputs under MASK are all finite while a
-#: sequential fp32 sum overflows partway (issue 12 item 20; found by a search over such columns).
+#: sequential fp32 sum overflows partway (found by a search over such columns).
 _NEAR_MAX_COLUMNS = (
     (-1, 0, 0, 0.5, 1, 0, -0.5, -0.5, 0.5, -1, 0.5, -1, 1, 0.5, 0.5, 0),
     (-1, 0, -0.5, 0, 0, -0.5, -0.5, -0.5, -1, 0, -0.5, 0.5, -0.5, 0.5, -0.5, 0),

@@ -104,7 +104,7 @@ def test_native_rules_refused_by_interpreter():
 
 
 def test_kernel_constants_are_quant_core_constants():
-    """The kernels' constexprs come from quant_core.constants (one definition, issue 15)."""
+    """The kernels' constexprs come from quant_core.constants (one definition)."""
     from quant_core import constants as C
     from quant_kernels import _rounding as R
 

@@ -82,7 +82,7 @@ def test_demo_without_compile(tmp_path, capsys):
     [
         (["demo", "--recipes", "bogus"], "unknown recipe.*bogus.*choose from"),
         (["demo", "--device", "tpu"], "--device must be"),
-        # issue 16 item 7: a trailing comma was accepted silently; mps and gpu got different
+        # a trailing comma was accepted silently; mps and gpu got different
         # wordings; a missing cuda:N was reported as "cuda"
         (["demo", "--recipes", "mxfp8,"], "--recipes 'mxfp8,' has an empty entry"),
         (["demo", "--device", "gpu"], "--device must be cpu, cuda, cuda:N or auto, got 'gpu'"),

@@ -1,4 +1,4 @@
-"""``convert`` / ``unconvert`` on an existing model (issue 17 item 1)."""
+"""``convert`` / ``unconvert`` on an existing model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CUDA graphs (issue 13): quantize and the quantized Linear under manual ``torch.cuda.graph``
+"""CUDA graphs: quantize and the quantized Linear under manual ``torch.cuda.graph``
 capture and under ``torch.compile(mode="reduce-overhead")``, bitwise equal to uncaptured runs
 across replays with new inputs; stochastic-rounding seeds advance per replay. CUDA only."""
 

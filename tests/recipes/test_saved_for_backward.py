@@ -1,4 +1,4 @@
-"""What a quantized Linear saves for backward (issue 14): only what the backward GEMMs read.
+"""What a quantized Linear saves for backward: only what the backward GEMMs read.
 
 The backward GEMMs use both forward operands transposed: dgrad reads the weight's columnwise
 copy, wgrad the input's. So per recipe the saved tensors must be exactly the columnwise buffers
