@@ -207,8 +207,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def hf(session: nox.Session) -> None:
-    """A Hugging Face Llama converted, trained eagerly and compiled (tests/hf; transformers is a
-    test dependency of this session only)."""
+    """Hugging Face Llama and MoE models converted, trained eagerly and compiled (tests/hf;
+    transformers is a test dependency of this session only)."""
     _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", TRANSFORMERS, *TEST_TOOLS])
     _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))

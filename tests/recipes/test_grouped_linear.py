@@ -282,3 +282,46 @@ def test_wrong_x():
         m(x.to(torch.int32), counts=torch.tensor(COUNTS))
     with pytest.raises(ValueError, match="num_experts must be"):
         qr.GroupedLinear(0, K, N)
+
+
+def _fsdp2_worker(rank: int, port: int, out) -> None:
+    """Two ranks, each its own batch, the experts' weight sharded over experts (dim 0)."""
+    from _dist_helpers import init
+    from torch.distributed.fsdp import fully_shard
+
+    device = init(rank, port)
+    try:
+        recipe = qr.Float8CurrentScaling()
+        counts = [COUNTS, [16, 16, 16, 16]]
+        batches = [torch.randn(sum(c), K, generator=torch.Generator().manual_seed(r))
+                   for r, c in enumerate(counts)]
+
+        def step(m, r):
+            with qr.autocast(recipe=recipe):
+                loss = m(batches[r].to(device), counts=torch.tensor(counts[r], device=device))
+            loss.float().pow(2).sum().backward()
+
+        torch.manual_seed(0)
+        ref = qr.GroupedLinear(E, K, N, bias=True, device=device)
+        grads = []
+        for r in range(2):  # the unsharded module on one process, each rank's batch in turn
+            ref.zero_grad(set_to_none=True)
+            step(ref, r)
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        torch.manual_seed(0)
+        model = fully_shard(qr.GroupedLinear(E, K, N, bias=True, device=device))
+        step(model, rank)
+        got = [p.grad.full_tensor() for p in model.parameters()]
+        out[rank] = all(torch.equal(g, (a + b) / 2)
+                        for g, a, b in zip(got, *grads, strict=True))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_gradients_equal_the_unsharded_module():
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no FSDP2")
+    from _dist_helpers import spawn
+
+    out = spawn(_fsdp2_worker)
+    assert out[0] and out[1]

@@ -18,6 +18,15 @@ model when it is a Linear (the layer that produces the model's output). Pass
 layer's fully qualified name in the model); a shared layer is converted when the filter accepts
 every name it has.
 
+Hugging Face ``transformers`` mixture-of-experts blocks (the experts module of Mixtral,
+Qwen-MoE, OLMoE, DeepSeek-V3 and the others built with ``use_experts_implementation``: 3-D
+``gate_up_proj`` / ``down_proj`` parameters) are converted too: their two projections run as
+quant's grouped GEMMs, named ``<fqn>.gate_up_proj`` and ``<fqn>.down_proj`` with
+``module_type="grouped_linear"`` (:mod:`quant_recipes.hf_experts`). Experts kept as a
+``ModuleList`` of MLPs are converted layer by layer (one dense GEMM per expert); to batch them,
+hold their weights in a :class:`~quant_recipes.GroupedLinear` and call it on the tokens sorted by
+expert.
+
 Every layer left as it is is reported once at WARNING on the ``quant_recipes`` logger, with its
 name and the reason (one line per reason), and a call that converts nothing says so with the
 layer types it saw: a model that silently trains in full precision is the failure to avoid.
@@ -31,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import hf_experts
 from .linear import Linear
 from .module import check_bindable
 from .recipes import Recipe
@@ -114,7 +124,8 @@ def _report(model: torch.nn.Module, skipped: dict[str, list[str]], converted: in
         log.warning("convert: %s layer%s left as %s: %s (%s)", len(fqns),
                     "" if len(fqns) == 1 else "s", "it is" if len(fqns) == 1 else "they are",
                     why, _names(fqns))
-    if converted == 0 and not any(isinstance(m, Linear) for m in model.modules()):
+    if converted == 0 and not any(isinstance(m, Linear) or hf_experts.is_quantized_experts(m)
+                                  for m in model.modules()):
         seen = Counter(type(m).__name__ for _, m in model.named_modules() if m is not model
                        and not list(m.children()))
         kinds = ", ".join(f"{n} x{c}" for n, c in seen.most_common(12)) or "none"
@@ -122,25 +133,26 @@ def _report(model: torch.nn.Module, skipped: dict[str, list[str]], converted: in
                     "precision; layer types found: %s", type(model).__name__, kinds)
 
 
-def _layer_quantizers(recipe: Recipe, fqn: str):
-    """``(tensor type, quantizer or None)`` of each slot ``recipe`` gives a Linear named
-    ``fqn``, forward slots first."""
+def _layer_quantizers(recipe: Recipe, fqn: str, module_type: str = "linear"):
+    """``(tensor type, quantizer or None)`` of each slot ``recipe`` gives a layer of
+    ``module_type`` named ``fqn``, forward slots first."""
     for mode, types in (("forward", ("input", "weight", "output")),
                         ("backward", ("grad_output", "grad_input"))):
-        roles = [QuantizerRole("linear", t, fqn) for t in types]
+        roles = [QuantizerRole(module_type, t, fqn) for t in types]
         state = RecipeState.create(recipe, mode=mode, num_quantizers=len(roles), roles=roles)
         yield from zip(types, state.make_quantizers(), strict=True)
 
 
 def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: int,
-                      dtype: torch.dtype, rows: int | None = None) -> str | None:
+                      dtype: torch.dtype, rows: int | None = None,
+                      module_type: str = "linear") -> str | None:
     """Why ``recipe`` cannot quantize a Linear of this shape (its block sizes), or None. With
     ``rows`` (the tokens of one step) the input and the gradient are quantized on the meta
     device, so the rules on rows and input dtypes apply too (NVFP4's Hadamard transform)."""
     m = 16 if rows is None else rows
     shapes = {"input": (m, in_features), "weight": (out_features, in_features),
               "grad_output": (m, out_features)}
-    for tensor_type, q in _layer_quantizers(recipe, fqn):
+    for tensor_type, q in _layer_quantizers(recipe, fqn, module_type):
         if q is None or tensor_type not in shapes:
             continue
         shape = shapes[tensor_type]
@@ -154,11 +166,12 @@ def unsupported_shape(recipe: Recipe, fqn: str, in_features: int, out_features: 
     return None
 
 
-def check_input_dtype(recipe: Recipe, fqn: str, dtype: torch.dtype) -> None:
+def check_input_dtype(recipe: Recipe, fqn: str, dtype: torch.dtype,
+                      module_type: str = "linear") -> None:
     """``ValueError`` when ``recipe`` quantizes bfloat16 inputs of layer ``fqn`` but not inputs
     of its parameters' ``dtype`` (NVFP4's Hadamard transform takes bfloat16 only); the
     quantizer's message names the fix."""
-    q = dict(_layer_quantizers(recipe, fqn))["input"]
+    q = dict(_layer_quantizers(recipe, fqn, module_type))["input"]
     if q is None or dtype == torch.bfloat16:
         return
 
@@ -251,16 +264,48 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
             new.bound_recipe = recipe
         _swap(model, fqns, _adopt(new, old))
         converted += 1
+    converted += _convert_experts(model, accept, filter is None, recipe, always_quantize, skipped)
     _report(model, skipped, converted)
     return model
+
+
+def _convert_experts(model, accept, default_filter: bool, recipe, always_quantize: bool,
+                     skipped: dict[str, list[str]]) -> int:
+    """Convert the ``transformers`` experts modules of ``model`` (see the module docstring);
+    returns how many."""
+    converted = 0
+    for m, fqns in _occurrences(model, hf_experts.is_hf_experts):
+        fqn = fqns[0]
+        why = hf_experts.unsupported_reason(m)
+        if why is None and not all(accept(name, m) for name in fqns):
+            why = ("the default filter keeps them in high precision" if default_filter
+                   else "the filter keeps them in high precision")
+        if why is None and recipe is not None:
+            for name, (k, n) in hf_experts.projection_shapes(m).items():
+                check_input_dtype(recipe, f"{fqn}.{name}", m.down_proj.dtype, "grouped_linear")
+                bad = unsupported_shape(recipe, f"{fqn}.{name}", k, n, m.down_proj.dtype,
+                                        module_type="grouped_linear")
+                if bad is not None:
+                    why = f"{type(recipe).__name__} cannot take their shapes"
+                    fqn = f"{fqn}.{name} (in_features={k}, out_features={n}: {bad})"
+                    break
+        if why is not None:
+            skipped.setdefault(why, []).append(fqn)
+            continue
+        hf_experts.quantize_experts(m, fqn, recipe if always_quantize else None)
+        converted += 1
+    return converted
 
 
 def unconvert(model: torch.nn.Module) -> torch.nn.Module:
     """Replace, in place, every :class:`~quant_recipes.Linear` of ``model`` by a plain
     ``torch.nn.Linear`` holding the same Parameters (delayed-scaling state is dropped), one per
-    shared layer at all its names. Returns ``model``."""
+    shared layer at all its names, and give converted ``transformers`` experts modules their
+    own forward back. Returns ``model``."""
     for old, fqns in _occurrences(model, lambda m: isinstance(m, Linear)):
         new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None,
                               device="meta", dtype=old.weight.dtype)
         _swap(model, fqns, _adopt(new, old))
+    for m, _ in _occurrences(model, hf_experts.is_quantized_experts):
+        hf_experts.restore_experts(m)
     return model

@@ -67,43 +67,24 @@ class _GroupedFn(torch.autograd.Function):
                 None, None, None, None, None, None, None, None)
 
 
-class GroupedLinear(QuantizedModule):
-    """``num_experts`` linear layers ``in_features -> out_features`` in one module; one
-    ``weight`` parameter ``[num_experts, out_features, in_features]`` (and ``bias``
-    ``[num_experts, out_features]``), each expert initialised as ``nn.Linear`` initialises its
-    layer.
+class GroupedProjection(QuantizedModule):
+    """The quantized grouped GEMMs of ``num_experts`` projections ``in_features ->
+    out_features`` whose weights another module owns (:class:`GroupedLinear` owns its own; a
+    converted Hugging Face experts block owns two). It holds no parameters and no state: its
+    name gives the roles, forward ``[("grouped_linear", "input", name), ("grouped_linear",
+    "weight", name), output_quantizer_role]``, backward ``[("grouped_linear", "grad_output",
+    name), grad_input_quantizer_role]``, one quantizer per slot, applied to every group."""
 
-    Roles: forward ``[("grouped_linear", "input", name), ("grouped_linear", "weight", name),
-    output_quantizer_role]``, backward ``[("grouped_linear", "grad_output", name),
-    grad_input_quantizer_role]``; one quantizer per slot, applied to every group.
-    """
-
-    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
-                 *, device=None, dtype=None, name: str = "") -> None:
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *,
+                 name: str = "") -> None:
         super().__init__(name=name)
         for what, v in (("num_experts", num_experts), ("in_features", in_features),
                         ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GroupedLinear: {what} must be an int >= 1, got {v!r}")
+                raise ValueError(f"{type(self).__name__}: {what} must be an int >= 1, got {v!r}")
         self.num_experts, self.in_features, self.out_features = (num_experts, in_features,
                                                                  out_features)
-        factory = {"device": device, "dtype": dtype}
-        self.weight = torch.nn.Parameter(
-            torch.empty((num_experts, out_features, in_features), **factory))
-        if bias:
-            self.bias = torch.nn.Parameter(torch.empty((num_experts, out_features), **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
         self._roles_changed()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            for e in range(self.num_experts):
-                torch.nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
-            if self.bias is not None:
-                bound = 1 / math.sqrt(self.in_features)
-                torch.nn.init.uniform_(self.bias, -bound, bound)
 
     def _roles_changed(self) -> None:
         name = self.name
@@ -120,7 +101,7 @@ class GroupedLinear(QuantizedModule):
                              f"slots, asked for {num_quantizers}")
         return roles
 
-    def _offsets(self, x: torch.Tensor, offs, counts) -> torch.Tensor:
+    def offsets(self, x: torch.Tensor, offs, counts) -> torch.Tensor:
         """``offs``, or the cumulative sum of ``counts``, checked against ``x``."""
         if (offs is None) == (counts is None):
             raise TypeError("GroupedLinear: pass exactly one of offs (cumulative end offsets of "
@@ -147,9 +128,8 @@ class GroupedLinear(QuantizedModule):
             check_offsets([int(v) for v in offs.tolist()], x.shape[0])
         return offs
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None, *,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
-        w, b = self.weight, self.bias
+    def check_input(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        """``TypeError``/``ValueError`` naming what is wrong with ``x`` or the weight ``w``."""
         if isinstance(w, QuantizedStorage):
             raise TypeError("GroupedLinear: the weight must be a high-precision tensor")
         if not isinstance(x, torch.Tensor):
@@ -162,7 +142,13 @@ class GroupedLinear(QuantizedModule):
             raise TypeError(f"GroupedLinear: x must be a floating-point tensor, got {x.dtype}")
         if x.device != w.device:
             raise ValueError(f"GroupedLinear: x is on {x.device} but the weight on {w.device}")
-        offs = self._offsets(x, offs, counts)
+
+    def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None) -> torch.Tensor:
+        """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
+        quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
+        else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
+        assumed checked (:meth:`check_input`, :meth:`offsets`)."""
         traced = compiling()
         frame = module_frame(self)
         if frame is None or not frame.enabled:
@@ -199,6 +185,53 @@ class GroupedLinear(QuantizedModule):
         return _GroupedFn.apply(x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, override is None,
                                 token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0])),
                                 traced)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`project` after checking the arguments."""
+        self.check_input(x, w)
+        return self.project(x, self.offsets(x, offs, None), w, b)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, name={self.name!r}")
+
+
+class GroupedLinear(GroupedProjection):
+    """``num_experts`` linear layers ``in_features -> out_features`` in one module; one
+    ``weight`` parameter ``[num_experts, out_features, in_features]`` (and ``bias``
+    ``[num_experts, out_features]``), each expert initialised as ``nn.Linear`` initialises its
+    layer.
+
+    Roles: forward ``[("grouped_linear", "input", name), ("grouped_linear", "weight", name),
+    output_quantizer_role]``, backward ``[("grouped_linear", "grad_output", name),
+    grad_input_quantizer_role]``; one quantizer per slot, applied to every group.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 *, device=None, dtype=None, name: str = "") -> None:
+        super().__init__(num_experts, in_features, out_features, name=name)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(
+            torch.empty((num_experts, out_features, in_features), **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty((num_experts, out_features), **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                torch.nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.in_features)
+                torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None, *,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_input(x, self.weight)
+        return self.project(x, self.offsets(x, offs, counts), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

@@ -1,0 +1,139 @@
+"""Hugging Face ``transformers`` mixture-of-experts blocks on quant's grouped GEMMs.
+
+``transformers`` (5.x) stores the experts of an MoE layer (Mixtral, Qwen2/3-MoE, OLMoE,
+DeepSeek-V3 and most others) in one module whose class it decorates with
+``use_experts_implementation``: 3-D parameters ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I,
+H]`` without a gate) and ``down_proj [E, H, I]``, optional biases ``*_bias [E, N]``, and
+``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``. Those weights are
+laid out as :class:`~quant_recipes.GroupedLinear` lays out its own (``[experts, out, in]``).
+
+:func:`quantize_experts` turns such a module, in place, into one whose two projections run as
+quant's grouped GEMMs (:class:`~quant_recipes.grouped_linear.GroupedProjection`, named
+``<fqn>.gate_up_proj`` / ``<fqn>.up_proj`` and ``<fqn>.down_proj`` for the recipe's roles): its
+class becomes a subclass of the original one (``isinstance`` checks still hold), its Parameters
+and ``state_dict`` keys are unchanged. The forward sorts the ``T * k`` (token, expert) pairs by
+expert (stable: token order within an expert), runs gate/up, the module's own gate or
+activation, down, the post-expert norm where the module has one, scales each row by its routing
+weight and sums each token's ``k`` rows. :func:`restore_experts` undoes it.
+
+Left as they are (:func:`unsupported_reason`): weights stored transposed (``[E, in, out]``,
+GPT-OSS), gate and up interleaved, and expert-parallel modules (their sentinel rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiling import compiling
+from .grouped_linear import GroupedProjection
+
+#: quant's subclass of each Hugging Face experts class, built on first use.
+_QUANTIZED: dict[type, type] = {}
+
+
+def _up_name(m: torch.nn.Module) -> str:
+    return "gate_up_proj" if getattr(m, "has_gate", True) else "up_proj"
+
+
+def _is_expert_weight(p) -> bool:
+    return isinstance(p, torch.nn.Parameter) and p.dim() == 3
+
+
+def is_hf_experts(m: torch.nn.Module) -> bool:
+    """A ``transformers`` experts module (``use_experts_implementation``), not yet converted."""
+    return (type(m).__module__.startswith("transformers")
+            and hasattr(m, "is_concatenated") and hasattr(m, "is_transposed")
+            and _is_expert_weight(getattr(m, _up_name(m), None))
+            and _is_expert_weight(getattr(m, "down_proj", None)))
+
+
+def is_quantized_experts(m: torch.nn.Module) -> bool:
+    return isinstance(m, _QuantizedExperts)
+
+
+def unsupported_reason(m: torch.nn.Module) -> str | None:
+    """Why :func:`quantize_experts` leaves the experts module ``m`` as it is, or None."""
+    if m.is_transposed:
+        return "transformers experts stored [experts, in, out] (transposed) are not supported"
+    if not m.is_concatenated:
+        return "transformers experts with gate and up interleaved are not supported"
+    if getattr(m, "_is_expert_parallel", False):
+        return "expert-parallel transformers experts are not supported"
+    return None
+
+
+def projection_shapes(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (in_features, out_features)}`` of the two projections."""
+    return {name: (getattr(m, name).shape[2], getattr(m, name).shape[1])
+            for name in (_up_name(m), "down_proj")}
+
+
+def quantize_experts(m: torch.nn.Module, fqn: str, bound_recipe=None) -> torch.nn.Module:
+    """Turn the experts module ``m`` (named ``fqn`` in its model) into quant's grouped form, in
+    place; ``bound_recipe`` quantizes outside autocast (``convert(always_quantize=True)``).
+    Returns ``m``."""
+    m.__class__ = _quantized_class(type(m))
+    num_experts = getattr(m, _up_name(m)).shape[0]
+    for attr, name in (("_quant_up", _up_name(m)), ("_quant_down", "down_proj")):
+        k, n = projection_shapes(m)[name]
+        proj = GroupedProjection(num_experts, k, n, name=f"{fqn}.{name}")
+        proj.bound_recipe = bound_recipe
+        setattr(m, attr, proj)
+    return m
+
+
+def restore_experts(m: torch.nn.Module) -> torch.nn.Module:
+    """The original ``transformers`` experts module again (same Parameters). Returns ``m``."""
+    del m._quant_up, m._quant_down
+    m.__class__ = m.hf_class
+    return m
+
+
+def _quantized_class(hf_class: type) -> type:
+    if hf_class not in _QUANTIZED:
+        _QUANTIZED[hf_class] = type(f"Quantized{hf_class.__name__}",
+                                    (_QuantizedExperts, hf_class),
+                                    {"__module__": __name__, "hf_class": hf_class})
+    return _QUANTIZED[hf_class]
+
+
+def _rebuild(hf_class: type, state: dict) -> torch.nn.Module:
+    """Unpickling and ``deepcopy``: a quantized experts module of ``hf_class`` with ``state``
+    (the subclass is built at run time, so pickle cannot name it)."""
+    m = object.__new__(_quantized_class(hf_class))
+    m.__setstate__(state)
+    return m
+
+
+class _QuantizedExperts:
+    """The forward of a converted ``transformers`` experts module (mixed in first)."""
+
+    #: The ``transformers`` class this one extends.
+    hf_class: type
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild, (self.hf_class, self.__dict__.copy())
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        num_experts = self._quant_up.num_experts
+        ids = top_k_index.reshape(-1)
+        if not compiling() and ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
+            raise ValueError(f"{type(self).__name__}: top_k_index must hold expert ids in "
+                             f"[0, {num_experts}), got {ids.min().item()}..{ids.max().item()}")
+        sorted_ids, perm = torch.sort(ids, stable=True)
+        experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, experts, right=True)
+        up_name = _up_name(self)
+        bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
+        h = self._quant_up(hidden_states[perm // k], offs, getattr(self, up_name), bias)
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
+        y = self._quant_down(h, offs, self.down_proj, bias)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[inverse].view(tokens, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
