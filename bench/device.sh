@@ -33,6 +33,9 @@
 #   gpt          quant demo --model gpt per recipe, one process each; args: the recipes
 #   parity       NVFP4's 4over6 and row-scaled variants on the GPU: tests/gpu's NVFP4 kernel
 #                checks, then tests/kernels and tests/recipes of the variants and the NVFP4 GEMMs
+#   multi        the multi-GPU run: tests/recipes' FSDP2, distributed and tensor-parallel tests
+#                on NCCL, then bench/multi_gpu.py (Llama 8b widths) under FSDP2 on 2 GPUs, and
+#                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
 #   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
 #                (args: moe.py's, e.g. --tokens 2048 --experts 64)
 #
@@ -146,6 +149,15 @@ profile_parity() {
   step parity_gpu 300 "${PYTEST[@]}" tests/gpu -k "nvfp4" "$@"
   step parity_tests 300 "${PYTEST[@]}" tests/kernels tests/recipes tests/core \
     -k "4over6 or row_scaled or nvfp4_gemm or te_compile or te_nvfp4"
+}
+profile_multi() {
+  QUANT_DIST_BACKEND=nccl step multi_tests 400 "${PYTEST[@]}" tests/recipes/test_fsdp2.py \
+    tests/recipes/test_distributed.py tests/recipes/test_tensor_parallel.py
+  step multi_fsdp2 560 python3 bench/multi_gpu.py --nproc 2 --json "$OUT/multi_fsdp2.json" "$@"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    step multi_tp 560 python3 bench/multi_gpu.py --nproc 4 --tp 2 \
+      --json "$OUT/multi_tp.json" "$@"
+  fi
 }
 profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
 profile_demo() {
