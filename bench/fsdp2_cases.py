@@ -143,7 +143,8 @@ def saved_after_forward_mib(forward, x: torch.Tensor) -> float:
     return held
 
 
-def worker(rank: int, args) -> None:
+def join_group(rank: int, args) -> torch.device:
+    """Join the run's process group (NCCL on ``--device cuda``, else gloo); the rank's device."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(args.port))
     cuda = args.device == "cuda"
@@ -151,19 +152,31 @@ def worker(rank: int, args) -> None:
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return device
+
+
+def run_configs(configs: list[str], run_one, device: torch.device, args, print_table) -> None:
+    """``run_one(config)`` for each config (an error becomes its row), then rank 0 prints every
+    rank's rows with ``print_table(per_rank, args)``; leaves the process group."""
     rows = []
-    for name in (args.configs or ",".join(CONFIGS)).split(","):
+    for name in configs:
         try:
-            rows.append(run(name, args, device))
+            rows.append(run_one(name))
         except Exception as e:  # noqa: BLE001 - report and go on with the next config
             rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:200]})
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.empty_cache()
     gathered = [None] * args.nproc
     dist.all_gather_object(gathered, rows)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print_table(gathered, args)
     dist.destroy_process_group()
+
+
+def worker(rank: int, args) -> None:
+    device = join_group(rank, args)
+    run_configs((args.configs or ",".join(CONFIGS)).split(","),
+                lambda name: run(name, args, device), device, args, print_table)
 
 
 def print_table(per_rank: list[list[dict]], args) -> None:

@@ -29,19 +29,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import pathlib
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "recipes"))
 from _fsdp_counting import count_all_gathers  # noqa: E402
-from steps import OURS, SIZES, batches, llama, recipes, register_triton  # noqa: E402
+from fsdp2_cases import join_group, run_configs  # noqa: E402  (registers the Triton backend)
+from steps import OURS, SIZES, batches, llama, recipes  # noqa: E402
 
 CONFIGS = ["bf16", "ao_fp8_tensorwise", "ao_fp8_rowwise", *OURS,
            *(f"{r}:fp8ag" for r in OURS)]
@@ -173,31 +172,13 @@ def run(config: str, args, mesh, device: torch.device) -> dict:
 def worker(rank: int, args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(args.port))
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc)
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    register_triton()
+    device = join_group(rank, args)
     import quant_dynamo  # noqa: F401  (compile support before any quant module is traced)
 
     mesh = init_device_mesh(device.type, (args.nproc // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
-    rows = []
-    for config in (args.configs or ",".join(CONFIGS)).split(","):
-        try:
-            rows.append(run(config, args, mesh, device))
-        except Exception as e:  # noqa: BLE001 - report and go on with the next config
-            rows.append({"config": config, "error": f"{type(e).__name__}: {e}"[:200]})
-        if cuda:
-            torch.cuda.empty_cache()
-    gathered = [None] * args.nproc
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        print_table(gathered, args)
-    dist.destroy_process_group()
+    run_configs((args.configs or ",".join(CONFIGS)).split(","),
+                lambda config: run(config, args, mesh, device), device, args, print_table)
 
 
 def print_table(per_rank: list[list[dict]], args) -> None:
