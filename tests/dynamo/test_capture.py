@@ -28,6 +28,13 @@ pytestmark = [requires_api, requires_lowering]
 QUANTIZERS = {name: make(columnwise_usage=True)
               for name, make in formats.default_quantizers().items()}
 QUANTIZERS["nvfp4"] = formats.quantizer("nvfp4_rht", columnwise_usage=True)
+QUANTIZERS["nvfp4_4over6"] = NVFP4Quantizer(columnwise_usage=True, with_rht=False,
+                                            nvfp4_use_4over6=True, nvfp4_e4m3_max=256)
+QUANTIZERS["nvfp4_4over6_2d_mse"] = NVFP4Quantizer(
+    columnwise_usage=True, with_rht=False, with_2d_quantization=True, nvfp4_use_4over6=True,
+    nvfp4_e4m3_max=256, nvfp4_4over6_err_mode="MSE")
+QUANTIZERS["nvfp4_row_scaled"] = NVFP4Quantizer(columnwise_usage=False, with_rht=False,
+                                                row_scaled_nvfp4=True)
 
 
 @pytest.fixture

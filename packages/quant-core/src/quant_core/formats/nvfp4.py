@@ -362,10 +362,9 @@ class NVFP4Quantizer(Quantizer):
         return not self.stochastic_rounding
 
     def lowerings(self) -> tuple[str, ...]:
-        """The backend's kernels, recorded into the graph; none with stochastic rounding, whose
-        seed must come from torch's generator as in eager mode (not from Inductor's own random
-        numbers), nor with 4over6 or row scaling, which have no kernel yet (the opaque op runs
-        them)."""
-        if self.stochastic_rounding or self.nvfp4_use_4over6 or self.row_scaled_nvfp4:
+        """The backend's kernels, recorded into the graph (4over6 and row scaling included);
+        none with stochastic rounding, whose seed must come from torch's generator as in eager
+        mode (not from Inductor's own random numbers)."""
+        if self.stochastic_rounding:
             return ()
         return ("kernels",)
