@@ -216,3 +216,22 @@ def test_transposed_experts_are_left_with_a_warning(caplog):
     assert "transformers experts stored [experts, in, out] (transposed)" in caplog.text
     assert "model.layers.0.mlp.experts" in caplog.text
     assert not any(hf_experts.is_quantized_experts(m) for m in model.modules())
+
+
+def test_dynamic_token_counts_compile_once():
+    """``dynamic=True``: batches of other token counts run the graphs the first one built."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    recipe = qr.Float8CurrentScaling()
+    _, m = _experts(qr.convert(_mixtral(), recipe=recipe))[0]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(m, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for tokens in (16, 24, 40):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        ids, w = _routing(tokens, tokens)
+        with torch.no_grad(), qr.autocast(recipe=recipe):
+            assert torch.equal(compiled(x.bfloat16(), ids, w), m(x.bfloat16(), ids, w))
+        frames.append(counter.frame_count)
+    assert frames[1:] == frames[:1] * 2
