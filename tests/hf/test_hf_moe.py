@@ -235,3 +235,38 @@ def test_dynamic_token_counts_compile_once():
             assert torch.equal(compiled(x.bfloat16(), ids, w), m(x.bfloat16(), ids, w))
         frames.append(counter.frame_count)
     assert frames[1:] == frames[:1] * 2
+
+
+def test_always_quantize_binds_the_recipe_to_the_experts():
+    recipe = qr.Float8CurrentScaling()
+    model = qr.convert(_mixtral(), recipe=recipe, always_quantize=True)
+    ids = _ids()
+    with torch.no_grad():
+        bound = model(input_ids=ids).logits
+        with qr.autocast(recipe=recipe):
+            inside = model(input_ids=ids).logits
+        with qr.autocast(enabled=False):
+            off = model(input_ids=ids).logits
+    assert torch.equal(bound, inside) and not torch.equal(bound, off)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """transformers' own activation checkpointing recomputes each decoder layer (experts
+    included) in backward, outside the autocast region: the same loss and gradients."""
+    recipe = qr.Float8CurrentScaling()
+    ids = _ids()
+    grads, calls = [], []
+    for checkpointed in (False, True):
+        model = qr.convert(_mixtral(), recipe=recipe)
+        model.train()
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        ran = []
+        _experts(model)[0][1].register_forward_pre_hook(lambda *_: ran.append(1))
+        with qr.autocast(recipe=recipe):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+        calls.append(len(ran))
+    assert calls == [1, 2]  # the checkpointed experts ran again in backward
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
