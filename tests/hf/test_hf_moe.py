@@ -262,7 +262,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         if checkpointed:
             model.activation_checkpointing_enable({"use_reentrant": False})
         ran = []
-        _experts(model)[0][1].register_forward_pre_hook(lambda *_: ran.append(1))
+        _experts(model)[0][1].register_forward_pre_hook(lambda *_, ran=ran: ran.append(1))
         with qr.autocast(recipe=recipe):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
