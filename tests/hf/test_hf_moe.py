@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import io
-import logging
 
 import pytest
 import quant_recipes as qr
@@ -43,7 +42,24 @@ def _qwen3_moe(seed: int = 0):
     return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
 
 
-MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _gpt_oss(seed: int = 0, dtype=torch.bfloat16):
+    """GPT-OSS stores its expert weights transposed (``[experts, in, out]``), with biases and
+    gate/up interleaved (its own ``_apply_gate``)."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=64,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # transformers initialises the expert biases to zero
+        for p in model.parameters():
+            if p.dim() == 2 and p.shape[0] == EXPERTS:
+                p.normal_(0, 0.02)
+    return model.to(dtype)
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss}
 
 
 def _ids():
@@ -83,10 +99,11 @@ def test_convert_turns_the_experts_into_grouped_gemms(name):
     assert list(model.state_dict()) == keys
 
 
-def test_outside_autocast_equals_the_transformers_forward():
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_outside_autocast_equals_the_transformers_forward(name):
     """fp32: the grouped high-precision path (fp32 products) against transformers' own loop;
     they differ by the order of the k-way sum and of index_add_ only."""
-    ref = _mixtral(dtype=torch.float32)
+    ref = MODELS[name](dtype=torch.float32)
     model = qr.convert(copy.deepcopy(ref))
     x = torch.randn(SEQ, HIDDEN, generator=torch.Generator().manual_seed(2))
     ids, w = _routing(SEQ)
@@ -95,30 +112,35 @@ def test_outside_autocast_equals_the_transformers_forward():
 
 
 def _dense_oracle(m, x, ids, w, recipe):
-    """Per expert, ``qr.Linear`` on the rows routed to it (token order); combined per token."""
-    up = m.gate_up_proj
+    """Per expert, ``qr.Linear`` on the rows routed to it (token order), with the module's own
+    gate; combined per token."""
+    up, down = m.gate_up_proj, m.down_proj
+    if m.is_transposed:
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
     rows = torch.zeros(x.shape[0], TOP_K, x.shape[1], dtype=x.dtype)
     for e in range(EXPERTS):
         token, slot = torch.where(ids == e)
         if token.numel() == 0:
             continue
-        lin_up = qr.Linear(up.shape[2], up.shape[1], bias=False, dtype=x.dtype)
-        lin_down = qr.Linear(m.down_proj.shape[2], m.down_proj.shape[1], bias=False,
-                             dtype=x.dtype)
+        lin_up = qr.Linear(up.shape[2], up.shape[1], bias=m.has_bias, dtype=x.dtype)
+        lin_down = qr.Linear(down.shape[2], down.shape[1], bias=m.has_bias, dtype=x.dtype)
         with torch.no_grad():
             lin_up.weight.copy_(up[e])
-            lin_down.weight.copy_(m.down_proj[e])
+            lin_down.weight.copy_(down[e])
+            if m.has_bias:
+                lin_up.bias.copy_(m.gate_up_proj_bias[e])
+                lin_down.bias.copy_(m.down_proj_bias[e])
         with qr.autocast(recipe=recipe):
-            gate, value = lin_up(x[token]).chunk(2, dim=-1)
-            y = lin_down(m.act_fn(gate) * value)
+            y = lin_down(m._apply_gate(lin_up(x[token])))
         rows[token, slot] = y * w[token, slot].unsqueeze(-1).to(y.dtype)
     return rows.sum(dim=1)
 
 
+@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("recipe", [qr.Float8CurrentScaling(), qr.MXFP8BlockScaling()],
                          ids=["fp8_current", "mxfp8"])
-def test_each_expert_equals_the_dense_linear(recipe):
-    model = qr.convert(_mixtral(), recipe=recipe)
+def test_each_expert_equals_the_dense_linear(recipe, model):
+    model = qr.convert(MODELS[model](), recipe=recipe)
     _, m = _experts(model)[0]
     x = torch.randn(SEQ, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
     ids, w = _routing(SEQ)
@@ -202,20 +224,6 @@ def test_deepcopy_pickle_and_state_dict_round_trip():
     recipe = qr.Float8CurrentScaling()
     with torch.no_grad(), qr.autocast(recipe=recipe):
         assert torch.equal(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
-
-
-def test_transposed_experts_are_left_with_a_warning(caplog):
-    """GPT-OSS stores its expert weights ``[experts, in, out]``: convert says so, by name."""
-    cfg = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, max_position_embeddings=64, layer_types=["full_attention"])
-    model = transformers.GptOssForCausalLM(cfg)
-    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
-        qr.convert(model)
-    assert "transformers experts stored [experts, in, out] (transposed)" in caplog.text
-    assert "model.layers.0.mlp.experts" in caplog.text
-    assert not any(hf_experts.is_quantized_experts(m) for m in model.modules())
 
 
 def test_dynamic_token_counts_compile_once():

@@ -19,8 +19,8 @@ layer's fully qualified name in the model); a shared layer is converted when the
 every name it has.
 
 Hugging Face ``transformers`` mixture-of-experts blocks (the experts module of Mixtral,
-Qwen-MoE, OLMoE, DeepSeek-V3 and the others built with ``use_experts_implementation``: 3-D
-``gate_up_proj`` / ``down_proj`` parameters) are converted too: their two projections run as
+Qwen-MoE, OLMoE, DeepSeek-V3, GPT-OSS and the others built with ``use_experts_implementation``:
+3-D ``gate_up_proj`` / ``down_proj`` parameters) are converted too: their two projections run as
 quant's grouped GEMMs, named ``<fqn>.gate_up_proj`` and ``<fqn>.down_proj`` with
 ``module_type="grouped_linear"`` (:mod:`quant_recipes.hf_experts`). Experts kept as a
 ``ModuleList`` of MLPs are converted layer by layer (one dense GEMM per expert); to batch them,

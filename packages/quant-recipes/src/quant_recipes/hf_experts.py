@@ -5,19 +5,20 @@ DeepSeek-V3 and most others) in one module whose class it decorates with
 ``use_experts_implementation``: 3-D parameters ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I,
 H]`` without a gate) and ``down_proj [E, H, I]``, optional biases ``*_bias [E, N]``, and
 ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``. Those weights are
-laid out as :class:`~quant_recipes.GroupedLinear` lays out its own (``[experts, out, in]``).
+laid out as :class:`~quant_recipes.GroupedLinear` lays out its own (``[experts, out, in]``), or
+transposed (``[experts, in, out]``, GPT-OSS), which the projections read as a transposed view.
 
 :func:`quantize_experts` turns such a module, in place, into one whose two projections run as
 quant's grouped GEMMs (:class:`~quant_recipes.grouped_linear.GroupedProjection`, named
 ``<fqn>.gate_up_proj`` / ``<fqn>.up_proj`` and ``<fqn>.down_proj`` for the recipe's roles): its
 class becomes a subclass of the original one (``isinstance`` checks still hold), its Parameters
 and ``state_dict`` keys are unchanged. The forward sorts the ``T * k`` (token, expert) pairs by
-expert (stable: token order within an expert), runs gate/up, the module's own gate or
-activation, down, the post-expert norm where the module has one, scales each row by its routing
-weight and sums each token's ``k`` rows. :func:`restore_experts` undoes it.
+expert (stable: token order within an expert), runs gate/up, the module's own gate (which knows
+whether gate and up are concatenated or interleaved) or activation, down, the post-expert norm
+where the module has one, scales each row by its routing weight and sums each token's ``k``
+rows. :func:`restore_experts` undoes it.
 
-Left as they are (:func:`unsupported_reason`): weights stored transposed (``[E, in, out]``,
-GPT-OSS), gate and up interleaved, and expert-parallel modules (their sentinel rows).
+Left as they are (:func:`unsupported_reason`): expert-parallel modules (their sentinel rows).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ def is_quantized_experts(m: torch.nn.Module) -> bool:
 
 def unsupported_reason(m: torch.nn.Module) -> str | None:
     """Why :func:`quantize_experts` leaves the experts module ``m`` as it is, or None."""
-    if m.is_transposed:
-        return "transformers experts stored [experts, in, out] (transposed) are not supported"
-    if not m.is_concatenated:
-        return "transformers experts with gate and up interleaved are not supported"
     if getattr(m, "_is_expert_parallel", False):
         return "expert-parallel transformers experts are not supported"
     return None
@@ -64,8 +61,14 @@ def unsupported_reason(m: torch.nn.Module) -> str | None:
 
 def projection_shapes(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """``{parameter name: (in_features, out_features)}`` of the two projections."""
-    return {name: (getattr(m, name).shape[2], getattr(m, name).shape[1])
-            for name in (_up_name(m), "down_proj")}
+    return {name: tuple(_weight(m, name).shape[:0:-1]) for name in (_up_name(m), "down_proj")}
+
+
+def _weight(m: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter ``name`` as ``[experts, out, in]`` (a transposed view where it is stored
+    ``[experts, in, out]``)."""
+    w = getattr(m, name)
+    return w.transpose(1, 2) if m.is_transposed else w
 
 
 def quantize_experts(m: torch.nn.Module, fqn: str, bound_recipe=None) -> torch.nn.Module:
@@ -127,10 +130,10 @@ class _QuantizedExperts:
         offs = torch.searchsorted(sorted_ids, experts, right=True)
         up_name = _up_name(self)
         bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
-        h = self._quant_up(hidden_states[perm // k], offs, getattr(self, up_name), bias)
+        h = self._quant_up(hidden_states[perm // k], offs, _weight(self, up_name), bias)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
-        y = self._quant_down(h, offs, self.down_proj, bias)
+        y = self._quant_down(h, offs, _weight(self, "down_proj"), bias)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
