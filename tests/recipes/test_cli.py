@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 from quant_recipes.cli import main
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -115,6 +116,22 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
     assert "emulated" in text
     assert "nvfp4 4over6" in text and "nvfp4 row-scaled" in text
     assert "GroupedLinear    one GEMM per group" in text  # the CPU: no torch._grouped_mm path
+    assert "FP8 current scaling: one GEMM per group (no FP8 tensor cores here)" in text
+
+
+def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
+    """Where torch's grouped kernel takes E4M3 only (torch 2.11 on Hopper), doctor says E5M2
+    gradients go per group through cuBLAS; where it does not run, every GEMM does."""
+    from quant_recipes import grouped_fp8_gemm
+
+    monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu"})
+    monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)
+    assert grouped_fp8_gemm.describe("cpu") == (
+        "quantized once; torch._scaled_grouped_mm (E4M3 operands), cuBLAS per group for E5M2 "
+        "gradients")
+    monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: False)
+    assert "cuBLAS per group (torch._scaled_grouped_mm does not run here)" in (
+        grouped_fp8_gemm.describe("cpu"))
 
 
 def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):

@@ -1,11 +1,12 @@
 """The batched per-group FP8 current scaling of GroupedLinear (quant_recipes.grouped_fp8) and its
-``"scaled_grouped_mm"`` path.
+quantize-once path (quant_recipes.grouped_fp8_gemm): ``"scaled_grouped_mm"`` and
+``"scaled_mm_per_group"``.
 
 Oracles: the per-group path's own quantize calls (one per padded group, one per expert: tested
 against the dense Linear in test_grouped_linear.py) for the bytes, bitwise; the per-group
-path's GEMMs for the grouped GEMMs, up to the fp32 accumulation order (on the CPU through an
-emulation of ``torch._scaled_grouped_mm`` that checks the layouts, offsets and scale shapes
-torch's kernel requires), and bitwise for the backward GEMMs that stay per group.
+path's GEMMs for the grouped GEMMs, up to the fp32 accumulation order (on the CPU through
+emulations of ``torch._scaled_grouped_mm`` and ``torch._scaled_mm`` that check the layouts,
+offsets, alignments and scale shapes torch's kernels and cuBLAS require).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import quant_recipes as qr
 import torch
 from quant_core import DType, Float8CurrentScalingQuantizer
-from quant_recipes import grouped_fp8, grouped_gemm
+from quant_recipes import grouped_fp8, grouped_fp8_gemm, grouped_gemm
 
 K, N, ALIGN = 64, 32, 16
 COUNTS = [5, 0, 1, 37, 16, 0, 22]  # ragged, empty groups, a group of one row, an exact one
@@ -55,7 +56,7 @@ def impl(request, monkeypatch):
 
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
-        pytest.importorskip("quant_recipes.grouped_fp8_kernels")
+        pytest.importorskip("quant_kernels.fp8_grouped")
     monkeypatch.setattr(grouped_fp8, "_triton", lambda device: request.param == "triton")
     return request.param
 
@@ -70,36 +71,45 @@ def _per_group(x, counts, q):
     return out
 
 
+@pytest.mark.parametrize("row_padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qid", list(QUANTIZERS))
-def test_rows_bytes_equal_the_per_group_quantize(impl, qid, dtype):
+def test_rows_bytes_equal_the_per_group_quantize(impl, qid, dtype, row_padded):
     x = _rows(COUNTS, dtype)
     q = _quantizer(qid)
     offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
     lay = grouped_fp8.layout(offs, x.shape[0], ALIGN)
-    data, trans, sinv = grouped_fp8.quantize_rows(x, lay, q, True, True)
+    data, trans, sinv = grouped_fp8.quantize_rows(x, lay, q, True, True, row_padded=row_padded)
     starts = grouped_fp8.padded_starts(offs.tolist(), ALIGN)
     assert lay.ends.tolist() == [*starts[1:], lay.ends[-1].item()]
+    assert sinv.shape == (len(COUNTS), grouped_fp8.SCALE_PITCH) and not sinv[:, 1:].any()
+    assert data.shape == ((lay.rows, K) if row_padded else (x.shape[0], K))
     used = torch.zeros(lay.rows, dtype=torch.bool)
+    s = 0
     for g, want in enumerate(_per_group(x, COUNTS, q)):
         p = starts[g]
         if want is None:  # an empty group: ALIGN zero rows, the scale of an empty tensor
-            assert not data[p:p + ALIGN].any() and not trans[:, p:p + ALIGN].any()
-            assert torch.equal(sinv[g:g + 1], q.quantize(x[:0]).buffer_list(x[:0])[2])
+            assert not trans[:, p:p + ALIGN].any()
+            assert torch.equal(sinv[g, :1], q.quantize(x[:0]).buffer_list(x[:0])[2])
             continue
         wd, wt, ws = want
-        mp = wd.shape[0]
-        assert torch.equal(data[p:p + mp], wd), f"group {g} data"
+        mp, m = wd.shape[0], COUNTS[g]
+        got = data[p:p + mp] if row_padded else data[s:s + m]
+        assert torch.equal(got, wd if row_padded else wd[:m]), f"group {g} data"
         assert torch.equal(trans[:, p:p + mp], wt), f"group {g} transpose"
-        assert torch.equal(sinv[g:g + 1], ws), f"group {g} scale_inv"
+        assert torch.equal(sinv[g, :1], ws), f"group {g} scale_inv"
         used[p:p + mp] = True
-    assert not data[~used].any() and not trans[:, ~used].any()  # padding past the groups
+        s += m
+    assert not trans[:, ~used].any()  # padding past the groups
+    if row_padded:
+        assert not data[~used].any()
 
 
+@pytest.mark.parametrize("n", [N, 24])  # 24: an expert's rows are not a multiple of the tile's
 @pytest.mark.parametrize("qid", ["e4m3", "pow2"])
-def test_expert_bytes_equal_one_quantize_per_expert(impl, qid):
+def test_expert_bytes_equal_one_quantize_per_expert(impl, qid, n):
     torch.manual_seed(1)
-    w = torch.randn(3, N, K, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[:, None,
+    w = torch.randn(3, n, K, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[:, None,
                                                                                      None]
     w[1, 2, 3] = float("nan")
     q = _quantizer(qid)
@@ -107,18 +117,30 @@ def test_expert_bytes_equal_one_quantize_per_expert(impl, qid):
     for e in range(w.shape[0]):
         wd, wt, ws = q.quantize(w[e]).buffer_list(w[e])
         assert torch.equal(data[e], wd) and torch.equal(trans[e], wt)
-        assert torch.equal(sinv[e:e + 1], ws)
+        assert torch.equal(sinv[e, :1], ws)
 
 
 def test_a_layout_of_no_rows():
     lay = grouped_fp8.layout(torch.zeros(3, dtype=torch.int32), 0, ALIGN)
     assert lay.ends.tolist() == [16, 32, 48] and lay.rows == 48 and lay.dest.numel() == 0
+    assert (lay.src == -1).all() and lay.grp.tolist() == [0] * 16 + [1] * 16 + [2] * 16
+
+
+def test_layout_maps_padded_rows_to_their_rows():
+    offs = torch.tensor(COUNTS).cumsum(0)
+    lay = grouped_fp8.layout(offs, sum(COUNTS), ALIGN)
+    assert lay.rows == -(-sum(COUNTS) // ALIGN) * ALIGN + len(COUNTS) * ALIGN
+    r = torch.arange(sum(COUNTS))
+    assert torch.equal(lay.src[lay.dest].long(), r)  # src inverts dest on the real rows
+    assert int((lay.src >= 0).sum()) == sum(COUNTS)
+    assert torch.equal(lay.grp[lay.dest].long(), lay.gid)
 
 
 # ------------------------------------------------------------------- the grouped GEMMs
-def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False):
     """``torch._scaled_grouped_mm``'s rowwise semantics, with the checks of its CUDA kernel:
-    ``(acc * scale_a) * scale_b`` per row and column, acc the fp32 sum of the FP8 products."""
+    ``(acc * scale_a) * scale_b`` per row and column, acc the fp32 sum of the FP8 products
+    (``aligned_rows``: a kernel that also needs 16-row group ends when the rows are grouped)."""
     assert a.dtype == torch.float8_e4m3fn or a.dtype == torch.float8_e5m2
     assert b.dtype == torch.float8_e4m3fn and offs.dtype == torch.int32
     assert a.stride(-1) == 1 and b.stride(-2) == 1, "A row-major, B column-major"
@@ -129,6 +151,7 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     a32, b32 = a.to(torch.float32), b.to(torch.float32)
     if b.dim() == 3:  # groups along the rows of A
         assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        assert not aligned_rows or all(e % 16 == 0 for e in ends)
         out = torch.zeros(a.shape[0], b.shape[2])
         for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
             out[s:e] = (a32[s:e] @ b32[g]) * scale_a[s:e, None] * scale_b[g][None]
@@ -144,14 +167,35 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     return out.to(torch.bfloat16)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """The ``"scaled_grouped_mm"`` path on the CPU, through the emulation; E4M3 x E4M3 only, as
-    torch 2.11's CUTLASS kernel."""
-    monkeypatch.setattr(grouped_fp8, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
-    monkeypatch.setattr(grouped_fp8, "scaled_grouped_mm", _emulated_scaled_grouped_mm)
-    monkeypatch.setattr(grouped_fp8, "_runs",
+def _emulated_scaled_mm(a, b, scale_a, scale_b, out):
+    """``torch._scaled_mm`` into ``out`` (tensor scales), with cuBLAS's requirements: A row-major
+    and B column-major with 16-byte aligned rows and columns, widths multiples of 16, scale
+    pointers on 16-byte boundaries (a slice of a packed scale vector is refused there)."""
+    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (
+        torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype != torch.float8_e5m2 or (
+        a.dtype != torch.float8_e5m2), "cuBLAS multiplies no E5M2 x E5M2"
+    assert a.stride(1) == 1 and b.stride(0) == 1, "A row-major, B column-major"
+    assert a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0 and a.data_ptr() % 16 == 0
+    assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+    for s in (scale_a, scale_b):
+        assert s.numel() == 1 and s.dtype == torch.float32
+        assert s.data_ptr() % 16 == 0, "cuBLAS refuses a scale pointer off a 16-byte boundary"
+    assert out.is_contiguous() and out.shape == (a.shape[0], b.shape[1])
+    out.copy_((a.to(torch.float32) @ b.to(torch.float32)) * (scale_a * scale_b))
+
+
+@pytest.fixture(params=["unpadded", "padded"])
+def emulated(request, monkeypatch):
+    """The quantize-once path on the CPU, through the emulations; the grouped kernel takes
+    E4M3 x E4M3 only, as torch 2.11's, and takes unaligned row groups or (``padded``) not."""
+    aligned = request.param == "padded"
+    monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
+                        lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
+    monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
+    monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
+    monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
     return monkeypatch
 
 
@@ -171,7 +215,7 @@ def test_grouped_gemms_equal_the_per_group_path(emulated):
     recipe = qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
     got, paths = _step(COUNTS, recipe)
     assert paths == {"scaled_grouped_mm": 3}
-    emulated.setattr(grouped_fp8, "SCALED_GROUPED_MM_DEVICES", set())
+    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, paths = _step(COUNTS, recipe)
     assert paths == {"per_group": 3}
     for a, b in zip(got, want, strict=True):  # the order of the fp32 sums and of the scales
@@ -181,11 +225,47 @@ def test_grouped_gemms_equal_the_per_group_path(emulated):
 def test_e5m2_gradients_run_per_group_on_the_batched_bytes(emulated):
     recipe = qr.Float8CurrentScaling()  # HYBRID: E5M2 gradients, which the kernel does not take
     got, paths = _step(COUNTS, recipe)
-    assert paths == {"scaled_grouped_mm": 1, "per_group": 2}
-    emulated.setattr(grouped_fp8, "SCALED_GROUPED_MM_DEVICES", set())
+    assert paths == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
+    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    want, paths = _step(COUNTS, recipe)
+    assert paths == {"per_group": 3}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_every_gemm_per_group_when_the_grouped_kernel_takes_none(emulated):
+    emulated.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
+    recipe = qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
+    got, paths = _step(COUNTS, recipe)
+    assert paths == {"scaled_mm_per_group": 3}
+    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, _ = _step(COUNTS, recipe)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the same GEMMs
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_frozen_weight_and_frozen_input_keep_only_what_backward_reads(emulated):
+    """Only the weight gradient (an input that needs none), or only the input gradient (a frozen
+    weight): the forward keeps one transposed copy, and the gradient equals the full step's."""
+    recipe = qr.Float8CurrentScaling()
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
+    gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    counts = torch.tensor(COUNTS)
+    xg = x.clone().requires_grad_()
+    with qr.autocast(recipe=recipe):
+        m(xg, counts=counts).backward(gy)
+    full_dx, full_dw = xg.grad, m.weight.grad
+    m.weight.grad = None
+    with qr.autocast(recipe=recipe):
+        m(x, counts=counts).backward(gy)
+    assert torch.equal(m.weight.grad, full_dw)
+    m.weight.requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    with qr.autocast(recipe=recipe):
+        m(xg, counts=counts).backward(gy)
+    assert torch.equal(xg.grad, full_dx)
 
 
 def test_other_operands_keep_their_paths(emulated):
@@ -214,18 +294,16 @@ def test_widths_not_multiples_of_16_run_per_group(emulated):
 def _cuda_fp8_grouped():
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not grouped_fp8._runs("cuda", torch.float8_e4m3fn):
+    if not grouped_fp8_gemm._runs("cuda", torch.float8_e4m3fn):
         return "torch._scaled_grouped_mm does not run on this GPU"
     return None
 
 
 @pytest.mark.skipif(_cuda_fp8_grouped() is not None, reason=str(_cuda_fp8_grouped()))
-def test_cuda_bytes_and_grouped_gemms_within_the_bound(monkeypatch):
-    """On the GPU: the batched bytes equal the per-group quantize calls' (both Triton there),
-    and each grouped GEMM output lies within the stated bound of the per-group path's
-    (``torch._scaled_mm`` per group): ``|got - want| <= 2^-7 |want| + 2^-11 (|A| |B|)``, the
-    second term from the operands' absolute product."""
-    dev, e, k, n = "cuda", 8, 256, 128
+def test_cuda_bytes_equal_the_per_group_quantize():
+    """On the GPU (Triton there): the batched bytes in both row layouts and the experts' bytes
+    (an expert's rows a multiple of the cast tile's and not) equal one quantize per group."""
+    dev = "cuda"
     counts = [0, 1, 37, 200, 16, 0, 5, 61]
     offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
     starts = grouped_fp8.padded_starts(offs.tolist(), ALIGN)
@@ -233,13 +311,43 @@ def test_cuda_bytes_and_grouped_gemms_within_the_bound(monkeypatch):
         x = _rows(counts, torch.bfloat16).to(dev)
         q = _quantizer(qid)
         lay = grouped_fp8.layout(offs, x.shape[0], ALIGN)
-        data, trans, sinv = grouped_fp8.quantize_rows(x, lay, q, True, True)
-        for g, want in enumerate(_per_group(x, counts, q)):
-            if want is not None:
-                p, mp = starts[g], want[0].shape[0]
-                assert torch.equal(data[p:p + mp], want[0]), (qid, g)
-                assert torch.equal(trans[:, p:p + mp], want[1]), (qid, g)
-                assert torch.equal(sinv[g:g + 1], want[2]), (qid, g)
+        for padded in (False, True):
+            data, trans, sinv = grouped_fp8.quantize_rows(x, lay, q, True, True, padded)
+            s = 0
+            for g, want in enumerate(_per_group(x, counts, q)):
+                if want is not None:
+                    p, mp, m = starts[g], want[0].shape[0], counts[g]
+                    got = data[p:p + mp] if padded else data[s:s + m]
+                    assert torch.equal(got, want[0] if padded else want[0][:m]), (qid, g)
+                    assert torch.equal(trans[:, p:p + mp], want[1]), (qid, g)
+                    assert torch.equal(sinv[g, :1], want[2]), (qid, g)
+                    s += m
+        for n in (128, 72):
+            w = (torch.randn(3, n, 256, device=dev) * 10).to(torch.bfloat16)
+            wd, wt, ws = grouped_fp8.quantize_experts(w, q, True, True)
+            for e in range(3):
+                want = q.quantize(w[e]).buffer_list(w[e])
+                assert torch.equal(wd[e], want[0]) and torch.equal(wt[e], want[1]), (qid, n, e)
+                assert torch.equal(ws[e, :1], want[2]), (qid, n, e)
+
+
+@pytest.mark.skipif(_cuda_fp8_grouped() is not None, reason=str(_cuda_fp8_grouped()))
+@pytest.mark.parametrize("route", ["grouped", "grouped_padded_rows", "per_group"])
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
+    """On the GPU, each GEMM of the quantize-once path (the grouped kernel with unpadded or
+    padded row groups, or cuBLAS per group; HYBRID's E5M2 gradients always per group) lies within
+    the stated bound of the per-group path's (``torch._scaled_mm`` per group, each group
+    quantized alone): ``|got - want| <= 2^-7 |want| + 2^-11 (|A| |B|)``, the second term from
+    the operands' absolute product."""
+    dev, e, k, n = "cuda", 8, 256, 128
+    counts = [0, 1, 37, 200, 16, 0, 5, 61]
+    offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    print("unpadded row groups run:", grouped_fp8_gemm.unpadded_rows_run("cuda"))
+    if route == "grouped_padded_rows":
+        monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: False)
+    elif route == "per_group":
+        monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)
     rows = torch.logspace(-2, 2, sum(counts), device=dev)[:, None]
@@ -247,16 +355,20 @@ def test_cuda_bytes_and_grouped_gemms_within_the_bound(monkeypatch):
     gy = torch.randn(sum(counts), n, device=dev, dtype=torch.bfloat16)
     results = []
     for devices in ({"cuda"}, set()):
-        monkeypatch.setattr(grouped_fp8, "SCALED_GROUPED_MM_DEVICES", devices)
+        monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", devices)
         xi = x.clone().requires_grad_()
         m.zero_grad(set_to_none=True)
         qr.reset_grouped_gemm_paths()
-        with qr.autocast(recipe=qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)):
+        with qr.autocast(recipe=qr.Float8CurrentScaling(fp8_format=getattr(qr.Format, fmt))):
             y = m(xi, offs)
         y.backward(gy)
         results.append(((y.detach(), xi.grad, m.weight.grad), qr.grouped_gemm_paths()))
     (got, paths), (want, want_paths) = results
-    assert paths == {"scaled_grouped_mm": 3} and want_paths == {"per_group": 3}
+    per_group = route == "per_group"
+    want_fast = {"scaled_mm_per_group": 3} if per_group else (
+        {"scaled_grouped_mm": 3} if fmt == "E4M3"
+        else {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2})
+    assert paths == want_fast and want_paths == {"per_group": 3}
     ax, aw, ag = x.float().abs(), m.weight.detach().float().abs(), gy.float().abs()
     spans = list(zip([0, *offs.tolist()[:-1]], counts, strict=True))
     mags = [torch.cat([ax[s:s + c] @ aw[g].t() for g, (s, c) in enumerate(spans)]),
@@ -265,7 +377,208 @@ def test_cuda_bytes_and_grouped_gemms_within_the_bound(monkeypatch):
     for name, a, b, s in zip(("y", "dx", "dw"), got, want, mags, strict=True):
         err = (a.float() - b.float()).abs()
         bound = 2.0 ** -7 * b.float().abs() + 2.0 ** -11 * s
-        print(f"{name}: max |diff| {err.max().item():.3e}, max |diff| / bound "
+        print(f"{route} {fmt} {name}: max |diff| {err.max().item():.3e}, max |diff| / bound "
               f"{(err / bound.clamp_min(1e-30)).max().item():.3f}, "
               f"bitwise equal {(err == 0).float().mean().item():.4f}")
         assert bool((err <= bound).all()), name
+
+
+# ------------------------------------------------------------------ under torch.compile
+def _compiled_counter():
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not (quant_dynamo.compile_supported() and quant_dynamo.DERIVES_IN_GRAPH):
+        pytest.skip("this torch cannot read a baked quantizer's value key (grouped ops need it)")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    return CompileCounterWithBackend("aot_eager")
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
+    """The quantize-once ops compiled with ``fullgraph=True``: bitwise the eager step, one
+    frame for every routing (the groups' sizes never reach the graph)."""
+    counter = _compiled_counter()
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+    recipe = qr.Float8CurrentScaling(fp8_format=getattr(qr.Format, fmt))
+
+    def step(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts)
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
+    gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    for counts in (COUNTS, [12] * 6 + [9], [0, 0, 81, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 60]):
+        results = []
+        for fn in (compiled, step):
+            xi = x.clone().requires_grad_()
+            m.zero_grad(set_to_none=True)
+            qr.reset_grouped_gemm_paths()
+            y = fn(xi, torch.tensor(counts))
+            y.backward(gy)
+            results.append((y.detach(), xi.grad, m.weight.grad, qr.grouped_gemm_paths()))
+        for a, b in zip(*results, strict=True):
+            assert a == b if isinstance(a, dict) else torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+def test_opcheck_fp8_ops(emulated):
+    """``torch.library.opcheck`` of ``grouped_fp8_fprop`` / ``grouped_fp8_bprop``, with every
+    transposed copy kept and with none, and of ``grouped_fp8_rows_t`` /
+    ``grouped_fp8_experts_t``, which quantize a kept input or weight again."""
+    from quant_recipes.grouped_ops import quantizer_spec
+
+    pytest.importorskip("quant_dynamo")
+    q = _quantizer("e4m3")
+    g = _quantizer("e5m2")
+    specs = [quantizer_spec(q), quantizer_spec(q)]
+    torch.manual_seed(0)
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
+    w = torch.randn(len(COUNTS), N, K, dtype=torch.bfloat16)
+    gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    fprop = torch.ops.quant_recipes.grouped_fp8_fprop.default
+    bprop = torch.ops.quant_recipes.grouped_fp8_bprop.default
+    for keep in (True, False):
+        torch.library.opcheck(fprop, (x, offs, w, specs, ALIGN, keep, keep))
+    _, xt, sx, wt, sw = fprop(x, offs, w, specs, ALIGN, True, True)
+    for dgrad, wgrad in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(bprop, (gy, offs, xt, sx, wt, sw, [quantizer_spec(g), *specs],
+                                      ALIGN, dgrad, wgrad))
+    rows_t = torch.ops.quant_recipes.grouped_fp8_rows_t.default
+    experts_t = torch.ops.quant_recipes.grouped_fp8_experts_t.default
+    torch.library.opcheck(rows_t, (x, offs, specs[0], ALIGN))
+    torch.library.opcheck(experts_t, (w, specs[1]))
+    assert all(torch.equal(a, b) for a, b in zip(rows_t(x, offs, specs[0], ALIGN), (xt, sx),
+                                                 strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(experts_t(w, specs[1]), (wt, sw), strict=True))
+
+
+def test_no_rows_at_all(emulated):
+    """A step with no tokens: an empty output and input gradient, a zero weight gradient."""
+    recipe = qr.Float8CurrentScaling()
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+    x = torch.zeros(0, K, dtype=torch.bfloat16, requires_grad=True)
+    qr.reset_grouped_gemm_paths()
+    with qr.autocast(recipe=recipe):
+        y = m(x, counts=torch.zeros(len(COUNTS), dtype=torch.int64))
+    y.backward(torch.zeros(0, N, dtype=torch.bfloat16))
+    assert y.shape == (0, N) and x.grad.shape == (0, K)
+    assert torch.equal(m.weight.grad, torch.zeros_like(m.weight))
+    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_activation_checkpointing(emulated, inside):
+    """Recomputed in backward, inside autocast or outside it (under the forward's frame): the
+    same output and gradients as without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    recipe = qr.Float8CurrentScaling()
+    want, _ = _step(COUNTS, recipe)
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16).requires_grad_()
+    gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    qr.reset_grouped_gemm_paths()
+    with qr.autocast(recipe=recipe):
+        y = checkpoint(m, x, counts=torch.tensor(COUNTS), use_reentrant=False)
+        if inside:
+            y.backward(gy)
+    if not inside:
+        y.backward(gy)
+    for a, b in zip((y.detach(), x.grad, m.weight.grad), want, strict=True):
+        assert torch.equal(a, b)
+    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 2, "scaled_mm_per_group": 2}
+
+
+def test_compiled_dynamic_shapes_equal_eager(emulated):
+    """``dynamic=True``: other token counts run the same compiled code, bitwise the eager step.
+    (The first call may trace its frame twice: dynamo restarts the analysis once to turn a
+    Python float into a tensor; later calls compile nothing.)"""
+    counter = _compiled_counter()
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+    recipe = qr.Float8CurrentScaling()
+
+    def step(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for counts in (COUNTS, [3, 0, 0, 20, 1, 0, 9], [40, 2, 7, 0, 0, 1, 30]):
+        x = torch.randn(sum(counts), K, dtype=torch.bfloat16)
+        gy = torch.randn(sum(counts), N, dtype=torch.bfloat16)
+        results = []
+        for fn in (compiled, step):
+            xi = x.clone().requires_grad_()
+            m.zero_grad(set_to_none=True)
+            fn(xi, torch.tensor(counts)).backward(gy)
+            results.append((xi.grad, m.weight.grad))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+        frames.append(counter.frame_count)
+    assert frames[0] <= 2 and frames[1:] == [frames[0]] * 2
+
+
+def test_a_token_alignment_off_16_runs_per_group(emulated):
+    """A CustomRecipe's alignment that is not a multiple of 16: the GEMMs over tokens could not
+    contract over whole padded groups, so the layer runs ``"per_group"``."""
+    fp8 = Float8CurrentScalingQuantizer(dtype=DType.E4M3)
+    recipe = qr.CustomRecipe(qfactory=lambda role: fp8, quantization_alignment=8)
+    assert _step(COUNTS, recipe)[1] == {"per_group": 3}
+    recipe = qr.CustomRecipe(qfactory=lambda role: fp8, quantization_alignment=32)
+    assert _step(COUNTS, recipe)[1] == {"scaled_grouped_mm": 3}
+
+
+def _saved(fn):
+    """The tensors autograd saves while ``fn`` runs: ``(dtype, shape)`` of each."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("save_weight_copy, save_input_copy", [(False, True), (True, False),
+                                                                (False, False)])
+def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save_weight_copy,
+                                                                  save_input_copy, compiled):
+    """``save_weight_copy=False`` / ``save_input_copy=False``: backward keeps the bf16 weight /
+    input instead of its transposed FP8 bytes and quantizes it again: the same gradients, bit for
+    bit, eagerly and compiled."""
+    recipe = qr.Float8CurrentScaling()
+    want, _ = _step(COUNTS, recipe)
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts",
+                         save_weight_copy=save_weight_copy, save_input_copy=save_input_copy)
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16).requires_grad_()
+    gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    assert ("save_weight_copy=False" in repr(m)) != save_weight_copy
+    assert ("save_input_copy=False" in repr(m)) != save_input_copy
+
+    def step(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts)
+
+    if compiled:
+        _compiled_counter()
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    y, saved = _saved(lambda: step(x, torch.tensor(COUNTS)))
+    y.backward(gy)
+    for a, b in zip((y.detach(), x.grad, m.weight.grad), want, strict=True):
+        assert torch.equal(a, b)
+    if not compiled:
+        kept = {shape for dtype, shape in saved if dtype == torch.uint8}
+        assert ((len(COUNTS), K, N) in kept) == save_weight_copy
+        assert any(s[0] == K for s in kept if len(s) == 2) == save_input_copy
+        assert (((len(COUNTS), N, K) in {s for d, s in saved if d == torch.bfloat16})
+                != save_weight_copy)

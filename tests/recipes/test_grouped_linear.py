@@ -350,3 +350,27 @@ def test_fsdp2_gradients_equal_the_unsharded_module():
 
     out = spawn(_fsdp2_worker)
     assert out[0] and out[1]
+
+
+def test_opcheck_grouped_ops():
+    """``torch.library.opcheck`` of ``grouped_fprop`` / ``grouped_bprop`` under a recipe and in
+    high precision, with and without bias."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.DERIVES_IN_GRAPH:
+        pytest.skip("torch 2.10 reads no member of a baked quantizer (grouped ops need its key)")
+    from quant_core import DType, Float8CurrentScalingQuantizer
+    from quant_recipes.grouped_ops import quantizer_spec
+    from quant_recipes.identity import IdentityQuantizer
+
+    m, x, gy, _ = _data(COUNTS)
+    w, b = m.weight.detach(), m.bias.detach()
+    offs = torch.tensor(COUNTS).cumsum(0)
+    e4m3, e5m2 = (Float8CurrentScalingQuantizer(dtype=d) for d in (DType.E4M3, DType.E5M2))
+    for qx, qw, qg, align in ((IdentityQuantizer(),) * 3 + (16,), (e4m3, e4m3, e5m2, 16)):
+        specs = [quantizer_spec(q) for q in (qx, qw)]
+        for bias in (b, None):
+            torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
+                                  (x, offs, w, bias, specs, align))
+        bspecs = [quantizer_spec(q) for q in (qg, qx, qw)]
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
+                              (gy, x, offs, w, bspecs, True, align, True, True, True))

@@ -35,6 +35,12 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     # fp8_tensor.py
     "fp8_cast": {"gpu": {"BM": 32, "BK": 128, "num_warps": 4}, "interp": {"BM": 64, "BK": 64}},
     "fp8_dequant": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
+    # fp8_grouped.py: per-group amax tiles (one atomic per tile and group) and the cast, whose
+    # 64 output rows make 64-byte runs of the transposed copy
+    "fp8_group_amax": {"gpu": {"BM": 32, "BK": 256, "num_warps": 4},
+                       "interp": {"BM": 64, "BK": 64}},
+    "fp8_group_cast": {"gpu": {"BM": 64, "BK": 128, "num_warps": 4},
+                       "interp": {"BM": 16, "BK": 64}},
     # fp8_block.py
     "fp8_block": {
         "gpu": {"BM_ROW": 32, "num_warps": 4},  # BM_ROW: tile height of the rowwise-only 1D path

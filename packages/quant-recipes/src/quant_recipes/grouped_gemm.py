@@ -9,7 +9,7 @@ amax), the same quantizer variants, the same :func:`~quant_recipes.gemm.qgemm_im
 rows are zero in every operand: they add nothing to a product over tokens and their output rows
 are dropped.
 
-The paths (:func:`grouped_gemm_paths` counts one per grouped GEMM):
+The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM):
 
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
@@ -18,41 +18,24 @@ The paths (:func:`grouped_gemm_paths` counts one per grouped GEMM):
   (high precision, MXFP8, FP8 with power-of-2 scales; never NVFP4, whose per-tensor factors apply
   to the product): the operands' fp32 values as bf16, one ``torch._grouped_mm``. It differs from
   ``"per_group"`` only in the order of the fp32 accumulation;
-- ``"scaled_grouped_mm"``: FP8 current-scaling operands (:mod:`.grouped_fp8`) on devices in
-  ``grouped_fp8.SCALED_GROUPED_MM_DEVICES`` where ``torch._scaled_grouped_mm`` runs, bf16
-  outputs without bias, the second operand E4M3 (and the first a type this torch's kernel
-  takes): all groups quantized at once, each with its own amax (the per-group bytes), then one
-  ``torch._scaled_grouped_mm`` with each row's (column's) group scale-inverse as its row scale.
-  It differs from ``"per_group"`` in the order of the fp32 accumulation and in applying the two
-  scale-inverses one after the other to the fp32 sum. A backward whose GEMMs it does not all
-  take (an E5M2 gradient: HYBRID) runs ``"per_group"`` whole.
+- ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
+  every group quantized at once (:mod:`.grouped_fp8_gemm`, which the layer calls directly when
+  all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from . import grouped_fp8
+from . import grouped_fp8_gemm
 from .gemm import HP, dequantize, qgemm_impl, quantizer_meta
+from .grouped_paths import count_path
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
 GROUPED_MM_DEVICES = {"cuda"}
-
-_PATHS: collections.Counter = collections.Counter()
-
-
-def grouped_gemm_paths() -> dict[str, int]:
-    """How many grouped GEMMs took each path since :func:`reset_grouped_gemm_paths` (counted
-    when the GEMM runs, eagerly and inside compiled graphs, where it is an opaque op)."""
-    return dict(_PATHS)
-
-
-def reset_grouped_gemm_paths() -> None:
-    _PATHS.clear()
 
 
 def token_alignment(recipe, quantizers) -> int:
@@ -153,28 +136,6 @@ def _grouped_mm(a_vals, b_vals, kind: str, rows: list[int]):
         return None
 
 
-def _batched(quantizers, device: torch.device) -> bool:
-    """Every operand is FP8 current scaling on a device of the ``"scaled_grouped_mm"`` path:
-    its groups are quantized at once (:mod:`.grouped_fp8`)."""
-    return (device.type in grouped_fp8.SCALED_GROUPED_MM_DEVICES
-            and all(grouped_fp8.takes(q) for q in quantizers))
-
-
-def scaled_grouped_gemm(kind: str, a, b, offs, qa, qb, align: int, out_dtype: torch.dtype):
-    """The ``"scaled_grouped_mm"`` GEMM ``kind`` (``"fprop"``: ``a`` = x, ``b`` = w;
-    ``"dgrad"``: gy, w; ``"wgrad"``: gy, x), or None where it does not take the operands."""
-    experts = offs.shape[0]
-    n, k = (b.shape[1], b.shape[2]) if kind != "wgrad" else (a.shape[1], b.shape[1])
-    if not grouped_fp8.gemm_takes(qa, qb, a.device, out_dtype, experts, n, k):
-        return None
-    if kind == "wgrad":
-        out = grouped_fp8.wgrad(a, b, offs, qa, qb, align)
-    else:
-        out = getattr(grouped_fp8, kind)(a, offs, b, qa, qb, align)
-    _PATHS["scaled_grouped_mm"] += 1
-    return out
-
-
 def _grouped_takes(quantizers, device: torch.device, out_dtype: torch.dtype) -> bool:
     """Whether the ``"grouped_mm"`` path may take operands of ``quantizers`` (bf16 output; no
     NVFP4, whose per-tensor factors scale the product, not the elements)."""
@@ -199,10 +160,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
     ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does."""
     (total, k), n = x.shape, w.shape[1]
-    if b is None and _batched((qx, qw), x.device):
-        y = scaled_grouped_gemm("fprop", x, w, offs, qx, qw, align, x.dtype)
-        if y is not None:
-            return y
+    if b is None and grouped_fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
+        return grouped_fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
     y = x.new_zeros((total, n))
     work = _work(offs, total, align)
     if not work:
@@ -216,13 +175,13 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
                           "fprop", rows)
         if out is not None:
             _scatter(y, out, work)
-            _PATHS["grouped_mm"] += 1
+            count_path("grouped_mm")
             return y
     for xb, wb, (g, s, m, mp) in zip(xbs, wbs, work, strict=True):
         yg = qgemm_impl(xb, xm, (mp, k), False, False, wb, wm, (n, k), False, True,
                         None if b is None else b[g], x.dtype)
         y[s:s + m] = yg[:m]
-    _PATHS["per_group"] += 1
+    count_path("per_group")
     return y
 
 
@@ -241,9 +200,6 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
-    if (col and not bias and _batched((qg, qx, qw), x.device)
-            and _backward_takes(x, w, qg, qx, qw, dgrad, wgrad)):
-        return _batched_bprop(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
     dx = x.new_zeros((total, k) if dgrad else (0,))
     dw = w.new_zeros((experts, n, k) if wgrad else (0,))
     db = w.new_zeros((experts, n) if bias else (0,))
@@ -264,12 +220,12 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
                               "dgrad", rows)
         if out is not None:
             _scatter(dx, out, work)
-            _PATHS["grouped_mm"] += 1
+            count_path("grouped_mm")
         else:
             for gb, wb, (_, s, m, mp) in zip(gbs, wbs, work, strict=True):
                 dx[s:s + m] = qgemm_impl(gb, gm, (mp, n), False, False, wb, wm, (n, k), col,
                                          False, None, x.dtype)[:m]
-            _PATHS["per_group"] += 1
+            count_path("per_group")
     if wgrad:
         xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
         out = None
@@ -279,27 +235,10 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
         if out is not None:
             for i, (g, *_) in enumerate(work):
                 dw[g] = out[i]
-            _PATHS["grouped_mm"] += 1
+            count_path("grouped_mm")
         else:
             for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
                 dw[g] = qgemm_impl(gb, gm, (mp, n), col, True, xb, xm, (mp, k), col, False,
                                    None, w.dtype)
-            _PATHS["per_group"] += 1
+            count_path("per_group")
     return dx, dw, db
-
-
-def _backward_takes(x, w, qg, qx, qw, dgrad: bool, wgrad: bool) -> bool:
-    """Every backward GEMM asked for takes ``"scaled_grouped_mm"`` (an E5M2 gradient does not:
-    such a backward runs ``"per_group"`` whole)."""
-    experts, n, k = w.shape
-    return ((not dgrad or grouped_fp8.gemm_takes(qg, qw, x.device, x.dtype, experts, n, k))
-            and (not wgrad or grouped_fp8.gemm_takes(qg, qx, x.device, w.dtype, experts, n, k)))
-
-
-def _batched_bprop(gy, x, offs, w, qg, qx, qw, align: int, dgrad: bool, wgrad: bool):
-    """:func:`grouped_bprop` of FP8 current-scaling operands, every GEMM through
-    ``"scaled_grouped_mm"`` (:func:`_backward_takes`)."""
-    dx = scaled_grouped_gemm("dgrad", gy, w, offs, qg, qw, align, x.dtype) if dgrad else None
-    dw = scaled_grouped_gemm("wgrad", gy, x, offs, qg, qx, align, w.dtype) if wgrad else None
-    return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
-            w.new_zeros((0,)))

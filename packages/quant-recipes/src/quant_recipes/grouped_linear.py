@@ -13,6 +13,9 @@ tensor-wide amax is the group's), the same GEMM paths. The padding changes no ou
 gradient. Backward quantizes the input and the weight again (their columnwise copies; the
 rowwise forms under ``backward_override="dequantized"``), so the input and weight quantizers must
 give the same bytes again: value quantizers without stochastic rounding (no ``DelayedScaling``).
+FP8 current scaling on FP8 tensor cores takes the quantize-once path instead
+(:mod:`quant_recipes.grouped_fp8_gemm`): all groups quantized at once, forward keeping the
+transposed FP8 bytes that backward's GEMMs read.
 Outside autocast it is a high-precision grouped linear (fp32 products, one rounding;
 groups padded to 16 rows for ``torch._grouped_mm``).
 
@@ -28,9 +31,10 @@ import torch
 from quant_core.inputs import check_dense
 from quant_core.storage import QuantizedStorage
 
+from . import grouped_fp8_gemm
 from .compiling import compiling
 from .grouped_gemm import check_offsets, token_alignment
-from .grouped_ops import bprop, fprop
+from .grouped_ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 from .identity import IdentityQuantizer
 from .module import QuantizedModule, intern, is_value, module_frame
 from .role import QuantizerRole
@@ -67,17 +71,57 @@ class _GroupedFn(torch.autograd.Function):
                 None, None, None, None, None, None, None, None)
 
 
+class _GroupedFP8Fn(torch.autograd.Function):
+    """The quantize-once FP8 current-scaling path (:mod:`.grouped_fp8_gemm`): forward keeps the
+    transposed FP8 bytes of the input and the weight that backward's GEMMs read (or, without
+    ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, offs, w, qx, qw, qg, align, traced, keep_x_t, keep_w_t):
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
+        y, xt, sx, wt, sw = fp8_fprop(x, offs, w, qx, qw, align, keep_x_t, keep_w_t, traced)
+        ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
+        ctx.save_for_backward(offs, x if ctx.requant[0] else xt, sx,
+                              w if ctx.requant[1] else wt, sw)
+        ctx.q, ctx.align, ctx.traced = (qg, qx, qw), align, traced
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        offs, xt, sx, wt, sw = ctx.saved_tensors
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        qg, qx, qw = ctx.q
+        if ctx.requant[0]:  # the input itself was kept: its transposed bytes again
+            xt, sx = fp8_rows_t(xt, offs, qx, ctx.align, ctx.traced)
+        if ctx.requant[1]:
+            wt, sw = fp8_experts_t(wt, qw, ctx.traced)
+        dx, dw = fp8_bprop(gy.contiguous(), offs, xt, sx, wt, sw, qg, qx, qw, ctx.align, dgrad,
+                           wgrad, ctx.traced)
+        return (dx if dgrad else None, None, dw if wgrad else None, None, None, None, None,
+                None, None, None)
+
+
 class GroupedProjection(QuantizedModule):
     """The quantized grouped GEMMs of ``num_experts`` projections ``in_features ->
     out_features`` whose weights another module owns (:class:`GroupedLinear` owns its own; a
     converted Hugging Face experts block owns two). It holds no parameters and no state: its
     name gives the roles, forward ``[("grouped_linear", "input", name), ("grouped_linear",
     "weight", name), output_quantizer_role]``, backward ``[("grouped_linear", "grad_output",
-    name), grad_input_quantizer_role]``, one quantizer per slot, applied to every group."""
+    name), grad_input_quantizer_role]``, one quantizer per slot, applied to every group.
+
+    ``save_weight_copy`` / ``save_input_copy``: as :class:`~quant_recipes.Linear`'s, for the
+    quantize-once FP8 path (:mod:`~quant_recipes.grouped_fp8_gemm`), the only one that keeps
+    quantized copies from forward to backward: keep the weight's (input's) transposed FP8 bytes
+    for backward (default), or keep the weight (input) itself and quantize it again in backward,
+    the same bytes for less memory held through the step (False suits FSDP2, which frees the
+    gathered weight after forward)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *,
-                 name: str = "") -> None:
+                 name: str = "", save_weight_copy: bool = True,
+                 save_input_copy: bool = True) -> None:
         super().__init__(name=name)
+        self.save_weight_copy, self.save_input_copy = save_weight_copy, save_input_copy
         for what, v in (("num_experts", num_experts), ("in_features", in_features),
                         ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -173,6 +217,12 @@ class GroupedProjection(QuantizedModule):
         qx = qset.variant(qset.fwd[0], columnwise_usage=False)
         qw = qset.variant(qset.fwd[1], columnwise_usage=False)
         override = frame.recipe.backward_override
+        align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
+        if (override is None and b is None and w.dtype == x.dtype and grouped_fp8_gemm.takes(
+                (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
+                self.out_features)):
+            return _GroupedFP8Fn.apply(x, offs, w, qx, qw, qset.bwd[0], align, traced,
+                                       self.save_input_copy, self.save_weight_copy)
         if override is None:
             qg = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
                               columnwise_usage=wgrad)
@@ -183,8 +233,7 @@ class GroupedProjection(QuantizedModule):
         else:  # "high_precision": the originals
             qg = qx_bwd = qw_bwd = _HIGH_PRECISION
         return _GroupedFn.apply(x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, override is None,
-                                token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0])),
-                                traced)
+                                align, traced)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,9 +241,13 @@ class GroupedProjection(QuantizedModule):
         self.check_input(x, w)
         return self.project(x, self.offsets(x, offs, None), w, b)
 
+    def _copies_repr(self) -> str:
+        return ("" if self.save_weight_copy else ", save_weight_copy=False") + (
+            "" if self.save_input_copy else ", save_input_copy=False")
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, name={self.name!r}")
+                f"out_features={self.out_features}, name={self.name!r}{self._copies_repr()}")
 
 
 class GroupedLinear(GroupedProjection):
@@ -206,11 +259,14 @@ class GroupedLinear(GroupedProjection):
     Roles: forward ``[("grouped_linear", "input", name), ("grouped_linear", "weight", name),
     output_quantizer_role]``, backward ``[("grouped_linear", "grad_output", name),
     grad_input_quantizer_role]``; one quantizer per slot, applied to every group.
+    ``save_weight_copy`` / ``save_input_copy``: see :class:`GroupedProjection`.
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
-                 *, device=None, dtype=None, name: str = "") -> None:
-        super().__init__(num_experts, in_features, out_features, name=name)
+                 *, device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
+                 save_input_copy: bool = True) -> None:
+        super().__init__(num_experts, in_features, out_features, name=name,
+                         save_weight_copy=save_weight_copy, save_input_copy=save_input_copy)
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(
             torch.empty((num_experts, out_features, in_features), **factory))
@@ -236,4 +292,4 @@ class GroupedLinear(GroupedProjection):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"name={self.name!r}")
+                f"name={self.name!r}{self._copies_repr()}")

@@ -1,7 +1,11 @@
 """The grouped GEMMs as custom ops, for ``torch.compile``: ``quant_recipes::grouped_fprop`` and
 ``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.grouped_gemm.grouped_fprop` /
-``grouped_bprop`` opaquely, so the groups' data-dependent sizes never reach the graph: the
-outputs have the static shapes ``[T, N]``, ``[T, K]``, ``[E, N, K]``, ``[E, N]``, and a step with
+``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_bprop``
+the quantize-once FP8 path (:mod:`.grouped_fp8_gemm`; ``grouped_fp8_rows_t`` /
+``grouped_fp8_experts_t`` quantize a kept input or weight again in backward), so the groups'
+data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
+``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
+``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
 other group sizes runs the same graph.
 
 Quantizers travel as strings, ``repr(q.value_key())`` (a value quantizer's class name and
@@ -17,7 +21,9 @@ import functools
 import torch
 from quant_core import value_classes
 
+from . import grouped_fp8_gemm
 from .compiling import dynamo
+from .grouped_fp8 import SCALE_PITCH
 from .grouped_gemm import grouped_bprop, grouped_fprop
 from .module import intern
 
@@ -69,6 +75,79 @@ def _bprop_fake(gy, x, offs, w, q, col, align, dgrad, wgrad, bias):
             w.new_empty((experts, n) if bias else (0,)))
 
 
+_lib.define("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, str[] q, int align, "
+            "bool keep_x_t, bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_lib.define("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, "
+            "Tensor sw, str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)")
+
+
+_lib.define("grouped_fp8_rows_t(Tensor x, Tensor offs, str q, int align) -> (Tensor, Tensor)")
+_lib.define("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)")
+
+
+def _rows_t(x, offs, q, align):
+    return grouped_fp8_gemm.input_transposed(x, offs, quantizer_of(q), align)
+
+
+def _rows_t_fake(x, offs, q, align):
+    (total, k), experts = x.shape, offs.shape[0]
+    rows = (total + align - 1) // align * align + experts * align
+    return (x.new_empty((k, rows), dtype=torch.uint8),
+            x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+
+
+def _experts_t(w, q):
+    return grouped_fp8_gemm.weight_transposed(w, quantizer_of(q))
+
+
+def _experts_t_fake(w, q):
+    experts, n, k = w.shape
+    return (w.new_empty((experts, k, n), dtype=torch.uint8),
+            w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+
+
+_lib.impl("grouped_fp8_rows_t", _rows_t, "CompositeExplicitAutograd")
+_lib.impl("grouped_fp8_experts_t", _experts_t, "CompositeExplicitAutograd")
+torch.library.register_fake("quant_recipes::grouped_fp8_rows_t", _rows_t_fake, lib=_lib)
+torch.library.register_fake("quant_recipes::grouped_fp8_experts_t", _experts_t_fake, lib=_lib)
+
+
+def _none_as_empty(t, like):
+    return like.new_empty((0,), dtype=torch.uint8) if t is None else t
+
+
+def _fp8_fprop(x, offs, w, q, align, keep_x_t, keep_w_t):
+    y, xt, sx, wt, sw = grouped_fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align,
+                                                 keep_x_t, keep_w_t)
+    return y, _none_as_empty(xt, x), sx, _none_as_empty(wt, x), sw
+
+
+def _fp8_fprop_fake(x, offs, w, q, align, keep_x_t, keep_w_t):
+    (total, k), (experts, n) = x.shape, w.shape[:2]
+    rows = (total + align - 1) // align * align + experts * align
+    u8 = torch.uint8
+    return (x.new_empty((total, n)), x.new_empty((k, rows) if keep_x_t else (0,), dtype=u8),
+            x.new_empty((experts, SCALE_PITCH), dtype=torch.float32),
+            x.new_empty((experts, k, n) if keep_w_t else (0,), dtype=u8),
+            x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+
+
+def _fp8_bprop(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
+    dx, dw = grouped_fp8_gemm.backward(gy, offs, xt, sx, wt, sw, *map(quantizer_of, q), align,
+                                       dgrad, wgrad)
+    return _none_as_empty(dx, gy).to(gy.dtype), _none_as_empty(dw, gy).to(gy.dtype)
+
+
+def _fp8_bprop_fake(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
+    total, n = gy.shape
+    return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
+            gy.new_empty((offs.shape[0], n, xt.shape[0]) if wgrad else (0,)))
+
+
+_lib.impl("grouped_fp8_fprop", _fp8_fprop, "CompositeExplicitAutograd")
+_lib.impl("grouped_fp8_bprop", _fp8_bprop, "CompositeExplicitAutograd")
+torch.library.register_fake("quant_recipes::grouped_fp8_fprop", _fp8_fprop_fake, lib=_lib)
+torch.library.register_fake("quant_recipes::grouped_fp8_bprop", _fp8_bprop_fake, lib=_lib)
 _lib.impl("grouped_fprop", _fprop, "CompositeExplicitAutograd")
 _lib.impl("grouped_bprop", _bprop, "CompositeExplicitAutograd")
 torch.library.register_fake("quant_recipes::grouped_fprop", _fprop_fake, lib=_lib)
@@ -91,3 +170,41 @@ def bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad:
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     return torch.ops.quant_recipes.grouped_bprop(gy, x, offs, w, specs, col, align, dgrad,
                                                  wgrad, bias)
+
+
+def fp8_fprop(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, traced: bool):
+    """:func:`~quant_recipes.grouped_fp8_gemm.forward`, through its op when ``traced`` (the
+    bytes not kept are empty tensors there, ``None`` here)."""
+    if not traced:
+        return grouped_fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t)
+    return torch.ops.quant_recipes.grouped_fp8_fprop(
+        x, offs, w, [quantizer_spec(qx), quantizer_spec(qw)], align, keep_x_t, keep_w_t)
+
+
+def fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool,
+              traced: bool):
+    """:func:`~quant_recipes.grouped_fp8_gemm.backward`, through its op when ``traced``."""
+    if not traced:
+        return grouped_fp8_gemm.backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align, dgrad,
+                                         wgrad)
+    specs = [quantizer_spec(q) for q in (qg, qx, qw)]
+    empty = gy.new_empty((0,), dtype=torch.uint8)
+    return torch.ops.quant_recipes.grouped_fp8_bprop(
+        gy, offs, empty if xt is None else xt, sx, empty if wt is None else wt, sw, specs, align,
+        dgrad, wgrad)
+
+
+def fp8_rows_t(x, offs, qx, align: int, traced: bool):
+    """:func:`~quant_recipes.grouped_fp8_gemm.input_transposed`, through its op when
+    ``traced``."""
+    if not traced:
+        return grouped_fp8_gemm.input_transposed(x, offs, qx, align)
+    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, offs, quantizer_spec(qx), align)
+
+
+def fp8_experts_t(w, qw, traced: bool):
+    """:func:`~quant_recipes.grouped_fp8_gemm.weight_transposed`, through its op when
+    ``traced``."""
+    if not traced:
+        return grouped_fp8_gemm.weight_transposed(w, qw)
+    return torch.ops.quant_recipes.grouped_fp8_experts_t(w, quantizer_spec(qw))

@@ -59,6 +59,7 @@ def gemm_lines(device: torch.device | str) -> list[str]:
 
 def variant_lines(device: torch.device | str) -> list[str]:
     """NVFP4's optional variants and the grouped GEMMs on ``device``: what runs them."""
+    from ..grouped_fp8_gemm import describe
     from ..grouped_gemm import grouped_mm_available
 
     grouped = ("one torch._grouped_mm for operands exact in bf16, else one GEMM per group"
@@ -69,6 +70,7 @@ def variant_lines(device: torch.device | str) -> list[str]:
         "nvfp4 row-scaled NVFP4BlockScaling(row_scaled_activation=True): one amax per row, "
         "rowwise only (needs backward_override); GEMMs with per-row factors",
         f"GroupedLinear    {grouped}",
+        f"{'':17s}FP8 current scaling: {describe(device)}",
     ]
 
 

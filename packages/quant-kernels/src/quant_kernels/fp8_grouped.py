@@ -1,0 +1,218 @@
+"""Per-group FP8 current scaling of grouped rows (mixture-of-experts GEMM operands): every
+group's NaN-dropping amax in one pass, then one cast of all rows into the rowwise and/or the
+transposed layout, each row with its group's scale. Built from the per-tensor kernels' rounding
+helpers (amax, scale and cast rules, `numerics.md` §2-§3), so a group's bytes are those of one
+per-tensor quantize call on its rows.
+
+Two row layouts:
+
+- **tokens**: ``x [T, K]``, rows sorted by group, ``gid [T]`` the group of each row. The output
+  is laid out in *padded* rows: ``src [P]`` gives the source row of each padded row (``-1``: a
+  padding row, written as zero bytes). The transposed copy ``[K, P]`` always takes the padded
+  layout (grouped GEMMs contracting over tokens need 16-aligned group starts); the rowwise copy
+  takes it too (``ROW_PADDED``) or keeps the source rows ``[T, K]``.
+- **experts**: ``w [E * N, K]``, group ``r // N`` (``GROUP_ROWS = N``), no padding; the
+  transposed copy is each expert's ``[K, N]``, experts end to end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core.dtypes import DType, check_fp8
+from quant_core.inputs import check_input_dtype
+from quant_core.shapes import ceil_div
+
+from ._common import fp8_data, launch
+from ._rounding import (
+    FLT_MAX,
+    abs_for_max,
+    f32_bits,
+    fp8_rne_sat,
+    fp8_rne_sat_t,
+    nan_to_0,
+    scale_from_amax,
+    scale_inverse,
+    widen,
+)
+from .configs import launch_config
+
+#: fp32 elements between two groups' scale-inverses: each group's scale lies on its own 16-byte
+#: boundary, which cuBLAS requires of a scale pointer (a per-group ``torch._scaled_mm``).
+SCALE_PITCH = 4
+
+
+@triton.jit
+def _row_groups(rm, rmask, gid_ptr, GROUP_ROWS: tl.constexpr):
+    if GROUP_ROWS > 0:
+        return rm // GROUP_ROWS
+    else:
+        return tl.load(gid_ptr + rm, mask=rmask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _group_amax_kernel(x_ptr, gid_ptr, amax_bits_ptr, R, K, GROUP_ROWS: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr):
+    """One ``[BM, BK]`` tile's NaN-dropping ``max|x|`` per group: one atomic max for the rows of
+    the tile's first group, one per row for rows of later groups (a tile spanning a boundary).
+
+    x_ptr: x ``[R, K]``, contiguous (fp32, bf16 or fp16).
+    gid_ptr: int32/int64 group of each row (unused with ``GROUP_ROWS``).
+    amax_bits_ptr: fp32 ``[groups]`` amaxes (zeros before the call) viewed as int32.
+    """
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = rm < R
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rmask[:, None] & (rk[None, :] < K),
+                other=0.0)
+    row = nan_to_0(tl.max(abs_for_max(x), axis=1))
+    g = _row_groups(rm, rmask, gid_ptr, GROUP_ROWS)
+    g0 = tl.min(tl.where(rmask, g, R), axis=0)
+    first = rmask & (g == g0)
+    tl.atomic_max(amax_bits_ptr + g0, f32_bits(tl.max(tl.where(first, row, 0.0), axis=0)))
+    tl.atomic_max(amax_bits_ptr + g, f32_bits(row), mask=rmask & (g != g0))
+
+
+@triton.jit
+def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
+                            POW2: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
+    """``div_rn(1, scale)`` of each group's current-scaling scale (``out [n, PITCH]`` fp32,
+    column 0)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = scale_from_amax(tl.load(amax_ptr + i, mask=i < n, other=0.0), eps, FP8_MAX, POW2,
+                        FLT_MAX)
+    tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=i < n)
+
+
+@triton.jit
+def _group_cast_kernel(
+    x_ptr, src_ptr, grp_ptr, amax_ptr, data_ptr, t_ptr, P, K, eps,
+    ROW: tl.constexpr, COL: tl.constexpr, ROW_PADDED: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """One ``[BM, BK]`` tile of output rows: ``fp8_satfinite_rne(float(x) * scale[group])``.
+
+    Output row ``p`` (of ``P``) reads source row ``src[p]`` (``-1``: zeros) of group
+    ``grp[p]``; with ``GROUP_ROWS`` it reads row ``p`` of group ``p // GROUP_ROWS``.
+    data_ptr: uint8/FP8 rowwise data, row ``p`` (``ROW_PADDED`` or ``GROUP_ROWS``) or row
+        ``src[p]`` written when ``ROW``.
+    t_ptr: uint8/FP8 transposed data when ``COL``: ``[K, P]``, or with ``GROUP_ROWS`` each
+        group's ``[K, GROUP_ROWS]``, groups end to end.
+    amax_ptr: fp32 ``[groups]`` amaxes (:func:`_group_amax_kernel`).
+    """
+    p0 = tl.program_id(0) * BM
+    rp = (p0 + tl.arange(0, BM)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    pmask = rp < P
+    kmask = rk < K
+    if GROUP_ROWS > 0:
+        src = rp
+        valid = pmask
+        g = rp // GROUP_ROWS
+    else:
+        src = tl.load(src_ptr + rp, mask=pmask, other=-1).to(tl.int64)
+        valid = src >= 0
+        g = tl.load(grp_ptr + rp, mask=pmask, other=0).to(tl.int64)
+    x = tl.load(x_ptr + src[:, None] * K + rk[None, :], mask=valid[:, None] & kmask[None, :],
+                other=0.0)
+    s = scale_from_amax(tl.load(amax_ptr + g, mask=pmask, other=0.0), eps, FP8_MAX, POW2, FLT_MAX)
+    v = widen(x) * s[:, None]  # padding rows: 0 * a finite scale
+    if ROW:
+        if ROW_PADDED or GROUP_ROWS > 0:
+            tl.store(data_ptr + rp[:, None] * K + rk[None, :],
+                     fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True),
+                     mask=pmask[:, None] & kmask[None, :])
+        else:
+            tl.store(data_ptr + src[:, None] * K + rk[None, :],
+                     fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True),
+                     mask=valid[:, None] & kmask[None, :])
+    if COL:
+        if GROUP_ROWS > 0:
+            if GROUP_ROWS % BM == 0:  # the tile lies in one group: contiguous columns
+                e = p0 // GROUP_ROWS
+                cols = (p0 - e * GROUP_ROWS + tl.arange(0, BM)).to(tl.int64)
+                addr = e.to(tl.int64) * K * GROUP_ROWS + rk[:, None] * GROUP_ROWS + cols[None, :]
+            else:
+                base = (rp // GROUP_ROWS) * K * GROUP_ROWS + rp % GROUP_ROWS
+                addr = rk[:, None].to(tl.int64) * GROUP_ROWS + base[None, :]
+        else:
+            addr = rk[:, None].to(tl.int64) * P + rp[None, :]
+        tl.store(t_ptr + addr,
+                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)).to(t_ptr.dtype.element_ty, bitcast=True),
+                 mask=kmask[:, None] & pmask[None, :])
+
+
+def group_amax(x: torch.Tensor, groups: int, gid: torch.Tensor | None,
+               group_rows: int = 0) -> torch.Tensor:
+    """fp32 ``[groups]``: each group's NaN-dropping ``max|x|`` (0 for a group with no rows);
+    rows of group ``gid[r]``, or ``r // group_rows``."""
+    r, k = x.shape
+    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+    if r and k:
+        cfg, kw = launch_config("fp8_group_amax")
+        launch(_group_amax_kernel, (ceil_div(r, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
+               gid if gid is not None else amax, amax.view(torch.int32), r, k,
+               GROUP_ROWS=group_rows, **kw)
+    return amax
+
+
+def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bool,
+                    amax_epsilon: float) -> torch.Tensor:
+    """fp32 ``[groups, SCALE_PITCH]``: column 0 holds each group's ``div_rn(1, scale)``."""
+    n = amax.shape[0]
+    out = torch.zeros((n, SCALE_PITCH), dtype=torch.float32, device=amax.device)
+    block = 1024
+    launch(_group_scale_inv_kernel, (max(ceil_div(n, block), 1),), amax, out, n,
+           float(amax_epsilon), FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
+           PITCH=SCALE_PITCH, BLOCK=block)
+    return out
+
+
+def fp8_group_quantize(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    force_pow_2_scales: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+    src: torch.Tensor | None = None,
+    grp: torch.Tensor | None = None,
+    row_padded: bool = False,
+    group_rows: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(data, transpose)``: ``x``'s rows cast with their groups' current-scaling scales
+    (from ``amax``, :func:`group_amax`). Tokens (``src``, ``grp`` of ``P`` padded rows): data
+    ``[P, K]`` when ``row_padded`` else ``[T, K]``, transpose ``[K, P]``. Experts
+    (``group_rows = N``, ``x [E * N, K]``): data ``[E * N, K]``, transpose ``[E, K, N]``."""
+    check_input_dtype(x, "fp8_group_quantize")
+    check_fp8(fp8_dtype, "fp8_dtype")
+    r, k = x.shape
+    dev = x.device
+    if group_rows:
+        p = r
+        data_shape, t_shape = (r, k), (r // group_rows, k, group_rows)
+    else:
+        p = src.shape[0]
+        data_shape, t_shape = ((p, k) if row_padded else (r, k)), (k, p)
+    data_arg, data = fp8_data(data_shape, fp8_dtype, dev) if rowwise else (None, None)
+    t_arg, trans = fp8_data(t_shape, fp8_dtype, dev) if columnwise else (None, None)
+    if p and k and (rowwise or columnwise):
+        _cast(x, amax, data_arg, t_arg, src, grp, p, k, rowwise, columnwise, row_padded,
+              group_rows, fp8_dtype, force_pow_2_scales, amax_epsilon)
+    return data, trans
+
+
+def _cast(x, amax, data_arg, t_arg, src, grp, p, k, rowwise, columnwise, row_padded, group_rows,
+          fp8_dtype, force_pow_2_scales, amax_epsilon):
+    cfg, kw = launch_config("fp8_group_cast")
+    dummy = amax
+    launch(_group_cast_kernel, (ceil_div(p, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
+           src if src is not None else dummy, grp if grp is not None else dummy, amax,
+           data_arg if rowwise else dummy, t_arg if columnwise else dummy, p, k,
+           float(amax_epsilon), ROW=rowwise, COL=columnwise, ROW_PADDED=row_padded,
+           GROUP_ROWS=group_rows, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
+           POW2=bool(force_pow_2_scales), **kw)

@@ -1,0 +1,217 @@
+"""FP8 current-scaling grouped GEMMs of :class:`~quant_recipes.GroupedLinear` on the batched
+quantization (:mod:`.grouped_fp8`), and the layer's quantize-once forward and backward.
+
+Each GEMM multiplies every group at once, on FP8 tensor cores, by one of two routes:
+
+- ``"scaled_grouped_mm"``: one ``torch._scaled_grouped_mm`` (fp32 accumulation,
+  ``use_fast_accum=False``) with each row's (column's) group ``scale_inv`` as its row scale, where
+  the kernel takes the operands (probed once per device type and first-operand dtype, by value:
+  torch 2.11's takes E4M3 x E4M3 only);
+- ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, ``use_fast_accum=False``) per
+  non-empty group on slices of the same batched bytes, with the group's ``scale_inv`` as its
+  tensor scale: any FP8 pair cuBLAS multiplies (E5M2 gradients), at the cost of reading the
+  group bounds on the host once per backward.
+
+:func:`forward` quantizes the input and each expert's weight once, in every layout the step
+needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
+and returns the transposed bytes for the backward to keep instead of the high-precision tensors;
+:func:`backward` quantizes the output gradient once, in both layouts. The bytes are those every
+per-group quantize call would make (they do not depend on the layout).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import grouped_fp8
+from .gemm_fast import _tensorwise_problem
+from .grouped_fp8 import quantize_experts, quantize_rows
+from .grouped_paths import count_path
+
+#: Device types whose grouped FP8 GEMMs may run (tests add "cpu", with stand-ins for the ops).
+SCALED_GROUPED_MM_DEVICES = {"cuda"}
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """``torch._scaled_grouped_mm`` with fp32 accumulation and a bf16 output (tests replace it
+    by an emulation on the CPU)."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=False)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out):
+    """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation (tests replace
+    it by an emulation on the CPU)."""
+    torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                     use_fast_accum=False, out=out)
+
+
+@functools.cache
+def _runs(device_type: str, a_dtype: torch.dtype) -> bool:
+    """``torch._scaled_grouped_mm`` runs an ``a_dtype`` x E4M3 problem on this device type and
+    gives the right values (a torch that reads E5M2 bytes as E4M3 fails the check)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    try:
+        a = torch.full((32, 16), 1.5, device=device_type).to(a_dtype)
+        b = torch.full((2, 16, 16), 0.5, device=device_type).to(torch.float8_e4m3fn)
+        sa = torch.full((32,), 2.0, device=device_type)
+        sb = torch.full((2, 16), 4.0, device=device_type)
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=device_type)
+        out = scaled_grouped_mm(a, b.transpose(-2, -1), sa, sb, offs)
+        return bool((out == 16 * 0.75 * 8.0).all())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+@functools.cache
+def unpadded_rows_run(device_type: str) -> bool:
+    """``torch._scaled_grouped_mm`` multiplies row groups of any size (group ends that are not
+    multiples of 16) right, probed by value: then the row-grouped GEMMs read and write the rows
+    where they are, with no padded copy of the output to gather back."""
+    if not _runs(device_type, torch.float8_e4m3fn):
+        return False
+    try:
+        rows = torch.arange(1, 41, device=device_type, dtype=torch.float32)[:, None]
+        a = (torch.ones(40, 16, device=device_type) * (rows % 8)).to(torch.float8_e4m3fn)
+        b = torch.ones(3, 16, 16, device=device_type).to(torch.float8_e4m3fn)
+        sb = torch.tensor([1.0, 2.0, 4.0], device=device_type)[:, None].expand(3, 16)
+        offs = torch.tensor([7, 7, 40], dtype=torch.int32, device=device_type)
+        out = scaled_grouped_mm(a, b.transpose(-2, -1), torch.ones(40, device=device_type),
+                                sb.contiguous(), offs)
+        want = 16 * (rows % 8) * torch.where(rows <= 7, 1.0, 4.0)
+        return bool((out.float() == want).all())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+def grouped_takes(qa, qb, device: torch.device, experts: int) -> bool:
+    """``"scaled_grouped_mm"`` takes a GEMM of ``qa`` x ``qb`` operands: ``qb`` E4M3, ``qa`` a
+    type this torch's kernel runs, fewer than 1024 groups."""
+    return (qb.dtype.torch_dtype == torch.float8_e4m3fn and experts < 1024
+            and _runs(device.type, qa.dtype.torch_dtype))
+
+
+def takes(quantizers, device: torch.device, out_dtype: torch.dtype, align: int,
+          *widths: int) -> bool:
+    """The quantize-once FP8 path takes a layer of these quantizers: all FP8 current scaling, a
+    device of :data:`SCALED_GROUPED_MM_DEVICES` with FP8 tensor cores (``torch._scaled_mm``
+    runs there), bf16 output, widths and the token alignment multiples of 16 (the GEMMs over
+    tokens contract over whole padded groups)."""
+    return (device.type in SCALED_GROUPED_MM_DEVICES and out_dtype == torch.bfloat16
+            and all(grouped_fp8.takes(q) for q in quantizers)
+            and all(w % 16 == 0 for w in (align, *widths)) and _per_group_runs(device))
+
+
+def describe(device: torch.device | str) -> str:
+    """What multiplies FP8 current scaling's grouped GEMMs on ``device`` (``quant doctor``)."""
+    device = torch.device(device)
+    if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
+        return "one GEMM per group (no FP8 tensor cores here)"
+    takes_e5m2 = _runs(device.type, torch.float8_e5m2)
+    if _runs(device.type, torch.float8_e4m3fn):
+        return ("quantized once; torch._scaled_grouped_mm" + (
+            "" if takes_e5m2 else " (E4M3 operands), cuBLAS per group for E5M2 gradients"))
+    return "quantized once; cuBLAS per group (torch._scaled_grouped_mm does not run here)"
+
+
+def _per_group_runs(device: torch.device) -> bool:
+    return device.type != "cuda" or _tensorwise_problem(device) is None
+
+
+def _fp8(t: torch.Tensor, q) -> torch.Tensor:
+    return t.view(q.dtype.torch_dtype)
+
+
+def _host_groups(lay) -> list[tuple[int, int, int, int]]:
+    """``(start, end, padded start, padded end)`` of each group's rows (one host read)."""
+    ends, pends = torch.stack([lay.offs, lay.ends]).tolist()
+    return list(zip([0, *ends[:-1]], ends, [0, *pends[:-1]], pends, strict=True))
+
+
+def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
+    """``[T, cols]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ``, ``b [E, cols, contraction]``
+    (each expert's operand, contraction contiguous); ``a`` ``[rows, contraction]`` in the padded
+    layout when ``padded``, else ``[T, contraction]``. ``groups``: :func:`_host_groups`, when the
+    caller has read them."""
+    experts, cols = b.shape[:2]
+    if grouped_takes(qa, qb, a.device, experts):
+        count_path("scaled_grouped_mm")
+        out = scaled_grouped_mm(
+            _fp8(a, qa), _fp8(b, qb).transpose(-2, -1),
+            sa[:, 0][lay.grp if padded else lay.gid],
+            sb[:, 0, None].expand(experts, cols).contiguous(), lay.ends if padded else lay.offs)
+        return out[lay.dest] if padded else out
+    count_path("scaled_mm_per_group")
+    out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
+    av, bv = _fp8(a, qa), _fp8(b, qb)
+    for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
+        if e > s:
+            at = ps if padded else s
+            scaled_mm(av[at:at + e - s], bv[g].t(), sa[g, :1], sb[g, :1], out[s:e])
+    return out
+
+
+def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
+    """``[E, m, n]``: per group ``a_gᵀ b_g`` of the transposed padded copies ``at [m, rows]`` and
+    ``bt [n, rows]``, the contraction over the group's padded tokens (an empty group's are
+    zeros, so is its product)."""
+    m, n = at.shape[0], bt.shape[0]
+    if grouped_takes(qa, qb, at.device, lay.groups):
+        count_path("scaled_grouped_mm")
+        return scaled_grouped_mm(_fp8(at, qa), _fp8(bt, qb).t(), sa[:, 0].repeat_interleave(m),
+                                 sb[:, 0].repeat_interleave(n), lay.ends)
+    count_path("scaled_mm_per_group")
+    out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
+    av, bv = _fp8(at, qa), _fp8(bt, qb)
+    for g, (_, _, ps, pe) in enumerate(groups or _host_groups(lay)):
+        scaled_mm(av[:, ps:pe], bv[:, ps:pe].t(), sa[g, :1], sb[g, :1], out[g])
+    return out
+
+
+def _padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
+    """A row-grouped GEMM of these operands reads its rows in the padded layout: it takes
+    ``"scaled_grouped_mm"`` and this torch's kernel needs 16-row group starts."""
+    return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
+
+
+def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool):
+    """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
+    (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``), and the transposed bytes
+    backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input
+    gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
+    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    padded = _padded_rows(qx, qw, x.device, w.shape[0])
+    xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
+    wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
+    return rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded), xt, sx, wt, sw
+
+
+def input_transposed(x, offs, qx, align: int):
+    """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again."""
+    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    _, xt, sx = quantize_rows(x, lay, qx, False, True)
+    return xt, sx
+
+
+def weight_transposed(w, qw):
+    """``(w_t [E, K, N], sw)``: :func:`forward`'s transposed weight bytes, quantized again."""
+    _, wt, sw = quantize_experts(w, qw, False, True)
+    return wt, sw
+
+
+def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool):
+    """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
+    :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
+    GEMMs read."""
+    lay = grouped_fp8.layout(offs, gy.shape[0], align)
+    padded = dgrad and _padded_rows(qg, qw, gy.device, lay.groups)
+    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
+    per_group = ((dgrad and not grouped_takes(qg, qw, gy.device, lay.groups))
+                 or (wgrad and not grouped_takes(qg, qx, gy.device, lay.groups)))
+    groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
+    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups) if dgrad else None
+    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups) if wgrad else None
+    return dx, dw
