@@ -38,6 +38,9 @@
 #                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
 #   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
 #                (args: moe.py's, e.g. --tokens 2048 --experts 64)
+#   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
+#   probe        bench/grouped_probe.py: which FP8 GEMM forms torch and Triton take here (E5M2
+#                operands, per-group slices, fp32 outputs), their errors and speed
 #
 # Environment: OUT (where results go; set by the GPU machine), LIMIT (seconds for each step,
 # instead of the step's own limit), SRC=1 (put this tree's packages/*/src before the wheels;
@@ -159,6 +162,10 @@ profile_multi() {
       --json "$OUT/multi_tp.json" "$@"
   fi
 }
+profile_grouped() {
+  step grouped 300 "${PYTEST[@]}" tests/recipes/test_grouped_fp8.py tests/recipes/test_grouped_linear.py "$@"
+}
+profile_probe() { step probe 240 python3 bench/grouped_probe.py "$@"; }
 profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
 profile_demo() {
   step doctor 30 python3 -m quant_recipes.cli doctor

@@ -2,7 +2,8 @@
 torchao's FP8 grouped GEMM and each quant recipe, every figure a ratio to bf16 of the same run.
 
 The layer is DeepSeek-V3's routed experts by default (hidden 7168, expert intermediate 2048,
-8 of 256 experts per token): ``h = silu(x W_gate) * (x W_up)`` with gate and up one grouped GEMM
+8 of 256 experts per token, 32 of them on this GPU as under 8-way expert parallelism, 8192
+tokens: 2048 rows per expert): ``h = silu(x W_gate) * (x W_up)`` with gate and up one grouped GEMM
 ``[E, 2 * inter, hidden]``, then ``y = h W_down`` ``[E, hidden, inter]``, on the rows sorted by
 expert. Routing is ``balanced`` (every expert the same rows) or ``skewed`` (Zipf-like counts,
 some experts empty); counts are multiples of 16, as MoE trainers pad them for grouped GEMMs.
@@ -10,10 +11,11 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients) (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it
-took). Per config one JSON line (median ms of
-``--iters`` steps after ``--warmup``, CUDA events on a GPU), then a markdown table of speed-ups
-over bf16. ``--smoke`` runs tiny shapes on the CPU in seconds.
+gradients), ``fp8_current_lean`` (``save_weight_copy=False, save_input_copy=False``: the weight
+and input quantized again in backward) (``quant_recipes.GroupedLinear`` under ``autocast``, with
+the grouped GEMM paths it took). Per config one JSON line (median ms of ``--iters`` steps after
+``--warmup``, CUDA events on a GPU), then a markdown table of speed-ups over bf16, with the peak
+memory of the timed steps. ``--smoke`` runs tiny shapes on the CPU in seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import steps
 import torch
 import torch.nn.functional as F
 
-CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3")
+CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean")
 
 
 def _recipe(name: str):
@@ -37,6 +39,8 @@ def _recipe(name: str):
 
     if name == "fp8_current_e4m3":
         return qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
+    if name == "fp8_current_lean":
+        return qr.Float8CurrentScaling()
     return steps.recipes()[name]()
 
 
@@ -61,7 +65,10 @@ def _ao_grouped_mm():
             _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm,
         )
 
-        return lambda a, b_t, offs: fp8_gmm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn)
+        # the groups are already multiples of 16 rows (route()); torchao 0.18 refuses its own
+        # padding (pad_token_groups_for_grouped_mm=True, the default, is not supported yet)
+        return lambda a, b_t, offs: fp8_gmm(a, b_t, offs, torch.bfloat16, torch.float8_e4m3fn,
+                                            pad_token_groups_for_grouped_mm=False)
     except ImportError:
         pass
     try:
@@ -93,13 +100,14 @@ class Experts(torch.nn.Module):
 class QuantExperts(torch.nn.Module):
     """The same layer from two ``quant_recipes.GroupedLinear`` under ``recipe``."""
 
-    def __init__(self, ref: Experts, recipe):
+    def __init__(self, ref: Experts, recipe, copies: bool = True):
         super().__init__()
         import quant_recipes as qr
 
         e, n13, k = ref.w13.shape
-        self.w13 = qr.GroupedLinear(e, k, n13, device="meta", name="w13")
-        self.w2 = qr.GroupedLinear(e, n13 // 2, k, device="meta", name="w2")
+        kw = dict(device="meta", save_weight_copy=copies, save_input_copy=copies)
+        self.w13 = qr.GroupedLinear(e, k, n13, name="w13", **kw)
+        self.w2 = qr.GroupedLinear(e, n13 // 2, k, name="w2", **kw)
         self.w13.weight, self.w2.weight = ref.w13, ref.w2  # the very same Parameters
         self.recipe = recipe
 
@@ -123,7 +131,8 @@ def build(name: str, ref_args, device):
         if gmm is None:
             raise steps.Unavailable("torchao.prototype.moe_training is not importable")
         return Experts(*ref_args, lambda x, w, offs: gmm(x, w.transpose(-2, -1), offs), device)
-    return QuantExperts(Experts(*ref_args, None, device), _recipe(name))
+    return QuantExperts(Experts(*ref_args, None, device), _recipe(name),
+                        copies=name != "fp8_current_lean")
 
 
 def run(name: str, args, counts: list[int], device) -> dict:
@@ -154,17 +163,28 @@ def run(name: str, args, counts: list[int], device) -> dict:
         qr.reset_grouped_gemm_paths()
         step()
         res["grouped_gemm_paths"] = qr.grouped_gemm_paths()
+        if device.type == "cuda" and name not in ("bf16", "ao_fp8_rowwise"):
+            from quant_recipes import grouped_fp8_gemm
+
+            res["unpadded_row_groups"] = grouped_fp8_gemm.unpadded_rows_run("cuda")
         res["gemm_paths"] = qr.gemm_paths()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         res["ms"] = measure.time_steps(step, device, warmup=args.warmup, iters=args.iters)
+        if device.type == "cuda":
+            res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.profile:
-            _profile(step, name)
+            _profile(step, f"{name}_{args.routing_now}", args.trace)
     except Exception as e:  # noqa: BLE001 - report and go on with the next config
         res["error"] = f"{type(e).__name__}: {e}"
     return res
 
 
-def _profile(step, name: str) -> None:
-    """One step under torch.profiler: the kernels by total device time."""
+def _profile(step, name: str, trace: str | None = None) -> None:
+    """One step under torch.profiler: the kernels by total device time, and the step's timeline
+    as a Chrome trace ``<trace>/<name>.json`` when ``trace`` names a folder (where the GPU waits
+    on the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -172,24 +192,31 @@ def _profile(step, name: str) -> None:
         step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    if trace:
+        import os
+
+        os.makedirs(trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace, f"{name}.json"))
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    print(f"# profile {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=14,
+    print(f"# profile {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=24,
                                                             max_name_column_width=60))
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: per routing, each config's ms and speed-up over that routing's bf16."""
-    out = ["| routing | config | ms | speed-up over bf16 | grouped GEMM paths |",
-           "| --- | --- | --- | --- | --- |"]
+    out = ["| routing | config | ms | speed-up over bf16 | peak GiB | grouped GEMM paths |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['routing']} | {r['config']} | {r['error'][:70]} | - | - |")
+            out.append(f"| {r['routing']} | {r['config']} | {r['error'][:70]} | - | - | - |")
             continue
         base = next((b for b in rows if b["routing"] == r["routing"] and b["config"] == "bf16"
                      and "ms" in b), None)
         ratio = f"{base['ms'] / r['ms']:.3f}x" if base else "-"
         paths = ", ".join(f"{k} {v}" for k, v in sorted(r["grouped_gemm_paths"].items())) or "-"
-        out.append(f"| {r['routing']} | {r['config']} | {r['ms']:.3f} | {ratio} | {paths} |")
+        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        out.append(f"| {r['routing']} | {r['config']} | {r['ms']:.3f} | {ratio} | {peak} | "
+                   f"{paths} |")
     return "\n".join(out)
 
 
@@ -197,9 +224,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per step (before top-k)")
+    # 8192 tokens x top-8 over 32 local experts: 2048 rows per expert, the shape the issue's
+    # roofs were measured at (DeepSeek-V3's 256 experts over 8 expert-parallel ranks)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step (before top-k)")
     p.add_argument("--topk", type=int, default=8, help="experts per token")
-    p.add_argument("--experts", type=int, default=256, help="experts on this GPU")
+    p.add_argument("--experts", type=int, default=32, help="experts on this GPU")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate width")
     p.add_argument("--routing", default="balanced,skewed", help="balanced,skewed")
@@ -208,6 +237,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=measure.ITERS, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=measure.WARMUP)
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the layer")
+    p.add_argument("--trace", metavar="DIR", help="with --profile: Chrome traces of the steps")
     p.add_argument("--profile", action="store_true",
                    help="print one step's kernels by device time, per config")
     p.add_argument("--device", default="cuda")

@@ -1,0 +1,218 @@
+"""Which FP8 GEMM forms the running torch and Triton take on this GPU, for GroupedLinear's grouped
+GEMMs, with each form's error against an fp32 product and its speed.
+
+Forms (DeepSeek-V3 expert widths by default: 32 experts x 2048 rows, hidden 7168, expert MLP
+2048, so the gate/up GEMM is ``[2048, 7168] x [7168, 4096]`` per expert):
+
+- ``torch._scaled_grouped_mm`` with E4M3 and with E5M2 first operands, rows grouped (fprop,
+  dgrad) and contraction grouped (wgrad);
+- ``torch._scaled_mm`` per group on slices of one batched buffer, E4M3 x E4M3 and E5M2 x E4M3:
+  the dgrad form (row slices) and the wgrad form (column slices of the transposed buffers), with
+  the per-group scale a slice of the scales or a copy of it;
+- ``torch._grouped_mm`` in bf16 (the baseline) and with an fp32 output;
+- a plain Triton tile kernel of one E5M2 x E4M3 product, with Hopper's fast FP8 accumulation
+  and with the fp32 promotion after every MMA (``max_num_imprecise_acc``).
+
+Prints one JSON line per form (``ok``, ``err`` = max |got - fp32| / max |fp32|, ``ms``,
+``tflops``) and a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8(shape, dtype, scale: float = 1.0):
+    return (torch.randn(shape, device="cuda") * scale).to(dtype)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _time(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def _row(name: str, fn, want_fn, flops: float) -> dict:
+    res = {"form": name}
+    try:
+        got = fn()
+        torch.cuda.synchronize()
+        res["ok"] = True
+        res["err"] = _rel(got, want_fn())
+        res["ms"] = _time(fn)
+        res["tflops"] = flops / res["ms"] / 1e9
+    except Exception as e:  # noqa: BLE001 - the point is which forms raise
+        res["ok"] = False
+        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def _forms_of(adt, e: int, m: int, k: int, n: int, offs, w, sw) -> list[dict]:
+    """The forms whose first operand is ``adt``."""
+    rows = []
+    fl = 2.0 * e * m * n * k
+    tag = "e4m3" if adt == E4M3 else "e5m2"
+    a = _fp8((e * m, k), adt)
+    sa = torch.rand(e, device="cuda") + 0.5
+    w32 = w.float()
+    want = []
+
+    def ref():
+        if not want:
+            want.append(torch.cat([(a[g * m:(g + 1) * m].float() @ w32[g].t()) * sa[g] * sw[g]
+                                   for g in range(e)]))
+        return want[0]
+
+    sa_rows = sa.repeat_interleave(m)
+    sw_cols = sw[:, None].expand(e, n).contiguous()
+    rows.append(_row(f"scaled_grouped_mm rows {tag}xe4m3", lambda: torch._scaled_grouped_mm(
+        a, w.transpose(-2, -1), sa_rows, sw_cols, offs=offs, out_dtype=torch.bfloat16,
+        use_fast_accum=False), ref, fl))
+
+    def per_group(copy: bool):
+        out = a.new_empty((e * m, n), dtype=torch.bfloat16)
+        for g in range(e):
+            s1 = sa[g:g + 1].clone() if copy else sa[g:g + 1]
+            s2 = sw[g:g + 1].clone() if copy else sw[g:g + 1]
+            out[g * m:(g + 1) * m] = torch._scaled_mm(
+                a[g * m:(g + 1) * m], w[g].t(), scale_a=s1, scale_b=s2, out_dtype=torch.bfloat16)
+        return out
+
+    for copy in (False, True):
+        rows.append(_row(f"scaled_mm per group rows {tag}xe4m3 "
+                         f"scale {'copy' if copy else 'slice'}",
+                         lambda copy=copy: per_group(copy), ref, fl))
+    # the wgrad form: [n, e*m] (a transposed buffer) x [e*m, k], the contraction grouped
+    at = _fp8((n, e * m), adt)
+    xt = _fp8((k, e * m), E4M3)
+    s_a = torch.rand(e, device="cuda") + 0.5
+    s_x = torch.rand(e, device="cuda") + 0.5
+    wwant = []
+
+    def wref():
+        if not wwant:
+            wwant.append(torch.stack([(at[:, g * m:(g + 1) * m].float()
+                                       @ xt[:, g * m:(g + 1) * m].float().t()) * s_a[g] * s_x[g]
+                                      for g in range(e)]))
+        return wwant[0]
+
+    rows.append(_row(f"scaled_grouped_mm contraction {tag}xe4m3",
+                     lambda: torch._scaled_grouped_mm(
+                         at, xt.t(), s_a.repeat_interleave(n), s_x.repeat_interleave(k),
+                         offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False), wref, fl))
+
+    def wper_group():
+        out = at.new_empty((e, n, k), dtype=torch.bfloat16)
+        for g in range(e):
+            out[g] = torch._scaled_mm(at[:, g * m:(g + 1) * m], xt[:, g * m:(g + 1) * m].t(),
+                                      scale_a=s_a[g:g + 1].clone(), scale_b=s_x[g:g + 1].clone(),
+                                      out_dtype=torch.bfloat16)
+        return out
+
+    rows.append(_row(f"scaled_mm per group contraction {tag}xe4m3 (strided slices)",
+                     wper_group, wref, fl))
+    return rows
+
+
+def grouped_forms(e: int, m: int, k: int, n: int) -> list[dict]:
+    """Rows grouped (``[e*m, k] x [e, k, n]``) and contraction grouped (``[n, e*m] x [e*m,
+    k]``), every form."""
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
+    w = _fp8((e, n, k), E4M3)  # each expert's [n, k]: its transpose is column-major
+    sw = torch.rand(e, device="cuda") + 0.5
+    rows = [r for adt in (E4M3, E5M2) for r in _forms_of(adt, e, m, k, n, offs, w, sw)]
+    # bf16 baselines and an fp32 output
+    ab = torch.randn(e * m, k, device="cuda", dtype=torch.bfloat16)
+    wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    bwant = []
+
+    def bref():
+        if not bwant:
+            bwant.append(torch.cat([ab[g * m:(g + 1) * m].float() @ wb[g].float().t()
+                                    for g in range(e)]))
+        return bwant[0]
+
+    fl = 2.0 * e * m * n * k
+    rows.append(_row("grouped_mm bf16", lambda: torch._grouped_mm(
+        ab, wb.transpose(-2, -1), offs=offs), bref, fl))
+    rows.append(_row("grouped_mm bf16 -> fp32 out", lambda: torch._grouped_mm(
+        ab, wb.transpose(-2, -1), offs=offs, out_dtype=torch.float32), bref, fl))
+    return rows
+
+
+def triton_forms(m: int, k: int, n: int) -> list[dict]:
+    """One E5M2 x E4M3 product through a plain Triton tile kernel."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mm(a_ptr, b_ptr, c_ptr, M, N, K, IMPRECISE: tl.constexpr, BM: tl.constexpr,
+           BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+        pid = tl.program_id(0)
+        npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        width = GROUP * npn
+        gid = pid // width
+        first = gid * GROUP
+        size = min(npm - first, GROUP)
+        pm = first + (pid % width) % size
+        pn = (pid % width) // size
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
+            b = tl.load(b_ptr + rn[None, :] * K + (k0 + rk)[:, None])
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16))
+
+    a = _fp8((m, k), E5M2)
+    b = _fp8((n, k), E4M3)
+    want = a.float() @ b.float().t()
+    rows = []
+    for imprecise in (0, 1 << 30):
+        for bm, bn, bk, warps, stages in ((128, 256, 128, 8, 3), (128, 128, 128, 4, 4)):
+            c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+            def run(c=c, grid=grid, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages,
+                    imprecise=imprecise):
+                mm[grid](a, b, c, m, n, k, IMPRECISE=imprecise, BM=bm, BN=bn, BK=bk, GROUP=8,
+                         num_warps=warps, num_stages=stages)
+                return c
+            acc = "fast" if imprecise else "promoted"
+            rows.append(_row(f"triton e5m2xe4m3 {acc} {bm}x{bn}x{bk} w{warps} s{stages}", run,
+                             lambda: want, 2.0 * m * n * k))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--rows", type=int, default=2048, help="rows per expert")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
+    args = p.parse_args()
+    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
+    rows = grouped_forms(args.experts, args.rows, args.hidden, args.out)
+    rows += triton_forms(args.rows, args.hidden, args.out)
+    print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r["ok"]:
+            print(f"| {r['form']} | yes | {r['err']:.2e} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+        else:
+            print(f"| {r['form']} | no: {r['error'][:90]} | - | - | - |")
+
+
+if __name__ == "__main__":
+    main()
