@@ -32,26 +32,6 @@ def test_no_quantize_kernel_writes_its_input():
     assert run.stdout.count("ok  ") >= 9, run.stdout
 
 
-def _fake_cuda_target() -> None:
-    """Compile TTIR for sm_90 without a GPU (only TTIR is needed, no binary)."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    class Target:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_current_device(self):
-            return 0
-
-    if not torch.cuda.is_available():
-        triton.runtime.driver.set_active(Target())
-
-
 def _writes_analysis():
     """``f(kernel, kwargs) -> set of written argument names`` from this torch's analysis
     (``identify_accessed_tensors`` from 2.13, ``identify_mutated_tensors`` before)."""
@@ -65,9 +45,10 @@ def _writes_analysis():
 
 def main() -> int:
     import torch
+    from _sm90 import fake_target
     from quant_core import DType
 
-    _fake_cuda_target()
+    fake_target()
     from quant_kernels.backend import BACKEND as B
 
     writes_of = _writes_analysis()

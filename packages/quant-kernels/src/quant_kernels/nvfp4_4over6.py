@@ -249,14 +249,14 @@ def nvfp4_4over6_quantize(
     if rowwise:
         rd, rs = row_buffers(m, k, dev)
         if m and k:
-            cfg, kw = launch_config("nvfp4_row")
+            cfg, kw = launch_config("nvfp4_4over6_row")
             launch(_nvfp4_4over6_row_kernel, row_grid(m, k, cfg),
                    x, amax_rowwise.to(torch.float32).reshape(-1), rd.view(torch.int64), rs, m, k,
                    rs.shape[1], ROW_SCALED=bool(row_scaled), **opts, **kw)
     if columnwise:
         cdw, cs, mhw = col_buffers(m, k, dev)
         if m and k:
-            cfg, kw = launch_config("nvfp4_col")
+            cfg, kw = launch_config("nvfp4_4over6_col")
             launch(_nvfp4_4over6_col_kernel, col_grid(m, k, cfg),
                    x, amax_columnwise.to(torch.float32).reshape(1), cdw.view(torch.int64), cs, m,
                    k, mhw, cs.shape[1], **opts, **kw)
