@@ -428,9 +428,11 @@ def test_opcheck_fp8_ops(emulated):
     """``torch.library.opcheck`` of ``grouped_fp8_fprop`` / ``grouped_fp8_bprop``, with every
     transposed copy kept and with none, and of ``grouped_fp8_rows_t`` /
     ``grouped_fp8_experts_t``, which quantize a kept input or weight again."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.DERIVES_IN_GRAPH:
+        pytest.skip("this torch reads no member of a baked quantizer (grouped ops need its key)")
     from quant_recipes.grouped_ops import quantizer_spec
 
-    pytest.importorskip("quant_dynamo")
     q = _quantizer("e4m3")
     g = _quantizer("e5m2")
     specs = [quantizer_spec(q), quantizer_spec(q)]
