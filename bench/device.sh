@@ -31,8 +31,11 @@
 #                the recipes (default fp8_current ao_fp8_tensorwise bf16)
 #   demo         quant doctor, then quant demo on the GPU (150 steps)
 #   gpt          quant demo --model gpt per recipe, one process each; args: the recipes
-#   parity       NVFP4's 4over6 and row-scaled variants on the GPU: tests/gpu's NVFP4 kernel
-#                checks, then tests/kernels and tests/recipes of the variants and the NVFP4 GEMMs
+#   parity       NVFP4's 4over6 and row-scaled variants on the GPU, one call: tests/gpu's kernel
+#                checks of the variants (the 4over6 reference is slow: ~30 s a case), their
+#                compiled forms, and the NVFP4 GEMM tests, verbose, a line per test
+#   parity-speed the NVFP4 kernels' bandwidth with the 4over6 and row-scaled variants
+#                (speed.py kernels --only NVFP4: their tile sweeps, the spilling tiles included)
 #   multi        the multi-GPU run: tests/recipes' FSDP2, distributed and tensor-parallel tests
 #                on NCCL, then bench/multi_gpu.py (Llama 8b widths) under FSDP2 on 2 GPUs, and
 #                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
@@ -149,9 +152,14 @@ profile_spy() {
   done
 }
 profile_parity() {
-  step parity_gpu 300 "${PYTEST[@]}" tests/gpu -k "nvfp4" "$@"
-  step parity_tests 300 "${PYTEST[@]}" tests/kernels tests/recipes tests/core \
-    -k "4over6 or row_scaled or nvfp4_gemm or te_compile or te_nvfp4"
+  step parity_kernels 330 "${PYTEST[@]}" -v tests/gpu/test_kernels_vs_reference.py \
+    -k "nvfp4_4over6 or nvfp4_row_scaled" "$@"
+  step parity_compile 150 "${PYTEST[@]}" -v tests/gpu/test_compile_cuda.py \
+    -k "nvfp4 or 4over6 or row_scaled"
+  step parity_gemm 100 "${PYTEST[@]}" -v --tb=long tests/kernels/test_gemm.py -k nvfp4
+}
+profile_parity-speed() {
+  step parity_speed 400 python3 bench/speed.py kernels --only NVFP4 --json "$OUT/parity.json" "$@"
 }
 profile_multi() {
   QUANT_DIST_BACKEND=nccl step multi_tests 400 "${PYTEST[@]}" tests/recipes/test_fsdp2.py \

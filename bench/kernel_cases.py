@@ -50,6 +50,12 @@ SWEEP = {  # tried after the package default (bench.best)
                   dict(BM=32, BK=128, num_warps=4)],
     "nvfp4_col": [dict(G=4, BK=64, num_warps=4), dict(G=2, BK=128, num_warps=4),
                   dict(G=8, BK=64, num_warps=8), dict(G=2, BK=256, num_warps=8)],
+    # the plain NVFP4 tiles first after the default: they spill (tests/kernels/
+    # test_kernel_registers.py), the others hold one or two blocks per thread
+    "nvfp4_4over6_row": [dict(BM=32, BK=256, num_warps=4), dict(BM=32, BK=128, num_warps=8),
+                         dict(BM=16, BK=64, num_warps=4), dict(BM=32, BK=256, num_warps=8)],
+    "nvfp4_4over6_col": [dict(G=4, BK=64, num_warps=4), dict(G=4, BK=64, num_warps=8),
+                         dict(G=1, BK=128, num_warps=4), dict(G=2, BK=32, num_warps=4)],
 }
 
 
@@ -142,6 +148,7 @@ def cases(x: torch.Tensor) -> list[tuple]:
     acc = torch.zeros(1, device="cuda")
     amax_c = B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
                           rht_sign_mask=0xD7E8)[1]
+    row_amax = x.float().abs().amax(dim=1)
     mx = dict(fp8_dtype=DType.E4M3, with_2d_quantization=False, swizzle=False)
     blk = dict(fp8_dtype=DType.E4M3, force_pow_2_scales=True, amax_epsilon=0.0)
     nv = dict(with_rht=False, rht_sign_mask=0xD7E8, with_2d_quantization=False,
@@ -181,6 +188,18 @@ def cases(x: torch.Tensor) -> list[tuple]:
         ("NVFP4 post-RHT amax pass", None, ("nvfp4_col",),
          lambda: B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
                               rht_sign_mask=0xD7E8), 2 * N),
+        # 4over6 quantizes each block twice and measures both errors: compute-bound, no target
+        ("NVFP4 4over6 rowwise (1x16, MAE, given amax)", None, ("nvfp4_4over6_row",),
+         lambda: B.nvfp4_quantize(x, amax, None, rowwise=True, columnwise=False, **nv,
+                                  four_over_six=True, e4m3_max=256, err_mode="MAE"),
+         2 * N + N // 2 + s16),
+        ("NVFP4 4over6 columnwise (16x1, MAE, given amax)", None, ("nvfp4_4over6_col",),
+         lambda: B.nvfp4_quantize(x, None, amax, rowwise=False, columnwise=True, **nv,
+                                  four_over_six=True, e4m3_max=256, err_mode="MAE"),
+         2 * N + N // 2 + s16),
+        ("NVFP4 row-scaled rowwise (given row amaxes)", None, ("nvfp4_row",),
+         lambda: B.nvfp4_quantize(x, row_amax, None, rowwise=True, columnwise=False, **nv,
+                                  row_scaled=True), 2 * N + N // 2 + s16),
     ]
 
 
