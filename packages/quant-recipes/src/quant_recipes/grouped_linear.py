@@ -117,6 +117,10 @@ class GroupedProjection(QuantizedModule):
     the same bytes for less memory held through the step (False suits FSDP2, which frees the
     gathered weight after forward)."""
 
+    #: Defaults for modules pickled before the two flags existed (the instance's own win).
+    save_weight_copy = True
+    save_input_copy = True
+
     def __init__(self, num_experts: int, in_features: int, out_features: int, *,
                  name: str = "", save_weight_copy: bool = True,
                  save_input_copy: bool = True) -> None:

@@ -224,6 +224,10 @@ class Linear(QuantizedModule, torch.nn.Linear):
     grad_input_quantizer_role]`` (boundary roles default to ``None``).
     """
 
+    #: Defaults for modules pickled before the two flags existed (the instance's own win).
+    save_weight_copy = True
+    save_input_copy = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
                  save_input_copy: bool = True) -> None:
