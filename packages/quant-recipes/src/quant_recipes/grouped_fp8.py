@@ -57,6 +57,12 @@ class Layout:
     groups: int
 
 
+def padded_rows(total, groups: int, align: int):
+    """Rows of the padded layout of ``total`` rows in ``groups`` groups: ``roundup(total,
+    align) + groups * align``, at least the sum of the padded groups (an int or a SymInt)."""
+    return (total + align - 1) // align * align + groups * align
+
+
 def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
     """The :class:`Layout` of ``offs`` (cumulative end offsets of ``total`` rows)."""
     ends = offs.to(torch.int64)
@@ -68,7 +74,7 @@ def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
     r = torch.arange(total, device=offs.device)
     gid = torch.searchsorted(ends, r, right=True)
     dest = r - starts[gid] + pstarts[gid]
-    rows = -(-total // align) * align + offs.shape[0] * align  # a multiple of 16 (align is)
+    rows = padded_rows(total, offs.shape[0], align)
     p = torch.arange(rows, device=offs.device)
     grp = torch.searchsorted(pends, p, right=True).clamp_(max=offs.shape[0] - 1)
     within = p - pstarts[grp]

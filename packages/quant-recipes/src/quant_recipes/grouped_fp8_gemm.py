@@ -171,7 +171,7 @@ def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
     return out
 
 
-def _padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
+def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     """A row-grouped GEMM of these operands reads its rows in the padded layout: it takes
     ``"scaled_grouped_mm"`` and this torch's kernel needs 16-row group starts."""
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
@@ -183,7 +183,7 @@ def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool):
     backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input
     gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
     lay = grouped_fp8.layout(offs, x.shape[0], align)
-    padded = _padded_rows(qx, qw, x.device, w.shape[0])
+    padded = _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
     wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
     return rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded), xt, sx, wt, sw
@@ -207,7 +207,7 @@ def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgra
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
     GEMMs read."""
     lay = grouped_fp8.layout(offs, gy.shape[0], align)
-    padded = dgrad and _padded_rows(qg, qw, gy.device, lay.groups)
+    padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and not grouped_takes(qg, qw, gy.device, lay.groups))
                  or (wgrad and not grouped_takes(qg, qx, gy.device, lay.groups)))

@@ -23,7 +23,7 @@ from quant_core import value_classes
 
 from . import grouped_fp8_gemm
 from .compiling import dynamo
-from .grouped_fp8 import SCALE_PITCH
+from .grouped_fp8 import SCALE_PITCH, padded_rows
 from .grouped_gemm import grouped_bprop, grouped_fprop
 from .module import intern
 
@@ -79,8 +79,6 @@ _lib.define("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, str[] q, int ali
             "bool keep_x_t, bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _lib.define("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, "
             "Tensor sw, str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)")
-
-
 _lib.define("grouped_fp8_rows_t(Tensor x, Tensor offs, str q, int align) -> (Tensor, Tensor)")
 _lib.define("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)")
 
@@ -91,8 +89,7 @@ def _rows_t(x, offs, q, align):
 
 def _rows_t_fake(x, offs, q, align):
     (total, k), experts = x.shape, offs.shape[0]
-    rows = (total + align - 1) // align * align + experts * align
-    return (x.new_empty((k, rows), dtype=torch.uint8),
+    return (x.new_empty((k, padded_rows(total, experts, align)), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
@@ -124,7 +121,7 @@ def _fp8_fprop(x, offs, w, q, align, keep_x_t, keep_w_t):
 
 def _fp8_fprop_fake(x, offs, w, q, align, keep_x_t, keep_w_t):
     (total, k), (experts, n) = x.shape, w.shape[:2]
-    rows = (total + align - 1) // align * align + experts * align
+    rows = padded_rows(total, experts, align)
     u8 = torch.uint8
     return (x.new_empty((total, n)), x.new_empty((k, rows) if keep_x_t else (0,), dtype=u8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32),
