@@ -589,16 +589,11 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
 def test_a_module_pickled_without_the_copy_flags_loads_and_runs(emulated):
     """A whole GroupedLinear saved before ``save_weight_copy`` / ``save_input_copy`` existed
     (no such attributes in its state) loads with ``torch.load`` and runs with the defaults."""
-    import io
+    from _pickling import pickled_without
 
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
-    del m.save_weight_copy, m.save_input_copy  # the state an older version pickled
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    old = torch.load(buf, weights_only=False)
-    assert "save_weight_copy" not in vars(old)
+    old = pickled_without(m, "save_weight_copy", "save_input_copy")
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
     with qr.autocast(recipe=qr.Float8CurrentScaling()):
         y = old(x, counts=torch.tensor(COUNTS))

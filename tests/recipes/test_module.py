@@ -281,15 +281,9 @@ def test_linear_is_an_nn_linear_with_its_keys_attributes_and_initialisation():
 def test_a_linear_pickled_without_the_copy_flags_loads_and_runs():
     """A whole Linear saved before ``save_weight_copy`` / ``save_input_copy`` existed (no such
     attributes in its state) loads with ``torch.load`` and trains with the defaults."""
-    import io
+    from _pickling import pickled_without
 
-    m = qr.Linear(64, 32)
-    del m.save_weight_copy, m.save_input_copy  # the state an older version pickled
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    old = torch.load(buf, weights_only=False)
-    assert "save_weight_copy" not in vars(old)
+    old = pickled_without(qr.Linear(64, 32), "save_weight_copy", "save_input_copy")
     with qr.autocast(recipe=qr.Float8CurrentScaling()):
         old(torch.randn(16, 64)).sum().backward()
     assert old.weight.grad is not None and "save_weight_copy" not in repr(old)
