@@ -38,10 +38,6 @@ from ._rounding import (
 )
 from .configs import launch_config
 
-#: fp32 elements between two groups' scale-inverses: each group's scale lies on its own 16-byte
-#: boundary, which cuBLAS requires of a scale pointer (a per-group ``torch._scaled_mm``).
-SCALE_PITCH = 4
-
 
 @triton.jit
 def _row_groups(rm, rmask, gid_ptr, GROUP_ROWS: tl.constexpr):
@@ -159,14 +155,16 @@ def group_amax(x: torch.Tensor, groups: int, gid: torch.Tensor | None,
 
 
 def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bool,
-                    amax_epsilon: float) -> torch.Tensor:
-    """fp32 ``[groups, SCALE_PITCH]``: column 0 holds each group's ``div_rn(1, scale)``."""
+                    amax_epsilon: float, pitch: int = 1) -> torch.Tensor:
+    """fp32 ``[groups, pitch]``: column 0 holds each group's ``div_rn(1, scale)``, the rest 0
+    (a pitch of 4 puts each group's scale on its own 16-byte boundary, as cuBLAS requires of a
+    scale pointer)."""
     n = amax.shape[0]
-    out = torch.zeros((n, SCALE_PITCH), dtype=torch.float32, device=amax.device)
+    out = torch.zeros((n, pitch), dtype=torch.float32, device=amax.device)
     block = 1024
     launch(_group_scale_inv_kernel, (max(ceil_div(n, block), 1),), amax, out, n,
            float(amax_epsilon), FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
-           PITCH=SCALE_PITCH, BLOCK=block)
+           PITCH=pitch, BLOCK=block)
     return out
 
 
@@ -201,18 +199,11 @@ def fp8_group_quantize(
     data_arg, data = fp8_data(data_shape, fp8_dtype, dev) if rowwise else (None, None)
     t_arg, trans = fp8_data(t_shape, fp8_dtype, dev) if columnwise else (None, None)
     if p and k and (rowwise or columnwise):
-        _cast(x, amax, data_arg, t_arg, src, grp, p, k, rowwise, columnwise, row_padded,
-              group_rows, fp8_dtype, force_pow_2_scales, amax_epsilon)
+        cfg, kw = launch_config("fp8_group_cast")
+        launch(_group_cast_kernel, (ceil_div(p, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
+               amax if src is None else src, amax if grp is None else grp, amax,
+               data_arg if rowwise else amax, t_arg if columnwise else amax, p, k,
+               float(amax_epsilon), ROW=rowwise, COL=columnwise, ROW_PADDED=row_padded,
+               GROUP_ROWS=group_rows, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
+               POW2=bool(force_pow_2_scales), **kw)
     return data, trans
-
-
-def _cast(x, amax, data_arg, t_arg, src, grp, p, k, rowwise, columnwise, row_padded, group_rows,
-          fp8_dtype, force_pow_2_scales, amax_epsilon):
-    cfg, kw = launch_config("fp8_group_cast")
-    dummy = amax
-    launch(_group_cast_kernel, (ceil_div(p, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
-           src if src is not None else dummy, grp if grp is not None else dummy, amax,
-           data_arg if rowwise else dummy, t_arg if columnwise else dummy, p, k,
-           float(amax_epsilon), ROW=rowwise, COL=columnwise, ROW_PADDED=row_padded,
-           GROUP_ROWS=group_rows, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
-           POW2=bool(force_pow_2_scales), **kw)

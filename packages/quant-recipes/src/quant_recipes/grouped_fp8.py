@@ -33,7 +33,7 @@ from quant_core.reference._rounding import (
     to_fp32,
 )
 
-#: fp32 elements between two groups' scale-inverses (``quant_kernels.fp8_grouped`` agrees).
+#: fp32 elements between two groups' scale-inverses (a 16-byte pitch, for cuBLAS).
 SCALE_PITCH = 4
 
 
@@ -98,6 +98,20 @@ def _triton(device: torch.device) -> bool:
     return backends.get(None, device).name == "triton"
 
 
+def _quantize_kernels(x: torch.Tensor, q, groups: int, gid, rowwise: bool, columnwise: bool,
+                      **layout):
+    """quant-kernels' per-group amax, cast and scale-inverses (``layout``: ``src``/``grp``/
+    ``row_padded`` for token rows, ``group_rows`` for experts)."""
+    from quant_kernels import fp8_grouped as kern
+
+    amax = kern.group_amax(x, groups, gid, group_rows=layout.get("group_rows", 0))
+    data, trans = kern.fp8_group_quantize(
+        x, amax, fp8_dtype=q.dtype, force_pow_2_scales=q.force_pow_2_scales,
+        amax_epsilon=q.amax_epsilon, rowwise=rowwise, columnwise=columnwise, **layout)
+    return data, trans, kern.group_scale_inv(amax, q.dtype, q.force_pow_2_scales,
+                                             q.amax_epsilon, SCALE_PITCH)
+
+
 def _scale_inv_torch(amax: torch.Tensor, q) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale [E], scale_inv [E, SCALE_PITCH])`` of the groups' amaxes, the reference's rule."""
     scale = compute_scale_from_amax(amax, q.dtype.max, force_pow_2_scales=q.force_pow_2_scales,
@@ -123,17 +137,10 @@ def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bo
     ``x [T, K]`` quantized by ``q`` with its own amax. ``data`` is ``[rows, K]`` in the padded
     layout when ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero."""
     x = x.contiguous()
-    t, k = x.shape
+    k = x.shape[1]
     if _triton(x.device):
-        from quant_kernels import fp8_grouped as kern
-
-        amax = kern.group_amax(x, lay.groups, lay.gid)
-        data, trans = kern.fp8_group_quantize(
-            x, amax, fp8_dtype=q.dtype, force_pow_2_scales=q.force_pow_2_scales,
-            amax_epsilon=q.amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=lay.src,
-            grp=lay.grp, row_padded=row_padded)
-        return data, trans, kern.group_scale_inv(amax, q.dtype, q.force_pow_2_scales,
-                                                 q.amax_epsilon)
+        return _quantize_kernels(x, q, lay.groups, lay.gid, rowwise, columnwise, src=lay.src,
+                                 grp=lay.grp, row_padded=row_padded)
     scale, sinv = _scale_inv_torch(_group_amax_torch(x, lay.gid, lay.groups), q)
     q8 = _encode_torch(x, lay.gid, scale, q)
     data = trans = None
@@ -154,13 +161,8 @@ def quantize_experts(w: torch.Tensor, q, rowwise: bool, columnwise: bool):
     e, n, k = w.shape
     w2 = w.contiguous().reshape(e * n, k)
     if _triton(w.device):
-        from quant_kernels import fp8_grouped as kern
-
-        amax = kern.group_amax(w2, e, None, group_rows=n)
-        data, trans = kern.fp8_group_quantize(
-            w2, amax, fp8_dtype=q.dtype, force_pow_2_scales=q.force_pow_2_scales,
-            amax_epsilon=q.amax_epsilon, rowwise=rowwise, columnwise=columnwise, group_rows=n)
-        sinv = kern.group_scale_inv(amax, q.dtype, q.force_pow_2_scales, q.amax_epsilon)
+        data, trans, sinv = _quantize_kernels(w2, q, e, None, rowwise, columnwise,
+                                              group_rows=n)
         return None if data is None else data.view(e, n, k), trans, sinv
     gid = torch.arange(e, device=w.device).repeat_interleave(n)
     scale, sinv = _scale_inv_torch(_group_amax_torch(w2, gid, e), q)

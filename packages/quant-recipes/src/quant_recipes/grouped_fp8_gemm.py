@@ -8,9 +8,10 @@ Each GEMM multiplies every group at once, on FP8 tensor cores, by one of two rou
   the kernel takes the operands (probed once per device type and first-operand dtype, by value:
   torch 2.11's takes E4M3 x E4M3 only);
 - ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, ``use_fast_accum=False``) per
-  non-empty group on slices of the same batched bytes, with the group's ``scale_inv`` as its
-  tensor scale: any FP8 pair cuBLAS multiplies (E5M2 gradients), at the cost of reading the
-  group bounds on the host once per backward.
+  group on slices of the same batched bytes (the row-grouped GEMMs skip empty groups; the
+  weight gradient multiplies an empty group's zero padding rows), with the group's
+  ``scale_inv`` as its tensor scale: any FP8 pair cuBLAS multiplies (E5M2 gradients), at the
+  cost of reading the group bounds on the host once per backward.
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),

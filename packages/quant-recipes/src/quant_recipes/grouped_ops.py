@@ -50,10 +50,14 @@ def quantizer_of(spec: str):
 
 
 _lib = torch.library.Library("quant_recipes", "FRAGMENT")
-_lib.define("grouped_fprop(Tensor x, Tensor offs, Tensor w, Tensor? b, str[] q, int align) "
-            "-> Tensor")
-_lib.define("grouped_bprop(Tensor gy, Tensor x, Tensor offs, Tensor w, str[] q, bool col, "
-            "int align, bool dgrad, bool wgrad, bool bias) -> (Tensor, Tensor, Tensor)")
+
+
+def _op(schema: str, impl, fake) -> None:
+    """Define ``quant_recipes::<schema>`` with its eager body and its fake (shapes only)."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"quant_recipes::{name}", fake, lib=_lib)
 
 
 def _fprop(x, offs, w, b, q, align):
@@ -75,12 +79,10 @@ def _bprop_fake(gy, x, offs, w, q, col, align, dgrad, wgrad, bias):
             w.new_empty((experts, n) if bias else (0,)))
 
 
-_lib.define("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, str[] q, int align, "
-            "bool keep_x_t, bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_lib.define("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, "
-            "Tensor sw, str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)")
-_lib.define("grouped_fp8_rows_t(Tensor x, Tensor offs, str q, int align) -> (Tensor, Tensor)")
-_lib.define("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)")
+_op("grouped_fprop(Tensor x, Tensor offs, Tensor w, Tensor? b, str[] q, int align) -> Tensor",
+    _fprop, _fprop_fake)
+_op("grouped_bprop(Tensor gy, Tensor x, Tensor offs, Tensor w, str[] q, bool col, int align, "
+    "bool dgrad, bool wgrad, bool bias) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
 def _rows_t(x, offs, q, align):
@@ -103,36 +105,32 @@ def _experts_t_fake(w, q):
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-_lib.impl("grouped_fp8_rows_t", _rows_t, "CompositeExplicitAutograd")
-_lib.impl("grouped_fp8_experts_t", _experts_t, "CompositeExplicitAutograd")
-torch.library.register_fake("quant_recipes::grouped_fp8_rows_t", _rows_t_fake, lib=_lib)
-torch.library.register_fake("quant_recipes::grouped_fp8_experts_t", _experts_t_fake, lib=_lib)
+_op("grouped_fp8_rows_t(Tensor x, Tensor offs, str q, int align) -> (Tensor, Tensor)",
+    _rows_t, _rows_t_fake)
+_op("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)", _experts_t, _experts_t_fake)
 
 
-def _none_as_empty(t, like):
-    return like.new_empty((0,), dtype=torch.uint8) if t is None else t
+def _empty_for_none(t, like, dtype=torch.uint8):
+    return like.new_empty((0,), dtype=dtype) if t is None else t
 
 
 def _fp8_fprop(x, offs, w, q, align, keep_x_t, keep_w_t):
     y, xt, sx, wt, sw = grouped_fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align,
                                                  keep_x_t, keep_w_t)
-    return y, _none_as_empty(xt, x), sx, _none_as_empty(wt, x), sw
+    return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
 
 def _fp8_fprop_fake(x, offs, w, q, align, keep_x_t, keep_w_t):
-    (total, k), (experts, n) = x.shape, w.shape[:2]
-    rows = padded_rows(total, experts, align)
-    u8 = torch.uint8
-    return (x.new_empty((total, n)), x.new_empty((k, rows) if keep_x_t else (0,), dtype=u8),
-            x.new_empty((experts, SCALE_PITCH), dtype=torch.float32),
-            x.new_empty((experts, k, n) if keep_w_t else (0,), dtype=u8),
-            x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+    xt, sx = _rows_t_fake(x, offs, q[0], align)
+    wt, sw = _experts_t_fake(w, q[1])
+    return (x.new_empty((x.shape[0], w.shape[1])), xt if keep_x_t else _empty_for_none(None, x),
+            sx, wt if keep_w_t else _empty_for_none(None, x), sw)
 
 
 def _fp8_bprop(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
     dx, dw = grouped_fp8_gemm.backward(gy, offs, xt, sx, wt, sw, *map(quantizer_of, q), align,
                                        dgrad, wgrad)
-    return _none_as_empty(dx, gy).to(gy.dtype), _none_as_empty(dw, gy).to(gy.dtype)
+    return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
 def _fp8_bprop_fake(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
@@ -141,14 +139,11 @@ def _fp8_bprop_fake(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
             gy.new_empty((offs.shape[0], n, xt.shape[0]) if wgrad else (0,)))
 
 
-_lib.impl("grouped_fp8_fprop", _fp8_fprop, "CompositeExplicitAutograd")
-_lib.impl("grouped_fp8_bprop", _fp8_bprop, "CompositeExplicitAutograd")
-torch.library.register_fake("quant_recipes::grouped_fp8_fprop", _fp8_fprop_fake, lib=_lib)
-torch.library.register_fake("quant_recipes::grouped_fp8_bprop", _fp8_bprop_fake, lib=_lib)
-_lib.impl("grouped_fprop", _fprop, "CompositeExplicitAutograd")
-_lib.impl("grouped_bprop", _bprop, "CompositeExplicitAutograd")
-torch.library.register_fake("quant_recipes::grouped_fprop", _fprop_fake, lib=_lib)
-torch.library.register_fake("quant_recipes::grouped_bprop", _bprop_fake, lib=_lib)
+_op("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, str[] q, int align, bool keep_x_t, "
+    "bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop, _fp8_fprop_fake)
+_op("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
+    "str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)", _fp8_bprop,
+    _fp8_bprop_fake)
 
 
 def fprop(x, offs, w, b, qx, qw, align: int, traced: bool):
