@@ -28,6 +28,7 @@ from quant_core.shapes import ceil_div
 
 from . import _gemm, mxfp8, nvfp4
 from ._common import launch, out_code
+from ._gemm import alpha
 from ._rounding import RCP_2688, separately_rounded, to_out
 from .configs import launch_config
 
@@ -98,8 +99,8 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     mask = offs < total
     v = tl.load(acc_ptr + offs, mask=mask, other=0.0)
     if HAS_ALPHA:
-        alpha_a = _gemm.alpha(amax_a_ptr, offs // N, A_ROWS) * RCP_2688
-        alpha_b = _gemm.alpha(amax_b_ptr, offs % N, B_ROWS) * RCP_2688
+        alpha_a = alpha(amax_a_ptr, offs // N, A_ROWS) * RCP_2688
+        alpha_b = alpha(amax_b_ptr, offs % N, B_ROWS) * RCP_2688
         v = separately_rounded((v * alpha_a) * alpha_b)
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)

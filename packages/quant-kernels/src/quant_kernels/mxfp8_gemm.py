@@ -26,6 +26,7 @@ from quant_core.shapes import ceil_div
 
 from . import _gemm, dequant_gemm
 from ._common import launch, out_code
+from ._gemm import scale_index, store_tile, tile_rows
 from ._rounding import NATIVE_FP8, e8m0_decode, fp8_decode
 from .configs import launch_config
 
@@ -80,7 +81,7 @@ def _mxfp8_gemm_kernel(
     BK: K elements per mainloop step (a multiple of 32).
     GROUP_M: row tiles per group of the tile order (``_gemm.tile_ids``).
     """
-    rm, rn, rm_l, rn_l = _gemm.tile_rows(M, N, BM, BN, GROUP_M)
+    rm, rn, rm_l, rn_l = tile_rows(M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
@@ -90,9 +91,9 @@ def _mxfp8_gemm_kernel(
                     other=0)
         b = tl.load(b_ptr + rn_l[None, :] * s_bn + rk[:, None] * s_bk, mask=kmask[:, None],
                     other=0)
-        ea = tl.load(sa_ptr + _gemm.scale_index(rm_l[:, None], kb[None, :], t_am, t_ak, SA_C,
+        ea = tl.load(sa_ptr + scale_index(rm_l[:, None], kb[None, :], t_am, t_ak, SA_C,
                                                 A_SWZ))
-        eb = tl.load(sb_ptr + _gemm.scale_index(rn_l[None, :], kb[:, None], t_bn, t_bk, SB_C,
+        eb = tl.load(sb_ptr + scale_index(rn_l[None, :], kb[:, None], t_bn, t_bk, SB_C,
                                                 B_SWZ))
         av = fp8_decode(a, A_E4M3) * _expand(e8m0_decode(ea), BM, BK)
         bv = fp8_decode(b, B_E4M3) * tl.trans(_expand(tl.trans(e8m0_decode(eb)), BN, BK))
@@ -100,7 +101,7 @@ def _mxfp8_gemm_kernel(
             acc = tl.dot(av.to(tl.bfloat16), bv.to(tl.bfloat16), acc)
         else:  # interpreter: exact fp32 operands, fp32 product
             acc = tl.dot(av, bv, acc, input_precision="ieee")
-    _gemm.store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
+    store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 
 def _scale_args(scale: torch.Tensor, swizzled: bool, k: int) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import _gemm, dequant_gemm
 from ._common import launch, out_code
+from ._gemm import alpha, scale_index, store_tile, tile_rows
 from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
 from .configs import launch_config
 
@@ -91,7 +92,7 @@ def _nvfp4_gemm_kernel(
     BK: K elements per mainloop step (a multiple of 16).
     GROUP_M: row tiles per group of the tile order (``_gemm.tile_ids``).
     """
-    rm, rn, rm_l, rn_l = _gemm.tile_rows(M, N, BM, BN, GROUP_M)
+    rm, rn, rm_l, rn_l = tile_rows(M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rc = k0 // 2 + tl.arange(0, BK // 2)  # byte columns
@@ -100,18 +101,18 @@ def _nvfp4_gemm_kernel(
         bmask = kb * 16 < K
         a = tl.load(a_ptr + rm_l[:, None] * s_am + rc[None, :], mask=cmask[None, :], other=0)
         b = tl.load(b_ptr + rn_l[:, None] * s_bn + rc[None, :], mask=cmask[None, :], other=0)
-        ea = tl.load(sa_ptr + _gemm.scale_index(rm_l[:, None], kb[None, :], SA_C, 1, SA_C, A_SWZ),
+        ea = tl.load(sa_ptr + scale_index(rm_l[:, None], kb[None, :], SA_C, 1, SA_C, A_SWZ),
                      mask=bmask[None, :], other=0)
-        eb = tl.load(sb_ptr + _gemm.scale_index(rn_l[:, None], kb[None, :], SB_C, 1, SB_C, B_SWZ),
+        eb = tl.load(sb_ptr + scale_index(rn_l[:, None], kb[None, :], SB_C, 1, SB_C, B_SWZ),
                      mask=bmask[None, :], other=0)
         a_lo, a_hi = _decode(a, fp8_decode(ea, True), BM, BK)
         b_lo, b_hi = _decode(b, fp8_decode(eb, True), BN, BK)
         acc = _dot(a_lo, tl.trans(b_lo), acc)
         acc = _dot(a_hi, tl.trans(b_hi), acc)
-    alpha_a = _gemm.alpha(amax_a_ptr, rm_l, A_ROWS) * RCP_2688
-    alpha_b = _gemm.alpha(amax_b_ptr, rn_l, B_ROWS) * RCP_2688
+    alpha_a = alpha(amax_a_ptr, rm_l, A_ROWS) * RCP_2688
+    alpha_b = alpha(amax_b_ptr, rn_l, B_ROWS) * RCP_2688
     acc = separately_rounded((acc * alpha_a[:, None]) * alpha_b[None, :])  # no contraction
-    _gemm.store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
+    store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 
 def nvfp4_gemm(
