@@ -295,16 +295,17 @@ def bf16_round(x):
 
 
 @triton.jit
-def separately_rounded(x):
-    """fp32 ``x`` behind an opaque register move on the GPU, so the compiler cannot contract the
-    multiply that produced it into a following add (an FMA rounds once where the reference's
-    separate torch ops round twice). Replaces Triton's ``enable_fp_fusion=False``, which torch
-    cannot record into a compiled graph. The interpreter never contracts: ``x`` as it is."""
+def mul_rn(a, b):
+    """fp32 ``a * b`` rounded on its own: on the GPU an inline ``mul.rn.f32``, which neither the
+    LLVM backend nor ptxas contracts into a following add (an FMA rounds once where the
+    reference's separate torch ops round twice; ptxas sees through a plain register move and
+    contracts a ``mul.f32``). Replaces Triton's ``enable_fp_fusion=False``, which torch cannot
+    record into a compiled graph. The interpreter never contracts: ``a * b``."""
     if ON_GPU:
-        return tl.inline_asm_elementwise("mov.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return x
+        return a * b
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from quant_core.shapes import ceil_div
 from . import _gemm, mxfp8, nvfp4
 from ._common import launch, out_code
 from ._gemm import alpha
-from ._rounding import RCP_2688, separately_rounded, to_out
+from ._rounding import RCP_2688, mul_rn, to_out
 from .configs import launch_config
 
 #: E4M3 block scales decode exactly when the NVFP4 dequantizer's per-tensor factor is
@@ -101,7 +101,7 @@ def _epilogue_kernel(acc_ptr, out_ptr, bias_ptr, amax_a_ptr, amax_b_ptr, total, 
     if HAS_ALPHA:
         alpha_a = alpha(amax_a_ptr, offs // N, A_ROWS) * RCP_2688
         alpha_b = alpha(amax_b_ptr, offs % N, B_ROWS) * RCP_2688
-        v = separately_rounded((v * alpha_a) * alpha_b)
+        v = mul_rn(v * alpha_a, alpha_b)
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, to_out(v, OUT), mask=mask)

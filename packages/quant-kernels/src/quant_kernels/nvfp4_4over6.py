@@ -18,7 +18,7 @@ from quant_core.inputs import check_input_dtype, check_k_multiple
 from quant_core.reference.nvfp4_4over6 import check_4over6
 
 from ._common import launch
-from ._rounding import e2m1_decode, e2m1_rne, fp8_decode, separately_rounded, widen
+from ._rounding import e2m1_decode, e2m1_rne, fp8_decode, mul_rn, widen
 from .configs import launch_config
 from .nvfp4 import (
     _amax16,
@@ -45,7 +45,7 @@ def _element_error(y, enc, sf, amax, E: tl.constexpr, MSE: tl.constexpr):
     q = e2m1_decode(e2m1_rne(y * enc)) * sf * amax
     d = tl.math.div_rn(q, tl.full(q.shape, 6.0 * E, tl.float32)) - y
     if MSE:
-        return separately_rounded(d * d)  # no FMA into the sum that follows
+        return mul_rn(d, d)  # no FMA into the sum that follows
     else:
         return tl.abs(d)
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from . import _gemm, dequant_gemm
 from ._common import launch, out_code
 from ._gemm import alpha, scale_index, store_tile, tile_rows
-from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, separately_rounded
+from ._rounding import NATIVE, RCP_2688, e2m1_decode, fp8_decode, mul_rn
 from .configs import launch_config
 
 
@@ -111,7 +111,7 @@ def _nvfp4_gemm_kernel(
         acc = _dot(a_hi, tl.trans(b_hi), acc)
     alpha_a = alpha(amax_a_ptr, rm_l, A_ROWS) * RCP_2688
     alpha_b = alpha(amax_b_ptr, rn_l, B_ROWS) * RCP_2688
-    acc = separately_rounded((acc * alpha_a[:, None]) * alpha_b[None, :])  # no contraction
+    acc = mul_rn(acc * alpha_a[:, None], alpha_b[None, :])  # no contraction
     store_tile(c_ptr, acc, rm, rn, M, N, s_cm, s_cn, bias_ptr, HAS_BIAS, OUT)
 
 

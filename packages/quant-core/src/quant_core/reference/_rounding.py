@@ -28,7 +28,7 @@ store, numerics.md "Known traps"), a division is an fp64 division rounded once (
 two into one FMA).
 
 The kernels' cast helpers that add no rule (``bf16_rne``, ``bf16_round``, ``to_out``,
-``separately_rounded``) have no counterpart: torch's casts are exact or round to nearest-even, and
+``mul_rn``) have no counterpart: torch's casts are exact or round to nearest-even, and
 torch never contracts a multiply into a following add.
 """
 
