@@ -1,7 +1,8 @@
 """Every Triton kernel against ``quant_core.reference`` on CUDA, bitwise, on large random
 tensors with special values planted (4096x4096, and 1040x2080: ragged M for 32 / 128 blocks,
 ragged K for 128 blocks; bf16 and fp32), and each elementwise encoder over all 2^32 fp32 bit
-patterns: the software FP8 and bf16 encoders and the native-cast ones the kernels use on GPU.
+patterns: the software FP8 and bf16 encoders and the native-cast ones the kernels use on GPU, the
+E2M1 encoder and its value, and the divisions (``div_rn`` and the FMA-corrected ones by constants).
 
 FP8 bytes and floats compare NaN by NaN-ness. Each test asserts 0 mismatches for every check it
 makes and names the checks that had some. ``-k "not exhaustive"`` leaves out the 2^32 sweep;
@@ -20,6 +21,7 @@ from quant_core import reference as ref  # noqa: E402
 from quant_core.dtypes import DType  # noqa: E402
 from quant_core.reference._rounding import (  # noqa: E402
     compute_scale_from_amax,
+    e2m1_decode,
     e2m1_encode,
     e8m0_roundup,
     fp8_encode,
@@ -29,8 +31,8 @@ from quant_kernels.testing import encode  # noqa: E402
 
 DEV = "cuda"
 FLT_MAX = 3.4028234663852886e38
-RULES = ("e4m3", "e5m2", "e4m3_native", "e5m2_native", "e8m0", "e2m1", "bf16", "bf16_native",
-         "pow2_scale_e4m3", "pow2_scale_e5m2")
+RULES = ("e4m3", "e5m2", "e4m3_native", "e5m2_native", "e8m0", "e2m1", "e2m1_value", "bf16",
+         "bf16_native", "pow2_scale_e4m3", "pow2_scale_e5m2", "div_rn", "div_1536", "div_2688")
 SHAPES = [(4096, 4096), (1040, 2080)]
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -94,7 +96,21 @@ def sweep() -> dict[str, int]:
         del want
         a = v.abs()
         totals["e8m0"] += int((encode(a, "e8m0") != e8m0_roundup(a).to(torch.int32)).sum())
-        totals["e2m1"] += int((encode(v, "e2m1") != e2m1_encode(v).to(torch.int32)).sum())
+        codes = e2m1_encode(v)
+        totals["e2m1"] += int((encode(v, "e2m1") != codes.to(torch.int32)).sum())
+        want = e2m1_decode(codes).float().view(torch.int32)
+        totals["e2m1_value"] += int((encode(v, "e2m1_value") != want).sum())
+        del codes, want
+        # fp64 then one rounding is the correctly rounded quotient (no fp32 midpoint is reached);
+        # div_rn_by's domain: |v| >= 2^-100, 0, ±Inf and NaN
+        totals["div_rn"] += count(encode(v, "div_rn").view(torch.float32),
+                                  (1.0 / v.double()).float())
+        domain = ~(v.abs() < 2.0**-100) | (v == 0)
+        for d in (1536, 2688):
+            got = encode(v, f"div_{d}").view(torch.float32)
+            totals[f"div_{d}"] += count(got[domain], (v[domain].double() / d).float())
+            del got
+        del domain
         for fp8 in (DType.E4M3, DType.E5M2):
             want = compute_scale_from_amax(a, fp8.max, force_pow_2_scales=True,
                                            amax_epsilon=0.0, value_for_inf=FLT_MAX)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _exact_fma import gpu_fma_paths
 from _kernels_util import DEVICE, INTERPRET
 from quant_core.dtypes import DType
 from quant_core.reference._rounding import (
     compute_scale_from_amax,
+    e2m1_decode,
     e2m1_encode,
     e8m0_roundup,
     fp8_encode,
@@ -61,6 +63,45 @@ def test_e8m0_roundup():
 
 def test_e2m1_rne():
     assert torch.equal(encode(V.to(DEVICE), "e2m1").cpu(), e2m1_encode(V).to(torch.int32))
+
+
+def test_e2m1_value_is_the_codes_value():
+    want = e2m1_decode(e2m1_encode(V)).float().view(torch.int32)
+    assert torch.equal(encode(V.to(DEVICE), "e2m1_value").cpu(), want)
+
+
+def _division_inputs(divisor: int) -> torch.Tensor:
+    """The probe values, every mantissa pattern's neighbourhood at random exponents from
+    ``DIV_BY_MIN`` up, and exact quotients (and their neighbours) near the smallest normal."""
+    g = torch.Generator().manual_seed(divisor)
+    n = 1 << 16
+    bits = (torch.randint(0, 1 << 23, (n,), generator=g)
+            | (torch.randint(27, 255, (n,), generator=g) << 23)
+            | (torch.randint(0, 2, (n,), generator=g) << 31))
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    exact = torch.arange(1, 1 << 12, dtype=torch.int32).view(torch.float32) * divisor
+    near = (exact.view(torch.int32) + 1).view(torch.float32)
+    return torch.cat([V, bits.view(torch.float32), exact, near, -near])
+
+
+@pytest.mark.parametrize("fma_path", [False, True], ids=["divide", "fma"])
+@pytest.mark.parametrize("divisor", [1536, 2688])
+def test_division_by_a_constant_is_correctly_rounded(monkeypatch, divisor, fma_path):
+    """``div_rn_by`` on its domain (``|v| >= 2^-100``, ±0, ±Inf, NaN), the GPU's FMA path too
+    (under the interpreter with a fused fma): fp64 then one rounding is the correctly rounded
+    quotient (a quotient by 3 or 21 that is not exact never lands on an fp32 midpoint); -0
+    keeps its sign, NaN stays NaN."""
+    if fma_path and INTERPRET:
+        gpu_fma_paths(monkeypatch)
+    elif INTERPRET == fma_path:
+        pytest.skip("a GPU takes the FMA path itself")
+    v = _division_inputs(divisor)
+    v = v[~(v.abs() < 2.0**-100) | (v == 0)]
+    want = (v.double() / divisor).float()
+    got = encode(v.to(DEVICE), f"div_{divisor}").cpu().view(torch.float32)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 def test_div_rn_is_correctly_rounded():

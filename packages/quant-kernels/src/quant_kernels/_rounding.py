@@ -33,6 +33,8 @@ RCP_6 = tl.constexpr(C.RCP_E2M1_MAX)
 #: 2688 = 6 * 448, NVFP4's per-tensor encode numerator, and fp32(1/2688) for decoding (§7, §8).
 NVFP4_GLOBAL_MAX = tl.constexpr(C.NVFP4_GLOBAL_MAX)
 RCP_2688 = tl.constexpr(C.RCP_NVFP4_GLOBAL_MAX)
+#: fp32(1/1536): with ``RCP_2688``, the reciprocals of 4over6's error divisors ``6 * E`` (§7.9).
+RCP_1536 = tl.constexpr(C.rcp_f32(1536.0))
 #: The fp32 bit pattern of 2^-127 (E8M0 byte 0 decoded, §5).
 POW2_MINUS_127_BITS = tl.constexpr(C.POW2_MINUS_127_BITS)
 
@@ -226,24 +228,36 @@ def e8m0_decode(e):
 
 
 @triton.jit
-def e2m1_rne(v):
-    """E2M1 code (int32, sign in bit 3) of fp32 ``v``: RNE, satfinite, NaN -> +6 (§7.4, §10).
+def e2m1_rne_with_value(v):
+    """E2M1 code (int32, sign in bit 3) of fp32 ``v``: RNE, satfinite, NaN -> +6 (§7.4, §10),
+    and the code's fp32 value (``e2m1_decode`` of it, without decoding).
 
     ``a = min(|v|, 6)`` is rounded onto the E2M1 grid by one IEEE add, ``(a + c) - c`` with
     ``c = 2^(exponent(a) + 22)`` floored at ``2^22`` (quantum 0.5 below 2, 1 in [2, 4), 2 from
     4), which ties to even exactly as E2M1 does. Scaled by 2^-126 the grid value's fp32 bits
-    (subnormal for 0.5) are the code shifted left by 22.
+    (subnormal for 0.5) are the code shifted left by 22; the value is the grid value with
+    ``v``'s sign.
     """
     if NATIVE:  # min.f32 returns the non-NaN operand: NaN -> +FLT_MAX -> code 7, one op
         v = tl.minimum(v, FLT_MAX)
     a = tl.minimum(tl.abs(v), 6.0)
     c = f32_from_bits(tl.maximum((f32_bits(a) & 0x7F800000) + (22 << 23), 0x4A800000))
     r = (a + c) - c
-    code = (f32_bits(r * 1.1754943508222875e-38) >> 22) | ((f32_bits(v) >> 28) & 8)
+    sign = f32_bits(v) & -2147483648
+    code = (f32_bits(r * 1.1754943508222875e-38) >> 22) | ((sign >> 28) & 8)
+    value = f32_from_bits(f32_bits(r) | sign)
     if NATIVE:
-        return code
+        return code, value
     else:
-        return tl.where(v != v, 7, code)
+        nan = v != v
+        return tl.where(nan, 7, code), tl.where(nan, 6.0, value)
+
+
+@triton.jit
+def e2m1_rne(v):
+    """The E2M1 code of :func:`e2m1_rne_with_value`."""
+    code, _ = e2m1_rne_with_value(v)
+    return code
 
 
 @triton.jit
@@ -306,6 +320,37 @@ def mul_rn(a, b):
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
         return a * b
+
+
+#: ``div_rn_by`` divides by FMAs: compiled for a GPU (the interpreter's fma rounds twice).
+FMA_DIVISION = tl.constexpr(not interpreting())
+#: The smallest dividend magnitude (besides 0) for which ``div_rn_by`` is correctly rounded.
+DIV_BY_MIN = tl.constexpr(2.0**-100)
+
+
+@triton.jit
+def div_rn_by(x, D: tl.constexpr):
+    """``div_rn(x, D)`` for the constant divisors ``D`` 1536 and 2688 and ``|x| >= DIV_BY_MIN``
+    (or 0, ±Inf, NaN), without a division on the GPU. With ``y = fp32(1/D)``: ``q0 = x * y`` is
+    within 1.5 ulp of the quotient; one correction ``q1 = fma(fma(-q0, D, x), y, q0)`` (the
+    inner remainder is exact) brings it within 1 ulp, and a second one rounds to the correctly
+    rounded quotient (Markstein's theorem: ``y`` within half an ulp of ``1/D``, ``q1`` within
+    one ulp, no underflow, which ``DIV_BY_MIN`` keeps away). ``x`` ±0 (whose corrections would
+    add +0 to -0), ±Inf or NaN (a NaN remainder) returns ``q0``. tests/gpu sweeps every fp32
+    input. The interpreter's fma is a multiply then an add: it divides (``FMA_DIVISION``).
+    """
+    if FMA_DIVISION:
+        if D == 1536.0:
+            y = RCP_1536
+        else:
+            tl.static_assert(D == 2688.0, "div_rn_by: D is 1536 or 2688")
+            y = RCP_2688
+        q0 = x * y
+        q1 = tl.fma(tl.fma(-q0, D, x), y, q0)
+        r1 = tl.fma(-q1, D, x)
+        return tl.where((r1 == r1) & (x != 0.0), tl.fma(r1, y, q1), q0)
+    else:
+        return tl.math.div_rn(x, tl.full(x.shape, D, tl.float32))
 
 
 @triton.jit

@@ -7,7 +7,9 @@ int32 codes: ``"e4m3"``/``"e5m2"`` (software FP8 RNE satfinite byte), ``"e4m3_na
 code), ``"div_rn"`` (bits of ``div_rn(1, v)``), ``"bf16"`` / ``"bf16_native"`` (bits of the
 bf16-rounded value, software / hardware cast; the latter GPU only), ``"pow2_scale_e4m3"`` /
 ``"pow2_scale_e5m2"`` (bits of the power-of-two scale from amax ``v``, eps 0, ``value_for_inf``
-FLT_MAX) and ``"pow2_inverse"`` (bits of ``1 / v`` for a power of two ``v``).
+FLT_MAX), ``"pow2_inverse"`` (bits of ``1 / v`` for a power of two ``v``), ``"div_1536"`` /
+``"div_2688"`` (bits of ``div_rn_by(v, D)``) and ``"e2m1_value"`` (bits of the value
+``e2m1_rne_with_value`` gives with the code).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from ._common import interpreting, launch
 from ._rounding import (
     FLT_MAX,
     bf16_rne,
+    div_rn_by,
     e2m1_rne,
+    e2m1_rne_with_value,
     e8m0_roundup,
     f32_bits,
     fp8_native,
@@ -31,7 +35,8 @@ from ._rounding import (
 )
 
 RULES = ("e4m3", "e5m2", "e8m0", "e2m1", "div_rn", "bf16", "e4m3_native", "e5m2_native",
-         "bf16_native", "pow2_scale_e4m3", "pow2_scale_e5m2", "pow2_inverse")
+         "bf16_native", "pow2_scale_e4m3", "pow2_scale_e5m2", "pow2_inverse", "div_1536",
+         "div_2688", "e2m1_value")
 
 
 @triton.jit
@@ -69,8 +74,15 @@ def _encode_kernel(v_ptr, out_ptr, n, RULE: tl.constexpr, BLOCK: tl.constexpr):
         c = f32_bits(scale_from_amax(v, 0.0, 448.0, True, FLT_MAX))
     elif RULE == 10:
         c = f32_bits(scale_from_amax(v, 0.0, 57344.0, True, FLT_MAX))
-    else:
+    elif RULE == 11:
         c = f32_bits(scale_inverse(v, True))
+    elif RULE == 12:
+        c = f32_bits(div_rn_by(v, 1536.0))
+    elif RULE == 13:
+        c = f32_bits(div_rn_by(v, 2688.0))
+    else:
+        _, value = e2m1_rne_with_value(v)
+        c = f32_bits(value)
     tl.store(out_ptr + offs, c, mask=mask)
 
 
