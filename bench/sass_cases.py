@@ -17,6 +17,7 @@ from quant_kernels import fp8_block as B
 from quant_kernels import fp8_tensor as F
 from quant_kernels import mxfp8 as X
 from quant_kernels import nvfp4 as N
+from quant_kernels import nvfp4_4over6 as S
 from quant_kernels.configs import TABLE
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -78,6 +79,8 @@ _CAST = dict(x_ptr=BF, scale_ptr="*fp32", data_ptr="*u8", t_ptr="*u8", scale_inv
              amax_bits_ptr="*i32", M="i32", K="i32")
 _NVR = dict(xp_ptr="*i32", amax_ptr="*fp32", seed_ptr="*i64", d_ptr="*u8", s_ptr="*u8", M="i32",
             K="i32", S_C="i32")
+_S46R = dict(x_ptr=BF, amax_ptr="*fp32", d_ptr="*i64", s_ptr="*u8", M="i32", K="i32", S_C="i32")
+_S46C = dict(_S46R, MHW="i32")
 _NVC = dict(x_ptr=BF, amax_ptr="*fp32", seed_ptr="*i64", d_ptr="*i64", s_ptr="*u8", M="i32",
             K="i32", MHW="i32", S_C="i32")
 
@@ -87,6 +90,16 @@ def _mx(row, col, cfg):
              BK=cfg["BK"])
     return (f"mxfp8 row={row} col={col}", X._mxfp8_kernel, _MX, c, cfg["num_warps"],
             cfg["BM"] * cfg["BK"])
+
+
+def _four_over_six(direction, kernel, signature, mse, **extra):
+    """A 4over6 kernel at its GPU tile; its static count holds both division paths."""
+    cfg = TABLE[f"nvfp4_4over6_{direction}"]["gpu"]
+    tile = {k: v for k, v in cfg.items() if k != "num_warps"}
+    elems = (cfg["BM"] if direction == "row" else 16 * cfg["G"]) * cfg["BK"]
+    return (f"nvfp4 4over6 {direction} {'MSE' if mse else 'MAE'} (both division paths)", kernel,
+            signature, dict(E=256, MSE=mse, TWO_D=False, SWIZZLE=False, **extra, **tile),
+            cfg["num_warps"], elems)
 
 
 CASES = [
@@ -102,8 +115,11 @@ CASES = [
     ("fp8_block 128x128", B._fp8_block_kernel, _BLK,
      dict(_BLKC, ROW=True, COL=True, TWO_D=True, BM=128, SLAB=64), 8, 128 * 128),
     ("nvfp4 row", N._nvfp4_row_kernel, _NVR,
-     dict(DT=1, SR=False, TWO_D=False, SWIZZLE=False, BM=32, BK=256), 8, 32 * 256),
+     dict(DT=1, SR=False, TWO_D=False, SWIZZLE=False, ROW_SCALED=False, BM=32, BK=256), 8,
+     32 * 256),
     ("nvfp4 col rht", N._nvfp4_col_kernel, _NVC,
      dict(RHT=True, MASK=0xD7E8, SR=False, TWO_D=False, SWIZZLE=False, G=4, BK=64), 4,
      4 * 16 * 64),
+    _four_over_six("row", S._nvfp4_4over6_row_kernel, _S46R, False, ROW_SCALED=False),
+    _four_over_six("col", S._nvfp4_4over6_col_kernel, _S46C, True),
 ]

@@ -281,6 +281,16 @@ def check_nvfp4_4over6(x: torch.Tensor, checks: Checks) -> None:
     kw = dict(base, with_2d_quantization=False, swizzle=False, e4m3_max=256, err_mode="MSE")
     checks["nvfp4 4over6 near-tie MSE block"] = _nvfp4_quantize_and_dequantize(
         y, torch.tensor([4.0 * c], device=DEV), kw)
+    # tiny amaxes: 2^-79 divides by FMAs at the edge of their range, 2^-81 and 2^-125 with
+    # div_rn (dividends down to the subnormals); the rows after the planted specials
+    rows = x[2:258].float()
+    for i, target in enumerate((2.0**-79, 2.0**-81, 2.0**-125)):
+        t = (rows * (target / rows.abs().amax())).to(x.dtype)
+        amax = t.float().abs().amax().reshape(1)
+        kw = dict(base, with_2d_quantization=i == 1, swizzle=False, e4m3_max=(448, 256, 448)[i],
+                  err_mode="MSE")
+        checks[f"nvfp4 4over6 amax {amax.item():.3g} (+dequant)"] = (
+            _nvfp4_quantize_and_dequantize(t, amax, kw))
 
 
 def check_nvfp4_row_scaled(x: torch.Tensor, checks: Checks) -> None:
@@ -294,6 +304,15 @@ def check_nvfp4_row_scaled(x: torch.Tensor, checks: Checks) -> None:
         kw = dict(base, swizzle=sw, four_over_six=fos, e4m3_max=bound, err_mode=mode)
         checks[f"nvfp4 row-scaled 4over6={fos} {bound} {mode} swizzle={sw} (+dequant)"] = (
             _nvfp4_quantize_and_dequantize(x, wa[0], kw))
+    # rows 32-63 and 100 scaled to amaxes near the subnormals: their tiles divide with div_rn
+    t = x[:512].float()
+    t[32:64] *= 2.0**-120
+    t[100] *= 2.0**-120
+    t = t.to(x.dtype)
+    amax = ref.nvfp4_amax(t, **ka)[0]
+    kw = dict(base, swizzle=False, four_over_six=True, e4m3_max=448, err_mode="MSE")
+    checks["nvfp4 row-scaled 4over6 tiny rows (+dequant)"] = _nvfp4_quantize_and_dequantize(
+        t, amax, kw)
 
 
 FORMATS = {"fp8_tensor": check_fp8_tensor, "mxfp8": check_mxfp8, "fp8_block": check_fp8_block,

@@ -1,12 +1,17 @@
 """NVFP4 4over6 (`numerics.md` §7.9): the Triton kernels against the reference, bitwise, for both
 bounds, both error metrics, 1x16 blocks and 16x16 tiles, both directions, swizzled or not; plus
-special values, planted E2M1 ties, a zero amax and the tie rule (equal errors keep map-to-6)."""
+special values, planted E2M1 ties, a zero amax, tiny amaxes and the tie rule (equal errors keep
+map-to-6). Under the interpreter the tests marked with ``division`` also run the GPU's division
+by FMAs, with a fused fma (``_exact_fma``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _kernels_util import DEVICE, assert_all_same, assert_same, make_input
+import triton
+import triton.language as tl
+from _exact_fma import gpu_fma_paths
+from _kernels_util import DEVICE, INTERPRET, assert_all_same, assert_same, make_input
 from quant_core import reference as ref
 from quant_core.reference.nvfp4 import blocks_amax, global_encode_scale
 from quant_core.reference.nvfp4_4over6 import _block_errors, _candidate, _tile_errors
@@ -41,13 +46,24 @@ def _finite_amax(x: torch.Tensor) -> torch.Tensor:
     return f.masked_fill(~torch.isfinite(f), 0.0).abs().amax().reshape(1)
 
 
+@pytest.fixture(params=["divide", "fma"])
+def division(request, monkeypatch) -> str:
+    """How the kernels divide an error by ``6E``: ``div_rn`` (the interpreter's path) or FMAs
+    (the GPU's ``div_rn_by``; emulated under the interpreter). A GPU runs only its own."""
+    if request.param == "fma" and INTERPRET:
+        gpu_fma_paths(monkeypatch)
+    elif request.param == "divide" and not INTERPRET:
+        pytest.skip("a GPU divides with FMAs")
+    return request.param
+
+
 CASES = [((1, 16), torch.float32), ((17, 48), torch.float16), ((40, 64), torch.bfloat16)]
 
 
 @pytest.mark.parametrize("bound", [256, 448])
 @pytest.mark.parametrize("two_d", [False, True], ids=["1x16", "16x16"])
 @pytest.mark.parametrize("shape,dtype", CASES, ids=lambda c: str(c))
-def test_4over6_equals_the_reference(shape, dtype, two_d, bound):
+def test_4over6_equals_the_reference(shape, dtype, two_d, bound, division):
     """Random rows over 16 binades (so both candidates win somewhere), ragged M, the dtype's
     ±max planted; both metrics, one swizzled, and the rowwise dequantization."""
     x = make_input(*shape, torch.float32, seed=shape[0], specials=False).to(dtype)
@@ -181,7 +197,7 @@ def _scale(j: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("err_mode", ["MAE", "MSE"])
-def test_4over6_near_ties_follow_the_reference_order(err_mode):
+def test_4over6_near_ties_follow_the_reference_order(err_mode, division):
     """Blocks (row 0 and column 0 of a 16x16 input, so both directions) and tiles whose
     candidate depends on the exact order of the reference's fp32 operations."""
     blk = torch.tensor(TIE_BLOCKS[err_mode])
@@ -199,6 +215,50 @@ def test_4over6_near_ties_follow_the_reference_order(err_mode):
     amax = (4.0 * _scale(j)).reshape(1)
     _check(tile, amax, _opts(True, 256, err_mode))  # rowwise: the tile's rows
     _check(tile.t().contiguous(), amax, _opts(True, 256, err_mode))  # columnwise: the same
+
+
+@pytest.mark.parametrize("amax_log2", [-79, -81, -125])
+def test_4over6_tiny_amax(amax_log2, division):
+    """An amax below 2^-80 makes a program divide with ``div_rn`` (dividends down to the
+    subnormals, outside ``div_rn_by``'s range); 2^-79 divides by FMAs at the edge of it. Both
+    bounds and metrics, 1x16 and 16x16, and row-scaled rows of which some are tiny."""
+    x = make_input(48, 64, torch.float32, seed=3, specials=False)
+    x = x * (2.0**amax_log2 / x.abs().amax())
+    amax = x.abs().amax().reshape(1)
+    for two_d, bound, err_mode in ((False, 256, "MSE"), (True, 448, "MAE")):
+        _check(x, amax, _opts(two_d, bound, err_mode), dequant=True)
+    rows = make_input(48, 64, torch.float32, seed=4, specials=False)
+    rows[16:32] *= 2.0**amax_log2 / rows[16:32].abs().amax()
+    kw = dict(_opts(False, 448, "MSE"), columnwise=False, row_scaled=True)
+    row_amax = rows.abs().amax(dim=1)
+    got = B.nvfp4_quantize(rows.to(DEVICE), row_amax.to(DEVICE), None, **kw)
+    assert_all_same(got, ref.nvfp4_quantize(rows, row_amax, None, **kw), None, NAMES)
+
+
+@triton.jit
+def _nan_division(x, D: tl.constexpr):
+    return x * float("nan")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="replaces a helper of the interpreted kernels")
+@pytest.mark.parametrize("amax_log2, fma", [(-79, True), (-81, False)])
+def test_4over6_divides_with_fmas_only_above_the_amax_floor(monkeypatch, amax_log2, fma):
+    """With the FMA division replaced by one that returns NaN (every error NaN: map-to-6
+    everywhere), the bytes leave the reference's exactly when the program takes that path:
+    at amax 2^-79, not at 2^-81 (``div_rn_by`` is not exact for dividends near the
+    subnormals)."""
+    from quant_kernels import _rounding, nvfp4_4over6
+
+    monkeypatch.setattr(_rounding, "FMA_DIVISION", tl.constexpr(True))
+    monkeypatch.setattr(nvfp4_4over6, "div_rn_by", _nan_division)
+    x = make_input(32, 64, torch.float32, seed=5, specials=False)
+    x = x * (2.0**amax_log2 / x.abs().amax())
+    amax = x.abs().amax().reshape(1)
+    kw = _opts(False, 256, "MAE")
+    got = B.nvfp4_quantize(x.to(DEVICE), amax.to(DEVICE), amax.to(DEVICE), **kw)
+    want = ref.nvfp4_quantize(x, amax, amax, **kw)
+    same = all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    assert same != fma
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -4,8 +4,11 @@
 Each block (1x16 along the row, 16x1 along M for the columnwise ``xᵀ``, or a 16x16 tile) is
 scaled twice, map-to-6 (E4M3 ``e4m3(base)``) and map-to-4 (``e4m3(min(1.5 * base, 448))``), and
 keeps the candidate of strictly lower error (MAE or MSE against the input, summed in the
-reference's order); a tie keeps map-to-6. Both kernels hold a block's 16 elements as 16
-elementwise tensors, so every per-block sum is a plain chain of fp32 adds in element order.
+reference's order); a tie keeps map-to-6. The kept candidate's codes, computed for its error,
+are the stored data. The error's division by ``6E`` runs as FMAs (``_rounding.div_rn_by``)
+unless an amax is so small that a dividend could leave that helper's exact range. Both kernels
+hold a block's 16 elements as 16 elementwise tensors, so every per-block sum is a plain chain of
+fp32 adds in element order.
 Round-to-nearest only (no RHT, no stochastic rounding).
 """
 
@@ -18,7 +21,7 @@ from quant_core.inputs import check_input_dtype, check_k_multiple
 from quant_core.reference.nvfp4_4over6 import check_4over6
 
 from ._common import launch
-from ._rounding import e2m1_decode, e2m1_rne, fp8_decode, mul_rn, widen
+from ._rounding import div_rn_by, e2m1_rne_with_value, fp8_decode, mul_rn, widen
 from .configs import launch_config
 from .nvfp4 import (
     _amax16,
@@ -26,7 +29,6 @@ from .nvfp4 import (
     _col_values,
     _encode_scale,
     _load_amax,
-    _pack16,
     _store_col,
     _store_row_scales,
     _tile_amax,
@@ -39,38 +41,64 @@ from .nvfp4 import (
 
 
 @triton.jit
-def _element_error(y, enc, sf, amax, E: tl.constexpr, MSE: tl.constexpr):
-    """One element's error under a candidate (``enc``, decoded scale ``sf``):
-    ``d = fp32(fp32(fp32(e2m1 * sf) * amax) / (6E)) - y``, then ``d * d`` or ``|d|``."""
-    q = e2m1_decode(e2m1_rne(y * enc)) * sf * amax
-    d = tl.math.div_rn(q, tl.full(q.shape, 6.0 * E, tl.float32)) - y
-    if MSE:
-        return mul_rn(d, d)  # no FMA into the sum that follows
+def _element(y, enc, sf, amax, J: tl.constexpr, E: tl.constexpr, MSE: tl.constexpr,
+             FAST: tl.constexpr):
+    """One element under a candidate (``enc``, decoded scale ``sf``): its E2M1 code in nibble
+    ``J`` of an int64 word, and its error ``d = fp32(fp32(fp32(e2m1 * sf) * amax) / (6E)) - y``
+    as ``d * d`` or ``|d|``. ``FAST``: the division by FMAs (``div_rn_by``), for amaxes that
+    keep every nonzero dividend above ``DIV_BY_MIN`` (``_fast_division``)."""
+    code, value = e2m1_rne_with_value(y * enc)
+    q = value * sf * amax
+    if FAST:
+        q = div_rn_by(q, 6.0 * E)
     else:
-        return tl.abs(d)
+        q = tl.math.div_rn(q, tl.full(q.shape, 6.0 * E, tl.float32))
+    d = q - y
+    if MSE:
+        err = mul_rn(d, d)  # no FMA into the sum that follows
+    else:
+        err = tl.abs(d)
+    return code.to(tl.int64) << (4 * J), err
 
 
 @triton.jit
-def _block_error(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, e4, enc,
-                 amax, E: tl.constexpr, MSE: tl.constexpr):
-    """A candidate's error per block: the 16 element errors summed in fp32, element 0 first."""
+def _candidate(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, e4, enc,
+               amax, E: tl.constexpr, MSE: tl.constexpr, FAST: tl.constexpr):
+    """A candidate per block: its data word (the 16 codes, element ``j`` in bits
+    ``4j .. 4j + 3``, as ``nvfp4._pack16`` packs them) and its error, the 16 element errors
+    summed in fp32, element 0 first."""
     sf = fp8_decode(e4, True)
-    err = _element_error(y0, enc, sf, amax, E, MSE)
-    err = err + _element_error(y1, enc, sf, amax, E, MSE)
-    err = err + _element_error(y2, enc, sf, amax, E, MSE)
-    err = err + _element_error(y3, enc, sf, amax, E, MSE)
-    err = err + _element_error(y4, enc, sf, amax, E, MSE)
-    err = err + _element_error(y5, enc, sf, amax, E, MSE)
-    err = err + _element_error(y6, enc, sf, amax, E, MSE)
-    err = err + _element_error(y7, enc, sf, amax, E, MSE)
-    err = err + _element_error(y8, enc, sf, amax, E, MSE)
-    err = err + _element_error(y9, enc, sf, amax, E, MSE)
-    err = err + _element_error(y10, enc, sf, amax, E, MSE)
-    err = err + _element_error(y11, enc, sf, amax, E, MSE)
-    err = err + _element_error(y12, enc, sf, amax, E, MSE)
-    err = err + _element_error(y13, enc, sf, amax, E, MSE)
-    err = err + _element_error(y14, enc, sf, amax, E, MSE)
-    return err + _element_error(y15, enc, sf, amax, E, MSE)
+    w, err = _element(y0, enc, sf, amax, 0, E, MSE, FAST)
+    c, e = _element(y1, enc, sf, amax, 1, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y2, enc, sf, amax, 2, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y3, enc, sf, amax, 3, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y4, enc, sf, amax, 4, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y5, enc, sf, amax, 5, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y6, enc, sf, amax, 6, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y7, enc, sf, amax, 7, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y8, enc, sf, amax, 8, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y9, enc, sf, amax, 9, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y10, enc, sf, amax, 10, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y11, enc, sf, amax, 11, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y12, enc, sf, amax, 12, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y13, enc, sf, amax, 13, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y14, enc, sf, amax, 14, E, MSE, FAST)
+    w, err = w | c, err + e
+    c, e = _element(y15, enc, sf, amax, 15, E, MSE, FAST)
+    return w | c, err + e
 
 
 @triton.jit
@@ -102,25 +130,43 @@ def _tile_error(err, AXIS: tl.constexpr):
 
 @triton.jit
 def _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax, amax,
-            E: tl.constexpr, MSE: tl.constexpr, TWO_D: tl.constexpr, AXIS: tl.constexpr):
-    """The E4M3 byte (int32) and ``enc`` of the chosen candidate per block, from the block
-    amaxes ``bmax`` (a tile's on each of its blocks with ``TWO_D``, whose tiles run along
-    ``AXIS``) and the tensor's (or the row's) amax: ``base = fp32(fp32(bmax / 6) * S_enc)``,
-    map-to-6 scales ``base``, map-to-4 ``1.5 * base`` (``_block_scales`` saturates at 448)."""
+            E: tl.constexpr, MSE: tl.constexpr, TWO_D: tl.constexpr, AXIS: tl.constexpr,
+            FAST: tl.constexpr):
+    """The E4M3 byte (int32) and the data word (int64) of the chosen candidate per block, from
+    the block amaxes ``bmax`` (a tile's on each of its blocks with ``TWO_D``, whose tiles run
+    along ``AXIS``) and the tensor's (or the row's) amax: ``base = fp32(fp32(bmax / 6) *
+    S_enc)``, map-to-6 scales ``base``, map-to-4 ``1.5 * base`` (``_block_scales`` saturates at
+    448)."""
     s_enc = _encode_scale(amax, 6.0 * E)
     s_dec = tl.math.div_rn(1.0, s_enc)
     base = tl.math.div_rn(bmax, tl.full(bmax.shape, 6.0, tl.float32)) * s_enc
     e6, enc6 = _block_scales(base, s_dec, 1.0)
     e4, enc4 = _block_scales(base, s_dec, 1.5)
-    err6 = _block_error(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        e6, enc6, amax, E, MSE)
-    err4 = _block_error(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        e4, enc4, amax, E, MSE)
+    w6, err6 = _candidate(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                          e6, enc6, amax, E, MSE, FAST)
+    w4, err4 = _candidate(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                          e4, enc4, amax, E, MSE, FAST)
     if TWO_D:
         err6 = _tile_error(err6, AXIS)
         err4 = _tile_error(err4, AXIS)
     pick4 = err4 < err6  # a tie or a NaN error keeps map-to-6
-    return tl.where(pick4, e4, e6), tl.where(pick4, enc4, enc6)
+    return tl.where(pick4, e4, e6), tl.where(pick4, w4, w6)
+
+
+#: Amaxes at or above this (or 0) keep every nonzero dividend of the error's division at or
+#: above ``DIV_BY_MIN``: ``|q| >= 0.5 * 2^-9 * amax`` (the smallest E2M1 and E4M3 values).
+FAST_AMAX_MIN = tl.constexpr(2.0**-80)
+
+
+@triton.jit
+def _fast_division(amax, ROW_SCALED: tl.constexpr):
+    """Whether the program may divide by FMAs (``div_rn_by``): no amax (the tensor's, or one per
+    row ``[R, 1]``) in ``(0, FAST_AMAX_MIN)``. A NaN or infinite amax makes the dividends NaN or
+    infinite, which ``div_rn_by`` divides exactly; rows past the end load amax 0."""
+    tiny = ((amax > 0.0) & (amax < FAST_AMAX_MIN)).to(tl.int32)
+    if ROW_SCALED:
+        tiny = tl.max(tl.max(tiny, axis=1), axis=0)
+    return tiny == 0
 
 
 @triton.jit
@@ -175,10 +221,13 @@ def _nvfp4_4over6_row_kernel(
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         bmax = _tile_amax(bmax, 0)
-    e4, enc = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                      bmax, _load_amax(amax_ptr, rm, M, ROW_SCALED), E, MSE, TWO_D, 0)
-    w = _pack16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, enc, 0, 0,
-                False)
+    amax = _load_amax(amax_ptr, rm, M, ROW_SCALED)
+    if _fast_division(amax, ROW_SCALED):
+        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                        bmax, amax, E, MSE, TWO_D, 0, True)
+    else:
+        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                        bmax, amax, E, MSE, TWO_D, 0, False)
     tl.store(d_ptr + rm[:, None].to(tl.int64) * (K // 16) + kb[None, :], w, mask=mask)
     _store_row_scales(s_ptr, e4, rm, kb, M, K, S_C, SWIZZLE)
 
@@ -214,10 +263,13 @@ def _nvfp4_4over6_col_kernel(
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         bmax = _tile_amax(bmax, 1)
-    e4, enc = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                      bmax, tl.load(amax_ptr), E, MSE, TWO_D, 1)
-    w = _pack16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, enc, 0, 0,
-                False)
+    amax = tl.load(amax_ptr)
+    if _fast_division(amax, False):
+        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                        bmax, amax, E, MSE, TWO_D, 1, True)
+    else:
+        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                        bmax, amax, E, MSE, TWO_D, 1, False)
     _store_col(d_ptr, s_ptr, w, e4, pid_m, pid_k, M, K, MHW, S_C, SWIZZLE, G, BK)
 
 
