@@ -47,15 +47,3 @@ def resource_usage(compiled) -> dict[str, int]:
     line = next(ln for ln in out.splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in (t.split(":")[:2] for t in line.split() if ":" in t)
             if v.isdigit()}
-
-
-def sass(compiled) -> str:
-    """The SASS text of a compiled kernel's cubin (``nvdisasm``)."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
