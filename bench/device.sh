@@ -31,9 +31,10 @@
 #                the recipes (default fp8_current ao_fp8_tensorwise bf16)
 #   demo         quant doctor, then quant demo on the GPU (150 steps)
 #   gpt          quant demo --model gpt per recipe, one process each; args: the recipes
-#   parity       NVFP4's 4over6 and row-scaled variants on the GPU: tests/gpu's kernel checks of
-#                the variants (the 4over6 reference is slow: ~30 s a case) and their compiled
-#                forms, verbose, a line per test
+#   parity       NVFP4's 4over6 and row-scaled variants on the GPU: the 2^32 sweep of the
+#                rounding helpers (their division and E2M1 value included), tests/gpu's kernel
+#                checks of the variants (the 4over6 reference is slow: ~30 s a case) and their
+#                compiled forms, verbose, a line per test
 #   parity-gemm  the NVFP4 GEMM tests, verbose, then their reference tests ten times over
 #   parity-speed the NVFP4 kernels' bandwidth with the 4over6 and row-scaled variants
 #                (speed.py kernels --only NVFP4: their tile sweeps, the spilling tiles included)
@@ -45,6 +46,8 @@
 #   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
 #   probe        bench/grouped_probe.py: which FP8 GEMM forms torch and Triton take here (E5M2
 #                operands, per-group slices, fp32 outputs), their errors and speed
+#   cmd          any command as one step (NAME, else "cmd"; limit LIMIT, else 300 s), with the
+#                same setup: e.g. NAME=sweep bash bench/device.sh cmd python3 -m pytest ...
 #
 # Environment: OUT (where results go; set by the GPU machine), LIMIT (seconds for each step,
 # instead of the step's own limit), SRC=1 (put this tree's packages/*/src before the wheels;
@@ -153,6 +156,7 @@ profile_spy() {
   done
 }
 profile_parity() {
+  step parity_sweep 60 "${PYTEST[@]}" -v tests/gpu/test_kernels_vs_reference.py -k exhaustive
   step parity_kernels 360 "${PYTEST[@]}" -v tests/gpu/test_kernels_vs_reference.py \
     -k "nvfp4_4over6 or nvfp4_row_scaled" "$@"
   step parity_compile 150 "${PYTEST[@]}" -v tests/gpu/test_compile_cuda.py \
@@ -180,6 +184,7 @@ profile_multi() {
 profile_grouped() {
   step grouped 300 "${PYTEST[@]}" tests/recipes/test_grouped_fp8.py tests/recipes/test_grouped_linear.py "$@"
 }
+profile_cmd() { step "${NAME:-cmd}" 300 "$@"; }
 profile_probe() { step probe 240 python3 bench/grouped_probe.py "$@"; }
 profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
 profile_demo() {
