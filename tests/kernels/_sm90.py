@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 
 
@@ -47,3 +48,31 @@ def resource_usage(compiled) -> dict[str, int]:
     line = next(ln for ln in out.splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in (t.split(":")[:2] for t in line.split() if ":" in t)
             if v.isdigit()}
+
+
+def run_as_script(path: str, min_ok: int, timeout: int = 900) -> None:
+    """Run the test module ``path`` as a script in a process without ``TRITON_INTERPRET`` (real
+    Triton compilation) and assert that it exits 0 and printed at least ``min_ok`` lines
+    starting ``ok``: the checks ran, not only started."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("ok  ") >= min_ok, run.stdout
+
+
+def record_launches() -> list:
+    """Replace ``launch`` in every imported quant_kernels module by a recorder, so that a
+    backend call launches nothing; returns the list of ``(kernel, grid, args, kwargs)`` it
+    appends to."""
+    launches = []
+
+    def record(kernel, grid, *args, **kwargs):
+        launches.append((kernel, grid, args, kwargs))
+
+    import quant_kernels.backend  # noqa: F401  (imports every kernel module)
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("quant_kernels") and hasattr(mod, "launch"):
+            mod.launch = record
+    return launches

@@ -19,21 +19,17 @@ a contractible pair.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
+
+from _sm90 import run_as_script
 
 #: Kernels whose source calls ``tl.fma``.
 EXPLICIT_FMA = ("_nvfp4_4over6_row_kernel", "_nvfp4_4over6_col_kernel")
 
 
 def test_no_kernel_leaves_a_contractible_product():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok  ") >= 20, run.stdout
+    run_as_script(__file__, min_ok=20)
 
 
 def contractible(ptx: str) -> list[str]:
@@ -108,19 +104,10 @@ def _calls(x, one):
 
 def main() -> int:
     import torch
-    from _sm90 import fake_target
+    from _sm90 import fake_target, record_launches
 
     fake_target()
-    import quant_kernels.backend  # noqa: F401  (imports every kernel module)
-
-    launches = []
-
-    def record(kernel, grid, *args, **kwargs):
-        launches.append((kernel, grid, args, kwargs))
-
-    for name, mod in list(sys.modules.items()):  # every module that imported launch()
-        if name.startswith("quant_kernels") and hasattr(mod, "launch"):
-            mod.launch = record
+    launches = record_launches()
     x = torch.randn(256, 256, dtype=torch.bfloat16)
     bad = 0
     for name, call in _calls(x, torch.ones(1)).items():

@@ -10,33 +10,23 @@ tests/kernels/test_kernel_registers.py`` prints one line per kernel and exits 1 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+
+from _sm90 import run_as_script
 
 
 def test_no_quantize_kernel_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok  ") >= 6, run.stdout
+    run_as_script(__file__, min_ok=6)
 
 
 def main() -> int:
     import torch
-    from _sm90 import fake_target, resource_usage
+    from _sm90 import fake_target, record_launches, resource_usage
 
     fake_target()
-    from quant_kernels import fp8_grouped, nvfp4, nvfp4_4over6
+    from quant_kernels import fp8_grouped, nvfp4_4over6
 
-    launches = []
-
-    def record(kernel, grid, *args, **kwargs):
-        launches.append((kernel, grid, args, kwargs))
-
-    for mod in (nvfp4, nvfp4_4over6, fp8_grouped):
-        mod.launch = record
+    launches = record_launches()
     x = torch.randn(256, 256, dtype=torch.bfloat16)
     one = torch.ones(1)
     common = dict(rowwise=True, columnwise=True, swizzle=True)

@@ -13,11 +13,10 @@ prints one line per launch and exits 1 if any kernel is read as writing its inpu
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
+from _sm90 import run_as_script
 
 
 def test_no_quantize_kernel_writes_its_input():
@@ -25,11 +24,7 @@ def test_no_quantize_kernel_writes_its_input():
     if not any(hasattr(wrap, f) for f in ("identify_accessed_tensors",
                                           "identify_mutated_tensors")):
         pytest.skip("this torch has no TTIR mutation analysis")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok  ") >= 9, run.stdout
+    run_as_script(__file__, min_ok=9, timeout=600)
 
 
 def _writes_analysis():
@@ -45,24 +40,14 @@ def _writes_analysis():
 
 def main() -> int:
     import torch
-    from _sm90 import fake_target
+    from _sm90 import fake_target, record_launches
     from quant_core import DType
 
     fake_target()
     from quant_kernels.backend import BACKEND as B
 
     writes_of = _writes_analysis()
-    launches = []
-
-    def record(kernel, grid, *args, **kwargs):
-        names = [p.name for p in kernel.params]
-        bound = dict(zip(names, args, strict=False)) | kwargs
-        bound = {k: v for k, v in bound.items() if k in names}
-        launches.append((kernel, bound))
-
-    for name, mod in list(sys.modules.items()):  # every module that imported launch()
-        if name.startswith("quant_kernels") and hasattr(mod, "launch"):
-            mod.launch = record
+    launches = record_launches()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(256, 256, dtype=torch.bfloat16, device=dev)
     one = torch.ones(1, device=dev)
@@ -89,7 +74,10 @@ def main() -> int:
     for name, call in calls.items():
         launches.clear()
         call()
-        for kernel, bound in launches:
+        for kernel, _, args, kwargs in launches:
+            names = [p.name for p in kernel.params]
+            bound = {k: v for k, v in (dict(zip(names, args, strict=False)) | kwargs).items()
+                     if k in names}
             inputs = {k for k, v in bound.items() if isinstance(v, torch.Tensor)
                       and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()}
             writes = writes_of(kernel, bound)

@@ -129,9 +129,9 @@ def _tile_error(err, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax, amax,
-            E: tl.constexpr, MSE: tl.constexpr, TWO_D: tl.constexpr, AXIS: tl.constexpr,
-            FAST: tl.constexpr):
+def _pick(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax, amax,
+          E: tl.constexpr, MSE: tl.constexpr, TWO_D: tl.constexpr, AXIS: tl.constexpr,
+          FAST: tl.constexpr):
     """The E4M3 byte (int32) and the data word (int64) of the chosen candidate per block, from
     the block amaxes ``bmax`` (a tile's on each of its blocks with ``TWO_D``, whose tiles run
     along ``AXIS``) and the tensor's (or the row's) amax: ``base = fp32(fp32(bmax / 6) *
@@ -167,6 +167,21 @@ def _fast_division(amax, ROW_SCALED: tl.constexpr):
     if ROW_SCALED:
         tiny = tl.max(tl.max(tiny, axis=1), axis=0)
     return tiny == 0
+
+
+@triton.jit
+def _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax, amax,
+            E: tl.constexpr, MSE: tl.constexpr, TWO_D: tl.constexpr, AXIS: tl.constexpr,
+            ROW_SCALED: tl.constexpr):
+    """:func:`_pick`, dividing by FMAs where :func:`_fast_division` allows it (one branch per
+    program)."""
+    if _fast_division(amax, ROW_SCALED):
+        e4, w = _pick(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax,
+                      amax, E, MSE, TWO_D, AXIS, True)
+    else:
+        e4, w = _pick(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, bmax,
+                      amax, E, MSE, TWO_D, AXIS, False)
+    return e4, w
 
 
 @triton.jit
@@ -221,13 +236,8 @@ def _nvfp4_4over6_row_kernel(
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         bmax = _tile_amax(bmax, 0)
-    amax = _load_amax(amax_ptr, rm, M, ROW_SCALED)
-    if _fast_division(amax, ROW_SCALED):
-        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        bmax, amax, E, MSE, TWO_D, 0, True)
-    else:
-        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        bmax, amax, E, MSE, TWO_D, 0, False)
+    e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                    bmax, _load_amax(amax_ptr, rm, M, ROW_SCALED), E, MSE, TWO_D, 0, ROW_SCALED)
     tl.store(d_ptr + rm[:, None].to(tl.int64) * (K // 16) + kb[None, :], w, mask=mask)
     _store_row_scales(s_ptr, e4, rm, kb, M, K, S_C, SWIZZLE)
 
@@ -263,13 +273,8 @@ def _nvfp4_4over6_col_kernel(
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         bmax = _tile_amax(bmax, 1)
-    amax = tl.load(amax_ptr)
-    if _fast_division(amax, False):
-        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        bmax, amax, E, MSE, TWO_D, 1, True)
-    else:
-        e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                        bmax, amax, E, MSE, TWO_D, 1, False)
+    e4, w = _select(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                    bmax, tl.load(amax_ptr), E, MSE, TWO_D, 1, False)
     _store_col(d_ptr, s_ptr, w, e4, pid_m, pid_k, M, K, MHW, S_C, SWIZZLE, G, BK)
 
 
