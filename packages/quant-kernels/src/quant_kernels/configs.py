@@ -73,9 +73,9 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "nvfp4_col": {"gpu": {"G": 4, "BK": 64, "num_warps": 4}, "interp": {"G": 4, "BK": 64}},
     "nvfp4_dequant": {"gpu": {"BM": 32, "BK": 64, "num_warps": 4}, "interp": {"BM": 64, "BK": 32}},
     # nvfp4_4over6.py: one block per thread (each holds its 16 elements and both candidates'
-    # errors and codes): 64-72 registers and no stack frame for sm_90, where the plain NVFP4
-    # tiles spill up to 1368 bytes per thread (tests/kernels/test_kernel_registers.py); the
-    # interpreter runs the same tiles
+    # errors and codes): 96-160 registers (both division paths) and no stack frame for sm_90,
+    # where the plain NVFP4 tiles spill up to 1368 bytes per thread
+    # (tests/kernels/test_kernel_registers.py); the interpreter runs the same tiles
     "nvfp4_4over6_row": {"gpu": {"BM": 16, "BK": 128, "num_warps": 4},
                          "interp": {"BM": 16, "BK": 128}},
     "nvfp4_4over6_col": {"gpu": {"G": 2, "BK": 64, "num_warps": 4}, "interp": {"G": 2, "BK": 64}},
