@@ -32,6 +32,7 @@ from quant_core.reference._rounding import (
     nan_to_zero_abs,
     to_fp32,
 )
+from quant_core.shapes import roundup
 
 #: fp32 elements between two groups' scale-inverses (a 16-byte pitch, for cuBLAS).
 SCALE_PITCH = 4
@@ -60,7 +61,7 @@ class Layout:
 def padded_rows(total, groups: int, align: int):
     """Rows of the padded layout of ``total`` rows in ``groups`` groups: ``roundup(total,
     align) + groups * align``, at least the sum of the padded groups (an int or a SymInt)."""
-    return (total + align - 1) // align * align + groups * align
+    return roundup(total, align) + groups * align
 
 
 def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
@@ -68,7 +69,7 @@ def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
     ends = offs.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     counts = ends - starts
-    padded = torch.where(counts > 0, (counts + align - 1) // align * align, align)
+    padded = torch.where(counts > 0, roundup(counts, align), align)
     pends = padded.cumsum(0)
     pstarts = pends - padded
     r = torch.arange(total, device=offs.device)
@@ -89,7 +90,7 @@ def padded_starts(bounds: list[int], align: int) -> list[int]:
     for end in bounds:
         starts.append(at)
         m = end - last
-        at += -(-m // align) * align if m else align
+        at += roundup(m, align) if m else align
         last = end
     return starts
 

@@ -29,6 +29,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from quant_core.shapes import roundup
 
 from . import grouped_fp8_gemm
 from .gemm import HP, dequantize, qgemm_impl, quantizer_meta
@@ -71,10 +72,6 @@ def _groups(offs: torch.Tensor, total: int) -> list[tuple[int, int]]:
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t [m, ...]`` with zero rows appended up to ``rows``."""
     return t if t.shape[0] == rows else F.pad(t, (0, 0, 0, rows - t.shape[0]))
-
-
-def _pad_rows(m: int, align: int) -> int:
-    return -(-m // align) * align
 
 
 def quantized(x: torch.Tensor, q) -> list[torch.Tensor]:
@@ -152,7 +149,7 @@ def _values(bufs: list, meta: list[int], rows, width: int, col: bool) -> list[to
 
 def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, int, int]]:
     """``(group, start, rows, padded rows)`` of each non-empty group."""
-    return [(g, s, m, _pad_rows(m, align)) for g, (s, m) in enumerate(_groups(offs, total)) if m]
+    return [(g, s, m, roundup(m, align)) for g, (s, m) in enumerate(_groups(offs, total)) if m]
 
 
 def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, qw, align: int
