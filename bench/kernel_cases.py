@@ -189,14 +189,17 @@ def cases(x: torch.Tensor) -> list[tuple]:
          lambda: B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
                               rht_sign_mask=0xD7E8), 2 * N),
         # 4over6 quantizes each block twice and measures both errors: compute-bound, no target
-        ("NVFP4 4over6 rowwise (1x16, MAE, given amax)", None, ("nvfp4_4over6_row",),
-         lambda: B.nvfp4_quantize(x, amax, None, rowwise=True, columnwise=False, **nv,
-                                  four_over_six=True, e4m3_max=256, err_mode="MAE"),
-         2 * N + N // 2 + s16),
-        ("NVFP4 4over6 columnwise (16x1, MAE, given amax)", None, ("nvfp4_4over6_col",),
-         lambda: B.nvfp4_quantize(x, None, amax, rowwise=False, columnwise=True, **nv,
-                                  four_over_six=True, e4m3_max=256, err_mode="MAE"),
-         2 * N + N // 2 + s16),
+        *[(f"NVFP4 4over6 {name} ({block}, {mode}, given amax)", None,
+           (f"nvfp4_4over6_{direction}",),
+           lambda d=direction, m=mode, two=two_d: B.nvfp4_quantize(
+               x, amax if d == "row" else None, amax if d == "col" else None,
+               rowwise=d == "row", columnwise=d == "col",
+               **dict(nv, with_2d_quantization=two), four_over_six=True, e4m3_max=256,
+               err_mode=m), 2 * N + N // 2 + s16)
+          for name, direction, block, two_d, mode in (
+              ("rowwise", "row", "1x16", False, "MAE"), ("columnwise", "col", "16x1", False, "MAE"),
+              ("rowwise", "row", "1x16", False, "MSE"), ("columnwise", "col", "16x1", False, "MSE"),
+              ("rowwise", "row", "16x16", True, "MAE"))],
         ("NVFP4 row-scaled rowwise (given row amaxes)", None, ("nvfp4_row",),
          lambda: B.nvfp4_quantize(x, row_amax, None, rowwise=True, columnwise=False, **nv,
                                   row_scaled=True), 2 * N + N // 2 + s16),
