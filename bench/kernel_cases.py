@@ -189,17 +189,16 @@ def cases(x: torch.Tensor) -> list[tuple]:
          lambda: B.nvfp4_amax(x, rowwise=False, columnwise=True, with_rht=True,
                               rht_sign_mask=0xD7E8), 2 * N),
         # 4over6 quantizes each block twice and measures both errors: compute-bound, no target
-        *[(f"NVFP4 4over6 {name} ({block}, {mode}, given amax)", None,
-           (f"nvfp4_4over6_{direction}",),
-           lambda d=direction, m=mode, two=two_d: B.nvfp4_quantize(
+        *[(f"NVFP4 4over6 {'rowwise' if d == 'row' else 'columnwise'} "
+           f"({'16x16' if two else '1x16' if d == 'row' else '16x1'}, {m}, given amax)", None,
+           (f"nvfp4_4over6_{d}",),
+           lambda d=d, m=m, two=two: B.nvfp4_quantize(
                x, amax if d == "row" else None, amax if d == "col" else None,
                rowwise=d == "row", columnwise=d == "col",
                **dict(nv, with_2d_quantization=two), four_over_six=True, e4m3_max=256,
                err_mode=m), 2 * N + N // 2 + s16)
-          for name, direction, block, two_d, mode in (
-              ("rowwise", "row", "1x16", False, "MAE"), ("columnwise", "col", "16x1", False, "MAE"),
-              ("rowwise", "row", "1x16", False, "MSE"), ("columnwise", "col", "16x1", False, "MSE"),
-              ("rowwise", "row", "16x16", True, "MAE"))],
+          for d, two, m in (("row", False, "MAE"), ("col", False, "MAE"), ("row", False, "MSE"),
+                            ("col", False, "MSE"), ("row", True, "MAE"))],
         ("NVFP4 row-scaled rowwise (given row amaxes)", None, ("nvfp4_row",),
          lambda: B.nvfp4_quantize(x, row_amax, None, rowwise=True, columnwise=False, **nv,
                                   row_scaled=True), 2 * N + N // 2 + s16),
