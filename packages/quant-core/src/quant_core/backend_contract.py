@@ -135,6 +135,26 @@ class Backend(Protocol):
         """As :meth:`mxfp8_gemm` for packed NVFP4 row operands with their fp32 amaxes (``(1,)``,
         or one per row of a row-scaled operand: the factor of each output row or column)."""
 
+    # ---------------------------------------------- grouped FP8 GEMMs (mixture of experts)
+    def fp8_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
+                              b: torch.Tensor, b_scale_inv: torch.Tensor, offs: torch.Tensor,
+                              a_ends: torch.Tensor, *, total: int, a_dtype: DType,
+                              b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
+                              ) -> torch.Tensor:
+        """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are ``(a_g @ b[g]ᵀ) * a_scale_inv[g]
+        * b_scale_inv[g]``, ``a_g`` group ``g``'s rows of ``a [R, K]`` from row ``a_ends[g-1]``
+        on, ``b [E, N, K]``; uint8 FP8 bytes, fp32 ``[E]`` scale-inverses (any stride),
+        int32/int64 ``[E]`` cumulative ends. A fast backend reads no group bound on the host."""
+
+    def fp8_grouped_tokens_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
+                                b: torch.Tensor, b_scale_inv: torch.Tensor, ends: torch.Tensor,
+                                *, a_dtype: DType, b_dtype: DType,
+                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
+        b_scale_inv[g]`` over columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]``, ``b [N, R]``
+        (zeros for a group without columns); every group starts at a multiple of 16 columns
+        (the padded layout of a grouped layer; a fast backend may read 16-byte vectors)."""
+
 
 #: The functions of the contract, in declaration order (``name``, ``priority`` and
 #: ``supports`` are checked apart).

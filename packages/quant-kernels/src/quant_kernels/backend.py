@@ -14,7 +14,17 @@ import os
 import torch
 from quant_core import reference
 
-from . import _amax, _gemm, fp8_block, fp8_tensor, mxfp8, mxfp8_gemm, nvfp4, nvfp4_gemm
+from . import (
+    _amax,
+    _gemm,
+    fp8_block,
+    fp8_grouped_gemm,
+    fp8_tensor,
+    mxfp8,
+    mxfp8_gemm,
+    nvfp4,
+    nvfp4_gemm,
+)
 from ._common import interpreting
 
 
@@ -65,6 +75,8 @@ class TritonBackend:
     unswizzle_scales = staticmethod(reference.unswizzle_scales)
     mxfp8_gemm = staticmethod(mxfp8_gemm.mxfp8_gemm)
     nvfp4_gemm = staticmethod(nvfp4_gemm.nvfp4_gemm)
+    fp8_grouped_rows_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_rows_gemm)
+    fp8_grouped_tokens_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_tokens_gemm)
 
 
 BACKEND = TritonBackend()

@@ -90,6 +90,13 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
         "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
     },
+    # fp8_grouped_gemm.py: grouped FP8 GEMMs; PROMOTE: the contraction elements the tensor core
+    # sums before an fp32 add (0: after every MMA). The winner of bench/grouped_probe.py's sweep
+    "fp8_grouped_gemm": {
+        "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "num_warps": 8,
+                "num_stages": 4},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0},
+    },
     # dequant_gemm.py
     "gemm_epilogue": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
 }

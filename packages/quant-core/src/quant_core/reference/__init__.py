@@ -6,9 +6,10 @@ one documented method each in :class:`quant_core.backend_contract.Backend`; a ba
 (quant-kernels' ``triton``) provides the same names with the same signatures and must return
 the same bytes (GEMMs: the same products and fp32 sums, in any order). The rounding rules
 (stochastic rounding and its random bytes included) are :mod:`._rounding`'s; the block tiling
-:mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s; the RHT :mod:`.rht`'s; the scale swizzle
-:mod:`.swizzle`'s. ``nvfp4_4over6_quantize`` (:mod:`.nvfp4_4over6`) is NVFP4's 4over6 block
-scaling, which backends take as ``nvfp4_quantize(four_over_six=True)``.
+:mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s and, grouped, :mod:`.grouped_gemm`'s; the
+RHT :mod:`.rht`'s; the scale swizzle :mod:`.swizzle`'s. ``nvfp4_4over6_quantize``
+(:mod:`.nvfp4_4over6`) is NVFP4's 4over6 block scaling, which backends take as
+``nvfp4_quantize(four_over_six=True)``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .fp8_tensor import (
     fp8_quantize,
 )
 from .gemm import mxfp8_gemm, nvfp4_gemm
+from .grouped_gemm import fp8_grouped_rows_gemm, fp8_grouped_tokens_gemm
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
 from .nvfp4_4over6 import nvfp4_4over6_quantize
@@ -31,6 +33,7 @@ from .swizzle import swizzle_scales, unswizzle_scales
 __all__ = [
     "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
-    "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm", "rht_matrix",
+    "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
+    "fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm", "rht_matrix",
     "swizzle_scales", "unswizzle_scales", "nvfp4_4over6_quantize",
 ]

@@ -1,0 +1,240 @@
+"""Grouped FP8 GEMMs with per-group tensor scales: every group of a mixture-of-experts GEMM in
+one launch, the group bounds read on the device (no host synchronization, so a step can be
+captured in a CUDA graph). Any pair of E4M3 / E5M2 operands (TransformerEngine's HYBRID
+backward multiplies E5M2 gradients by E4M3 inputs and weights).
+
+Two GEMM shapes, both with the contraction along the contiguous dimension of both operands:
+
+- :func:`fp8_grouped_rows_gemm` (forward and input gradient): ``out [T, N]``, rows
+  ``offs[g-1]:offs[g]`` equal to group ``g``'s rows of ``a`` times ``b[g]ᵀ`` (``b [E, N, K]``),
+  times ``a_scale_inv[g] * b_scale_inv[g]``. Group ``g``'s rows of ``a`` start at row
+  ``a_ends[g-1]`` (``a_ends`` is ``offs`` when ``a`` holds the rows where they are, the padded
+  ends when it holds them in a padded layout).
+- :func:`fp8_grouped_tokens_gemm` (weight gradient): ``out [E, M, N]``, group ``g``'s product
+  ``a[:, s:e] @ b[:, s:e]ᵀ`` of the transposed operands ``a [M, R]``, ``b [N, R]`` over its
+  columns ``s:e = ends[g-1]:ends[g]`` (a group with none gives zeros).
+
+Numerics: every FP8 product is exact; the sums are fp32, the tensor core's partial sum of each
+``PROMOTE`` elements of the contraction (128, four MMA instructions, as DeepGEMM promotes)
+added to the fp32 accumulator: Hopper's fast FP8 accumulation alone keeps too few bits over a
+long contraction; then the reference's
+``(P * a_scale_inv[g]) * b_scale_inv[g]`` and one RNE cast (``quant_core.reference.grouped_gemm``).
+Under the interpreter the operands are decoded to fp32 and multiplied in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core.dtypes import DType, check_fp8
+from quant_core.shapes import ceil_div
+
+from ._common import launch, out_code
+from ._rounding import NATIVE_FP8, fp8_decode, to_out
+from .configs import launch_config
+
+
+@triton.jit
+def _fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, PROMOTE: tl.constexpr):
+    """``acc + a @ b`` of uint8 FP8 tiles: on the tensor cores, their partial sums added to the
+    fp32 ``acc`` every ``PROMOTE`` elements of the contraction (0: after every MMA instruction;
+    -1: Triton's default, Hopper's fast accumulation), or (interpreter) exactly decoded in
+    fp32."""
+    if NATIVE_FP8:
+        if A_E4M3:
+            av = a.to(tl.float8e4nv, bitcast=True)
+        else:
+            av = a.to(tl.float8e5, bitcast=True)
+        if B_E4M3:
+            bv = b.to(tl.float8e4nv, bitcast=True)
+        else:
+            bv = b.to(tl.float8e5, bitcast=True)
+        if PROMOTE >= 0:
+            return tl.dot(av, bv, acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            return tl.dot(av, bv, acc)
+    else:
+        return tl.dot(fp8_decode(a, A_E4M3), fp8_decode(b, B_E4M3), acc, input_precision="ieee")
+
+
+@triton.jit
+def _entry(v, e, i):
+    """Element ``i`` of the vector ``v`` indexed by ``e`` (``tl.arange``)."""
+    return tl.sum(tl.where(e == i, v, 0), axis=0)
+
+
+@triton.jit
+def _tile_group(offs_ptr, pid, E, BM: tl.constexpr, EP2: tl.constexpr):
+    """``(group, tile within it)`` of row tile ``pid``, the tiles numbered group after group
+    (``cdiv(rows, BM)`` each); the group is ``E`` past the last tile."""
+    e = tl.arange(0, EP2)
+    emask = e < E
+    ends = tl.load(offs_ptr + e, mask=emask, other=0).to(tl.int32)
+    prev = tl.load(offs_ptr + e - 1, mask=emask & (e > 0), other=0).to(tl.int32)
+    tiles = tl.where(emask, (ends - prev + BM - 1) // BM, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    g = tl.sum((cum <= pid).to(tl.int32), axis=0)
+    return g, pid - _entry(cum - tiles, e, g)
+
+
+@triton.jit
+def _start(ends_ptr, g):
+    """Where group ``g`` starts: ``ends[g - 1]``, 0 for the first group."""
+    return tl.load(ends_ptr + tl.maximum(g - 1, 0), mask=g > 0, other=0).to(tl.int64)
+
+
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E,
+                 s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
+                 EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PROMOTE: tl.constexpr):
+    """One ``[BM, BN]`` tile of one group's rows of :func:`fp8_grouped_rows_gemm`.
+
+    a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous.
+    sa_ptr, sb_ptr: fp32 per-group scale-inverses, group ``g`` at ``g * s_sa`` / ``g * s_sb``.
+    offs_ptr: int32/int64 ``[E]`` cumulative ends of the output rows (the real rows).
+    a_ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' rows in ``a``.
+    c_ptr: output ``[T, N]`` of the dtype ``OUT`` codes, contiguous.
+    Program axis 0: the row tile (group after group; past the last one exits), axis 1: the
+    column tile.
+    """
+    g, t = _tile_group(offs_ptr, tl.program_id(0), E, BM, EP2)
+    if g < E:
+        out0 = _start(offs_ptr, g)
+        rows = tl.load(offs_ptr + g).to(tl.int64) - out0
+        local = t * BM + tl.arange(0, BM)
+        rmask = local < rows
+        ar = _start(a_ends_ptr, g) + tl.where(rmask, local, 0)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < N
+        b_rows = g.to(tl.int64) * N + tl.where(nmask, rn, 0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < K
+            a = tl.load(a_ptr + ar[:, None] * K + rk[None, :], mask=kmask[None, :], other=0)
+            b = tl.load(b_ptr + b_rows[None, :] * K + rk[:, None], mask=kmask[:, None], other=0)
+            acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
+        acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+        out_rows = out0 + local
+        tl.store(c_ptr + out_rows[:, None] * N + rn[None, :], to_out(acc, OUT),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
+                   A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr):
+    """One ``[BM, BN]`` tile of group ``program_id(1)``'s product of
+    :func:`fp8_grouped_tokens_gemm`.
+
+    a_ptr: uint8 FP8 ``[M, R]``; b_ptr: uint8 FP8 ``[N, R]``; both contiguous.
+    ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' columns (each group starts at a
+        multiple of 16: the loads are 16-byte vectors).
+    c_ptr: output ``[E, M, N]`` of the dtype ``OUT`` codes, contiguous.
+    """
+    g = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BN)
+    rm = (tl.program_id(0) // tiles_n) * BM + tl.arange(0, BM)
+    rn = (tl.program_id(0) % tiles_n) * BN + tl.arange(0, BN)
+    mmask, nmask = rm < M, rn < N
+    am = tl.where(mmask, rm, 0).to(tl.int64)
+    bn = tl.where(nmask, rn, 0).to(tl.int64)
+    start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), 16)
+    cols = tl.load(ends_ptr + g).to(tl.int32) - start
+    a_rows = a_ptr + am[:, None] * R + start
+    b_rows = b_ptr + bn[None, :] * R + start
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, cols, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < cols
+        a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0)
+        b = tl.load(b_rows + rk[:, None], mask=kmask[:, None], other=0)
+        acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
+    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
+
+
+def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: DType,
+           b_dtype: DType, out_dtype: torch.dtype) -> None:
+    """Clear errors for both wrappers: FP8 dtypes, contiguous uint8 operands, fp32 scales and
+    integer ends on ``a``'s device."""
+    check_fp8(a_dtype, "a_dtype")
+    check_fp8(b_dtype, "b_dtype")
+    out_code(out_dtype)
+    for arg, t in (("a", a), ("b", b)):
+        if t.dtype != torch.uint8 or not t.is_contiguous():
+            raise TypeError(f"{name}: {arg} must be contiguous uint8 FP8 bytes, got {t.dtype}"
+                            f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    for arg, t in (*scales, *ends):
+        if t.device != a.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but a on {a.device}")
+    for arg, t in scales:
+        if t.dtype != torch.float32 or t.dim() != 1:
+            raise TypeError(f"{name}: {arg} must be a 1D fp32 tensor (one scale-inverse per "
+                            f"group), got {t.dtype} {tuple(t.shape)}")
+    for arg, t in ends:
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+            raise TypeError(f"{name}: {arg} must be a 1D int32/int64 tensor of cumulative "
+                            f"ends, got {t.dtype} {tuple(t.shape)}")
+
+
+def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                          b_scale_inv: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
+                          *, total: int, a_dtype: DType, b_dtype: DType,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [total, N]``: for each group ``g``, rows ``offs[g-1]:offs[g]`` are
+    ``(a_g @ b[g]ᵀ) * a_scale_inv[g] * b_scale_inv[g]`` with ``a_g`` the group's rows of
+    ``a [R, K]`` from row ``a_ends[g-1]`` on, ``b [E, N, K]`` (uint8 FP8 bytes of ``a_dtype`` /
+    ``b_dtype``; ``offs``, ``a_ends`` ``[E]`` cumulative ends, ``offs[-1] == total``). Rows of
+    ``a`` outside the groups are not read."""
+    name = "fp8_grouped_rows_gemm"
+    _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
+           (("offs", offs), ("a_ends", a_ends)), a_dtype, b_dtype, out_dtype)
+    if b.dim() != 3 or a.dim() != 2 or a.shape[1] != b.shape[2]:
+        raise ValueError(f"{name}: a must be [R, K] and b [E, N, K] with the same K, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    experts, n, k = b.shape
+    if offs.shape[0] != experts or a_ends.shape[0] != experts:
+        raise ValueError(f"{name}: offs and a_ends must have one entry per group ({experts}), "
+                         f"got {tuple(offs.shape)} and {tuple(a_ends.shape)}")
+    out = torch.empty((total, n), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg, kw = launch_config("fp8_grouped_gemm")
+    launch(_rows_kernel, (ceil_div(total, cfg["BM"]) + experts, ceil_div(n, cfg["BN"])),
+           a, b, a_scale_inv, b_scale_inv, offs, a_ends, out, n, k, experts,
+           a_scale_inv.stride(0), b_scale_inv.stride(0), A_E4M3=a_dtype == DType.E4M3,
+           B_E4M3=b_dtype == DType.E4M3, OUT=out_code(out_dtype),
+           EP2=triton.next_power_of_2(experts), **kw)
+    return out
+
+
+def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                            b_scale_inv: torch.Tensor, ends: torch.Tensor, *, a_dtype: DType,
+                            b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
+                            ) -> torch.Tensor:
+    """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
+    b_scale_inv[g]`` over its columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]`` and
+    ``b [N, R]`` (uint8 FP8 bytes; ``ends`` ``[E]`` cumulative, every group starting at a multiple
+    of 16 columns: the padded layout of a grouped layer). A group without columns gives zeros."""
+    name = "fp8_grouped_tokens_gemm"
+    _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
+           (("ends", ends),), a_dtype, b_dtype, out_dtype)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{name}: a must be [M, R] and b [N, R] with the same R, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
+    out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    cfg, kw = launch_config("fp8_grouped_gemm")
+    launch(_tokens_kernel, (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts),
+           a, b, a_scale_inv, b_scale_inv, ends, out, m, n, r, a_scale_inv.stride(0),
+           b_scale_inv.stride(0), A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3,
+           OUT=out_code(out_dtype), **kw)
+    return out

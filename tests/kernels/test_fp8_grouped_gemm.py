@@ -1,0 +1,140 @@
+"""The grouped FP8 GEMM kernels (quant_kernels.fp8_grouped_gemm) against the reference
+(quant_core.reference.grouped_gemm): ragged and empty groups, rows read from a padded layout,
+every pair of FP8 dtypes.
+
+Bitwise where the fp32 sums are exact in any order (small integer elements); elsewhere within
+the accumulation-order bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernels_util import DEVICE
+from quant_core import reference
+from quant_core.dtypes import DType
+from quant_kernels import fp8_grouped_gemm as kern
+
+PAIRS = [(DType.E4M3, DType.E4M3), (DType.E5M2, DType.E4M3), (DType.E4M3, DType.E5M2),
+         (DType.E5M2, DType.E5M2)]
+
+
+#: ``|got - want| / sum |a_i b_i|`` at most: fp32 sums in another order under the interpreter
+#: (128 terms); on Hopper each MMA instruction's 32 products are summed by the tensor core, which
+#: keeps fewer bits than fp32, before the fp32 add (``PROMOTE`` 0).
+SUM_BOUND = 2.0**-10 if DEVICE == "cuda" else 128 * 2.0**-23
+
+
+def _bytes(shape, dtype: DType, seed: int, integers: bool) -> torch.Tensor:
+    """FP8 bytes of ``dtype``: small integers (exact sums in any order), or any finite value."""
+    g = torch.Generator().manual_seed(seed)
+    if integers:
+        return torch.randint(-8, 9, shape, generator=g).float().to(dtype.torch_dtype).view(
+            torch.uint8)
+    v = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g))
+    return v.clamp(-dtype.max, dtype.max).to(dtype.torch_dtype).view(torch.uint8)
+
+
+def _scales(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g) * 4 + 0.25
+
+
+def _ends(counts, pad_to: int = 1) -> torch.Tensor:
+    return torch.tensor([-(-c // pad_to) * pad_to for c in counts]).cumsum(0)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded):
+    counts = [0, 37, 1, 0, 70]
+    total, k, n = sum(counts), 96, 80
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a_ends = _ends(counts, 16) if padded else offs.to(torch.int64)
+    rows = int(a_ends[-1]) + 16  # rows past the last group are never read
+    a = _bytes((rows, k), a_dtype, 1, True)
+    b = _bytes((len(counts), n, k), b_dtype, 2, True)
+    sa = torch.zeros(len(counts), 4)
+    sa[:, 0] = _scales(len(counts), 3)  # a pitch of 4, as the layer's scale-inverses
+    sb = _scales(len(counts), 4)
+    args = (a, sa[:, 0], b, sb, offs, a_ends)
+    kw = {"total": total, "a_dtype": a_dtype, "b_dtype": b_dtype}
+    want = reference.fp8_grouped_rows_gemm(*args, **kw)
+    got = kern.fp8_grouped_rows_gemm(*(t.to(DEVICE) for t in args), **kw)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+def test_tokens_gemm_matches_reference(a_dtype, b_dtype):
+    counts = [16, 0, 48, 32, 0]
+    ends = _ends(counts)
+    r, m, n = int(ends[-1]), 72, 40
+    a = _bytes((m, r), a_dtype, 5, True)
+    b = _bytes((n, r), b_dtype, 6, True)
+    sa, sb = _scales(len(counts), 7), _scales(len(counts), 8)
+    args = (a, sa, b, sb, ends)
+    kw = {"a_dtype": a_dtype, "b_dtype": b_dtype}
+    want = reference.fp8_grouped_tokens_gemm(*args, **kw)
+    got = kern.fp8_grouped_tokens_gemm(*(t.to(DEVICE) for t in args), **kw)
+    assert torch.equal(got.cpu(), want)
+    assert not want[1].any() and not want[4].any()  # the groups without tokens: zeros
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_any_finite_values_within_the_accumulation_bound(out_dtype):
+    """Full-range values: the kernel sums in another order (and on Hopper with the tensor core's
+    own partial sums): the results agree within :data:`SUM_BOUND` of the sum of magnitudes."""
+    counts = [33, 0, 64]
+    offs = torch.tensor(counts).cumsum(0)
+    a = _bytes((sum(counts), 128), DType.E5M2, 9, False)
+    b = _bytes((3, 48, 128), DType.E4M3, 10, False)
+    sa, sb = _scales(3, 11), _scales(3, 12)
+    kw = {"total": sum(counts), "a_dtype": DType.E5M2, "b_dtype": DType.E4M3,
+          "out_dtype": out_dtype}
+    want = reference.fp8_grouped_rows_gemm(a, sa, b, sb, offs, offs, **kw).float()
+    got = kern.fp8_grouped_rows_gemm(*(t.to(DEVICE) for t in (a, sa, b, sb, offs, offs)),
+                                     **kw).float().cpu()
+    mags = reference.fp8_grouped_rows_gemm(
+        a.view(torch.float8_e5m2).float().abs().to(torch.float8_e5m2).view(torch.uint8), sa,
+        b.view(torch.float8_e4m3fn).float().abs().to(torch.float8_e4m3fn).view(torch.uint8),
+        sb, offs, offs, **{**kw, "out_dtype": torch.float32})
+    ulp = 2.0**-23 if out_dtype == torch.float32 else 2.0**-8
+    ratio = float(((got - want).abs() / mags).max())
+    print(f"max |got - want| / sum |a b|: {ratio:.3e} ({ratio / 2.0**-23:.1f} fp32 ulps)")
+    assert ratio <= SUM_BOUND + ulp
+
+
+def test_empty_problems():
+    offs = torch.zeros(3, dtype=torch.int64)
+    b = torch.zeros((3, 16, 32), dtype=torch.uint8)
+    kw = {"a_dtype": DType.E4M3, "b_dtype": DType.E4M3}
+    out = kern.fp8_grouped_rows_gemm(torch.zeros((0, 32), dtype=torch.uint8).to(DEVICE),
+                                     torch.ones(3).to(DEVICE), b.to(DEVICE),
+                                     torch.ones(3).to(DEVICE), offs.to(DEVICE), offs.to(DEVICE),
+                                     total=0, **kw)
+    assert out.shape == (0, 16)
+    ends = torch.tensor([0, 0, 0])
+    out = kern.fp8_grouped_tokens_gemm(torch.zeros((8, 0), dtype=torch.uint8).to(DEVICE),
+                                       torch.ones(3).to(DEVICE),
+                                       torch.zeros((4, 0), dtype=torch.uint8).to(DEVICE),
+                                       torch.ones(3).to(DEVICE), ends.to(DEVICE), **kw)
+    assert out.shape == (3, 8, 4) and not out.any()
+
+
+def test_argument_errors():
+    a = torch.zeros((4, 32), dtype=torch.uint8)
+    b = torch.zeros((2, 16, 32), dtype=torch.uint8)
+    s, offs = torch.ones(2), torch.tensor([2, 4])
+    kw = {"total": 4, "a_dtype": DType.E4M3, "b_dtype": DType.E4M3}
+    with pytest.raises(TypeError, match="a must be contiguous uint8"):
+        kern.fp8_grouped_rows_gemm(a.float(), s, b, s, offs, offs, **kw)
+    with pytest.raises(TypeError, match="a_scale_inv must be a 1D fp32"):
+        kern.fp8_grouped_rows_gemm(a, s.double(), b, s, offs, offs, **kw)
+    with pytest.raises(TypeError, match="offs must be a 1D int32/int64"):
+        kern.fp8_grouped_rows_gemm(a, s, b, s, offs.float(), offs, **kw)
+    with pytest.raises(ValueError, match="same K"):
+        kern.fp8_grouped_rows_gemm(a, s, b[:, :, :16].contiguous(), s, offs, offs, **kw)
+    with pytest.raises(ValueError, match="one entry per group"):
+        kern.fp8_grouped_rows_gemm(a, s, b, s, offs[:1], offs, **kw)
+    with pytest.raises(ValueError, match="same R"):
+        kern.fp8_grouped_tokens_gemm(a, s, a[:, :16].contiguous(), s, offs, a_dtype=DType.E4M3,
+                                     b_dtype=DType.E4M3)
