@@ -120,18 +120,19 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
 
 
 def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
-    """Where torch's grouped kernel takes E4M3 only (torch 2.11 on Hopper), doctor says E5M2
-    gradients go per group through cuBLAS; where it does not run, every GEMM does."""
+    """Where torch's grouped kernel takes E4M3 (torch 2.11 on Hopper), doctor says the other
+    pairs (E5M2 gradients) take the backend's grouped GEMM; where it does not run, every GEMM
+    does."""
     from quant_recipes import grouped_fp8_gemm
 
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)
     assert grouped_fp8_gemm.describe("cpu") == (
-        "quantized once; torch._scaled_grouped_mm (E4M3 operands), cuBLAS per group for E5M2 "
-        "gradients")
+        "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else the reference "
+        "backend's grouped FP8 GEMM")
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: False)
-    assert "cuBLAS per group (torch._scaled_grouped_mm does not run here)" in (
-        grouped_fp8_gemm.describe("cpu"))
+    assert grouped_fp8_gemm.describe("cpu") == (
+        "quantized once; the reference backend's grouped FP8 GEMM")
 
 
 def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):

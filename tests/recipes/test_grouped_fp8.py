@@ -1,12 +1,12 @@
 """The batched per-group FP8 current scaling of GroupedLinear (quant_recipes.grouped_fp8) and its
 quantize-once path (quant_recipes.grouped_fp8_gemm): ``"scaled_grouped_mm"`` and
-``"scaled_mm_per_group"``.
+``"fp8_grouped_gemm"`` (the backend's grouped FP8 GEMMs; on the CPU the reference's).
 
 Oracles: the per-group path's own quantize calls (one per padded group, one per expert: tested
 against the dense Linear in test_grouped_linear.py) for the bytes, bitwise; the per-group
 path's GEMMs for the grouped GEMMs, up to the fp32 accumulation order (on the CPU through
-emulations of ``torch._scaled_grouped_mm`` and ``torch._scaled_mm`` that check the layouts,
-offsets, alignments and scale shapes torch's kernels and cuBLAS require).
+an emulation of ``torch._scaled_grouped_mm`` that checks the layouts, offsets, alignments and
+scale shapes torch's kernel requires).
 """
 
 from __future__ import annotations
@@ -167,23 +167,6 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False
     return out.to(torch.bfloat16)
 
 
-def _emulated_scaled_mm(a, b, scale_a, scale_b, out):
-    """``torch._scaled_mm`` into ``out`` (tensor scales), with cuBLAS's requirements: A row-major
-    and B column-major with 16-byte aligned rows and columns, widths multiples of 16, scale
-    pointers on 16-byte boundaries (a slice of a packed scale vector is refused there)."""
-    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (
-        torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype != torch.float8_e5m2 or (
-        a.dtype != torch.float8_e5m2), "cuBLAS multiplies no E5M2 x E5M2"
-    assert a.stride(1) == 1 and b.stride(0) == 1, "A row-major, B column-major"
-    assert a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0 and a.data_ptr() % 16 == 0
-    assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
-    for s in (scale_a, scale_b):
-        assert s.numel() == 1 and s.dtype == torch.float32
-        assert s.data_ptr() % 16 == 0, "cuBLAS refuses a scale pointer off a 16-byte boundary"
-    assert out.is_contiguous() and out.shape == (a.shape[0], b.shape[1])
-    out.copy_((a.to(torch.float32) @ b.to(torch.float32)) * (scale_a * scale_b))
-
-
 @pytest.fixture(params=["unpadded", "padded"])
 def emulated(request, monkeypatch):
     """The quantize-once path on the CPU, through the emulations; the grouped kernel takes
@@ -192,7 +175,6 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
-    monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
     monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
@@ -222,10 +204,10 @@ def test_grouped_gemms_equal_the_per_group_path(emulated):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-def test_e5m2_gradients_run_per_group_on_the_batched_bytes(emulated):
+def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
     recipe = qr.Float8CurrentScaling()  # HYBRID: E5M2 gradients, which the kernel does not take
     got, paths = _step(COUNTS, recipe)
-    assert paths == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
+    assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, paths = _step(COUNTS, recipe)
     assert paths == {"per_group": 3}
@@ -233,11 +215,11 @@ def test_e5m2_gradients_run_per_group_on_the_batched_bytes(emulated):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-def test_every_gemm_per_group_when_the_grouped_kernel_takes_none(emulated):
+def test_every_gemm_on_the_backends_grouped_gemm_when_torchs_takes_none(emulated):
     emulated.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     recipe = qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
     got, paths = _step(COUNTS, recipe)
-    assert paths == {"scaled_mm_per_group": 3}
+    assert paths == {"fp8_grouped_gemm": 3}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, _ = _step(COUNTS, recipe)
     for a, b in zip(got, want, strict=True):
@@ -332,11 +314,12 @@ def test_cuda_bytes_equal_the_per_group_quantize():
 
 
 @pytest.mark.skipif(_cuda_fp8_grouped() is not None, reason=str(_cuda_fp8_grouped()))
-@pytest.mark.parametrize("route", ["grouped", "grouped_padded_rows", "per_group"])
+@pytest.mark.parametrize("route", ["grouped", "grouped_padded_rows", "own_kernel"])
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
-    """On the GPU, each GEMM of the quantize-once path (the grouped kernel with unpadded or
-    padded row groups, or cuBLAS per group; HYBRID's E5M2 gradients always per group) lies within
+    """On the GPU, each GEMM of the quantize-once path (torch's grouped kernel with unpadded or
+    padded row groups, or the backend's own grouped kernel; HYBRID's E5M2 gradients always the
+    own kernel) lies within
     the stated bound of the per-group path's (``torch._scaled_mm`` per group, each group
     quantized alone): ``|got - want| <= 2^-7 |want| + 2^-11 (|A| |B|)``, the second term from
     the operands' absolute product."""
@@ -346,7 +329,7 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
     print("unpadded row groups run:", grouped_fp8_gemm.unpadded_rows_run("cuda"))
     if route == "grouped_padded_rows":
         monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: False)
-    elif route == "per_group":
+    elif route == "own_kernel":
         monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)
@@ -364,10 +347,10 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
         y.backward(gy)
         results.append(((y.detach(), xi.grad, m.weight.grad), qr.grouped_gemm_paths()))
     (got, paths), (want, want_paths) = results
-    per_group = route == "per_group"
-    want_fast = {"scaled_mm_per_group": 3} if per_group else (
+    own = route == "own_kernel"
+    want_fast = {"fp8_grouped_gemm": 3} if own else (
         {"scaled_grouped_mm": 3} if fmt == "E4M3"
-        else {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2})
+        else {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2})
     assert paths == want_fast and want_paths == {"per_group": 3}
     ax, aw, ag = x.float().abs(), m.weight.detach().float().abs(), gy.float().abs()
     spans = list(zip([0, *offs.tolist()[:-1]], counts, strict=True))
@@ -469,7 +452,7 @@ def test_no_rows_at_all(emulated):
     y.backward(torch.zeros(0, N, dtype=torch.bfloat16))
     assert y.shape == (0, N) and x.grad.shape == (0, K)
     assert torch.equal(m.weight.grad, torch.zeros_like(m.weight))
-    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
+    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2}
 
 
 @pytest.mark.parametrize("inside", [True, False])
@@ -493,7 +476,7 @@ def test_activation_checkpointing(emulated, inside):
         y.backward(gy)
     for a, b in zip((y.detach(), x.grad, m.weight.grad), want, strict=True):
         assert torch.equal(a, b)
-    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 2, "scaled_mm_per_group": 2}
+    assert qr.grouped_gemm_paths() == {"scaled_grouped_mm": 2, "fp8_grouped_gemm": 2}
 
 
 def test_compiled_dynamic_shapes_equal_eager(emulated):

@@ -1,17 +1,18 @@
 """FP8 current-scaling grouped GEMMs of :class:`~quant_recipes.GroupedLinear` on the batched
 quantization (:mod:`.grouped_fp8`), and the layer's quantize-once forward and backward.
 
-Each GEMM multiplies every group at once, on FP8 tensor cores, by one of two routes:
+Each GEMM multiplies every group at once, on FP8 tensor cores, in one launch, with the group
+bounds read on the device (nothing is read on the host, so the step can be captured in a CUDA
+graph). Two routes:
 
-- ``"scaled_grouped_mm"``: one ``torch._scaled_grouped_mm`` (fp32 accumulation,
-  ``use_fast_accum=False``) with each row's (column's) group ``scale_inv`` as its row scale, where
-  the kernel takes the operands (probed once per device type and first-operand dtype, by value:
-  torch 2.11's takes E4M3 x E4M3 only);
-- ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, ``use_fast_accum=False``) per
-  group on slices of the same batched bytes (the row-grouped GEMMs skip empty groups; the
-  weight gradient multiplies an empty group's zero padding rows), with the group's
-  ``scale_inv`` as its tensor scale: any FP8 pair cuBLAS multiplies (E5M2 gradients), at the
-  cost of reading the group bounds on the host once per backward.
+- ``"scaled_grouped_mm"``: ``torch._scaled_grouped_mm`` (fp32 accumulation,
+  ``use_fast_accum=False``) with each row's (column's) group ``scale_inv`` as its row scale,
+  where the kernel takes the operands (probed once per device type and first-operand dtype, by
+  value: torch 2.11's takes E4M3 x E4M3 only) and :data:`ROUTE` prefers it;
+- ``"fp8_grouped_gemm"``: the backend's grouped FP8 GEMMs (``fp8_grouped_rows_gemm``,
+  ``fp8_grouped_tokens_gemm`` of the backend contract; quant-kernels' Triton kernels on GPUs):
+  any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
+  to its fp32 product. The reference backend's definition reads the group bounds on the host.
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from quant_core import backends
 
 from . import grouped_fp8
 from .gemm_fast import _tensorwise_problem
@@ -40,13 +42,6 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs):
     by an emulation on the CPU)."""
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
                                     use_fast_accum=False)
-
-
-def scaled_mm(a, b, scale_a, scale_b, out):
-    """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation (tests replace
-    it by an emulation on the CPU)."""
-    torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                     use_fast_accum=False, out=out)
 
 
 @functools.cache
@@ -88,11 +83,16 @@ def unpadded_rows_run(device_type: str) -> bool:
         return False
 
 
+#: Which route takes an E4M3 x E4M3 GEMM that both can run: ``"scaled_grouped_mm"`` or
+#: ``"fp8_grouped_gemm"`` (the benchmark compares them, bench/moe.py).
+ROUTE = "scaled_grouped_mm"
+
+
 def grouped_takes(qa, qb, device: torch.device, experts: int) -> bool:
-    """``"scaled_grouped_mm"`` takes a GEMM of ``qa`` x ``qb`` operands: ``qb`` E4M3, ``qa`` a
-    type this torch's kernel runs, fewer than 1024 groups."""
-    return (qb.dtype.torch_dtype == torch.float8_e4m3fn and experts < 1024
-            and _runs(device.type, qa.dtype.torch_dtype))
+    """``"scaled_grouped_mm"`` takes a GEMM of ``qa`` x ``qb`` operands: :data:`ROUTE` prefers
+    it, ``qb`` E4M3, ``qa`` a type this torch's kernel runs, fewer than 1024 groups."""
+    return (ROUTE == "scaled_grouped_mm" and qb.dtype.torch_dtype == torch.float8_e4m3fn
+            and experts < 1024 and _runs(device.type, qa.dtype.torch_dtype))
 
 
 def takes(quantizers, device: torch.device, out_dtype: torch.dtype, align: int,
@@ -111,11 +111,10 @@ def describe(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
         return "one GEMM per group (no FP8 tensor cores here)"
-    takes_e5m2 = _runs(device.type, torch.float8_e5m2)
-    if _runs(device.type, torch.float8_e4m3fn):
-        return ("quantized once; torch._scaled_grouped_mm" + (
-            "" if takes_e5m2 else " (E4M3 operands), cuBLAS per group for E5M2 gradients"))
-    return "quantized once; cuBLAS per group (torch._scaled_grouped_mm does not run here)"
+    own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
+    if ROUTE == "scaled_grouped_mm" and _runs(device.type, torch.float8_e4m3fn):
+        return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}"
+    return f"quantized once; {own}"
 
 
 def _per_group_runs(device: torch.device) -> bool:
@@ -126,17 +125,10 @@ def _fp8(t: torch.Tensor, q) -> torch.Tensor:
     return t.view(q.dtype.torch_dtype)
 
 
-def _host_groups(lay) -> list[tuple[int, int, int, int]]:
-    """``(start, end, padded start, padded end)`` of each group's rows (one host read)."""
-    ends, pends = torch.stack([lay.offs, lay.ends]).tolist()
-    return list(zip([0, *ends[:-1]], ends, [0, *pends[:-1]], pends, strict=True))
-
-
-def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
+def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool) -> torch.Tensor:
     """``[T, cols]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ``, ``b [E, cols, contraction]``
     (each expert's operand, contraction contiguous); ``a`` ``[rows, contraction]`` in the padded
-    layout when ``padded``, else ``[T, contraction]``. ``groups``: :func:`_host_groups`, when the
-    caller has read them."""
+    layout when ``padded``, else ``[T, contraction]``."""
     experts, cols = b.shape[:2]
     if grouped_takes(qa, qb, a.device, experts):
         count_path("scaled_grouped_mm")
@@ -145,17 +137,13 @@ def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Ten
             sa[:, 0][lay.grp if padded else lay.gid],
             sb[:, 0, None].expand(experts, cols).contiguous(), lay.ends if padded else lay.offs)
         return out[lay.dest] if padded else out
-    count_path("scaled_mm_per_group")
-    out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
-    av, bv = _fp8(a, qa), _fp8(b, qb)
-    for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
-        if e > s:
-            at = ps if padded else s
-            scaled_mm(av[at:at + e - s], bv[g].t(), sa[g, :1], sb[g, :1], out[s:e])
-    return out
+    count_path("fp8_grouped_gemm")
+    return backends.get(None, a.device).fp8_grouped_rows_gemm(
+        a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
+        total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype)
 
 
-def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
+def tokens_gemm(at, sa, bt, sb, lay, qa, qb) -> torch.Tensor:
     """``[E, m, n]``: per group ``a_gᵀ b_g`` of the transposed padded copies ``at [m, rows]`` and
     ``bt [n, rows]``, the contraction over the group's padded tokens (an empty group's are
     zeros, so is its product)."""
@@ -164,12 +152,9 @@ def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
         count_path("scaled_grouped_mm")
         return scaled_grouped_mm(_fp8(at, qa), _fp8(bt, qb).t(), sa[:, 0].repeat_interleave(m),
                                  sb[:, 0].repeat_interleave(n), lay.ends)
-    count_path("scaled_mm_per_group")
-    out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
-    av, bv = _fp8(at, qa), _fp8(bt, qb)
-    for g, (_, _, ps, pe) in enumerate(groups or _host_groups(lay)):
-        scaled_mm(av[:, ps:pe], bv[:, ps:pe].t(), sa[g, :1], sb[g, :1], out[g])
-    return out
+    count_path("fp8_grouped_gemm")
+    return backends.get(None, at.device).fp8_grouped_tokens_gemm(
+        at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype)
 
 
 def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
@@ -210,9 +195,6 @@ def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgra
     lay = grouped_fp8.layout(offs, gy.shape[0], align)
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
-    per_group = ((dgrad and not grouped_takes(qg, qw, gy.device, lay.groups))
-                 or (wgrad and not grouped_takes(qg, qx, gy.device, lay.groups)))
-    groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
-    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups) if dgrad else None
-    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups) if wgrad else None
+    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded) if dgrad else None
+    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx) if wgrad else None
     return dx, dw
