@@ -33,7 +33,7 @@ from quant_core.storage import QuantizedStorage
 
 from . import grouped_fp8_gemm
 from .compiling import compiling
-from .grouped_gemm import check_offsets, token_alignment
+from .grouped_gemm import check_offsets, check_on_device, token_alignment
 from .grouped_ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 from .identity import IdentityQuantizer
 from .module import QuantizedModule, intern, is_value, module_frame
@@ -150,7 +150,9 @@ class GroupedProjection(QuantizedModule):
         return roles
 
     def offsets(self, x: torch.Tensor, offs, counts) -> torch.Tensor:
-        """``offs``, or the cumulative sum of ``counts``, checked against ``x``."""
+        """``offs``, or the cumulative sum of ``counts``, checked against ``x``: on the CPU a
+        ``ValueError``, on a GPU an asynchronous device assertion (no host read), while
+        compiling not at all."""
         if (offs is None) == (counts is None):
             raise TypeError("GroupedLinear: pass exactly one of offs (cumulative end offsets of "
                             "the groups) and counts (rows per expert)")
@@ -163,17 +165,19 @@ class GroupedProjection(QuantizedModule):
                              f"entry per expert), got {tuple(t.shape)}")
         if t.device != x.device:
             raise ValueError(f"GroupedLinear: {what} is on {t.device} but x is on {x.device}")
-        if counts is not None and not compiling():
-            if bool((counts < 0).any()):
-                raise ValueError(f"GroupedLinear: counts must be non-negative, got "
-                                 f"{counts.tolist()}")
-            if int(counts.sum()) != x.shape[0]:
-                raise ValueError(f"GroupedLinear: counts must sum to the rows of x "
-                                 f"({x.shape[0]}), got {int(counts.sum())}")
+        if compiling():
+            return offs if counts is None else counts.cumsum(0)
         if counts is not None:
+            check_on_device(counts >= 0, lambda: f"GroupedLinear: counts must be non-negative, "
+                            f"got {counts.tolist()}")
+            check_on_device(counts.sum() == x.shape[0], lambda: f"GroupedLinear: counts must "
+                            f"sum to the rows of x ({x.shape[0]}), got {int(counts.sum())}")
             return counts.cumsum(0)
-        if not compiling():
+        if offs.device.type == "cpu":
             check_offsets([int(v) for v in offs.tolist()], x.shape[0])
+        else:
+            check_on_device(torch.cat([offs[:1] >= 0, offs[1:] >= offs[:-1],
+                                       offs[-1:] == x.shape[0]]), lambda: "")
         return offs
 
     def check_input(self, x: torch.Tensor, w: torch.Tensor) -> None:

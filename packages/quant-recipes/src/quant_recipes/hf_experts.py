@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .compiling import compiling
+from .grouped_gemm import check_on_device
 from .grouped_linear import GroupedProjection
 
 #: quant's subclass of each Hugging Face experts class, built on first use.
@@ -108,6 +109,13 @@ def _rebuild(hf_class: type, state: dict) -> torch.nn.Module:
     return m
 
 
+def _check_ids(ids: torch.Tensor, num_experts: int, who: str) -> None:
+    """Expert ids in ``[0, num_experts)`` (:func:`~.grouped_gemm.check_on_device`)."""
+    check_on_device((ids >= 0) & (ids < num_experts), lambda: (
+        f"{who}: top_k_index must hold expert ids in [0, {num_experts}), got "
+        f"{ids.min().item()}..{ids.max().item()}"))
+
+
 class _QuantizedExperts:
     """The forward of a converted ``transformers`` experts module (mixed in first)."""
 
@@ -122,18 +130,19 @@ class _QuantizedExperts:
         tokens, k = top_k_index.shape
         num_experts = self._quant_up.num_experts
         ids = top_k_index.reshape(-1)
-        if not compiling() and ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
-            raise ValueError(f"{type(self).__name__}: top_k_index must hold expert ids in "
-                             f"[0, {num_experts}), got {ids.min().item()}..{ids.max().item()}")
+        if not compiling():
+            _check_ids(ids, num_experts, type(self).__name__)
         sorted_ids, perm = torch.sort(ids, stable=True)
         experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True)
         up_name = _up_name(self)
         bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
-        h = self._quant_up(hidden_states[perm // k], offs, _weight(self, up_name), bias)
+        w = _weight(self, up_name)
+        self._quant_up.check_input(hidden_states, w)  # offs are right by construction
+        h = self._quant_up.project(hidden_states[perm // k], offs, w, bias)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
-        y = self._quant_down(h, offs, _weight(self, "down_proj"), bias)
+        y = self._quant_down.project(h, offs, _weight(self, "down_proj"), bias)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
