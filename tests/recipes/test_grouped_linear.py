@@ -215,6 +215,36 @@ def test_grouped_mm_path(monkeypatch):
     assert qr.grouped_gemm_paths() == {"per_group": 3}
 
 
+@pytest.mark.parametrize("n, path", [(256, "grouped_mm"), (64, "per_group")])
+def test_fp8_blocks_take_grouped_mm_when_the_experts_close_the_weight_blocks(monkeypatch, n,
+                                                                             path):
+    """FP8 blocks (power-of-2 scales: exact in bf16) take one ``torch._grouped_mm`` per GEMM
+    when every expert's rows close the 128-row weight blocks (all experts quantize as one
+    tensor); otherwise one GEMM per group. Either way the per-group path's result up to the
+    order of the fp32 sums."""
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), 128, n, dtype=torch.bfloat16)
+    x = torch.randn(sum(COUNTS), 128, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(sum(COUNTS), n, dtype=torch.bfloat16)
+    recipe = qr.Float8BlockScaling()
+    results = []
+    for devices in ({"cpu", "cuda"}, set()):
+        monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", devices)
+        x.grad = m.weight.grad = None
+        qr.reset_grouped_gemm_paths()
+        with qr.autocast(recipe=recipe):
+            y = m(x, counts=torch.tensor(COUNTS))
+        y.backward(gy)
+        results.append(((y.detach(), x.grad, m.weight.grad), qr.grouped_gemm_paths()))
+    (got, paths), (want, want_paths) = results
+    assert paths == {path: 3} and want_paths == {"per_group": 3}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
+
+
 @pytest.mark.parametrize("rid", ["current", "nvfp4_no_sr", "off"])
 def test_compile_fullgraph_without_recompiles(rid):
     quant_dynamo = pytest.importorskip("quant_dynamo")

@@ -299,6 +299,12 @@ class Quantizer(metaclass=QuantizerMeta):
         """Whether quantizing the same input twice gives the same bits."""
         return False
 
+    def decodes_exactly_to_bf16(self) -> bool:
+        """Whether every value this quantizer's storages decode to (``gemm_value``) is a bf16
+        value, so that a bf16 GEMM of the decoded operands multiplies the quantized values
+        themselves (with fp32 accumulation: the definition up to the order of the sums)."""
+        return False
+
     def supports_only_rowwise_all_gather(self) -> bool:
         return False
 

@@ -179,11 +179,12 @@ class QuantizedStorage:
         """The ``[m, k]`` value held by one direction's buffers, in ``dtype``."""
         raise NotImplementedError(f"{type(self).__name__} does not decode its buffers")
 
-    def gemm_value(self, columnwise: bool) -> torch.Tensor:
-        """The fp32 ``[m, k]`` value a GEMM reads from the rowwise or the columnwise direction
-        (the emulated GEMM's operand): the dequantization, in the basis the format's GEMM
-        consumes (columnwise NVFP4 with RHT stays in the transformed basis)."""
-        return self._decode(columnwise, torch.float32)
+    def gemm_value(self, columnwise: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[m, k]`` value a GEMM reads from the rowwise or the columnwise direction (the
+        emulated GEMM's operand), in ``dtype`` (fp32 by default; a narrower one rounds unless
+        the quantizer ``decodes_exactly_to_bf16``): the dequantization, in the basis the
+        format's GEMM consumes (columnwise NVFP4 with RHT stays in the transformed basis)."""
+        return self._decode(columnwise, dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor (``dtype``, default the nominal one) of the rowwise data,

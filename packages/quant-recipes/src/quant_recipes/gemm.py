@@ -92,16 +92,16 @@ def _storage(bufs: list[torch.Tensor], meta: list[int], shape):
     return _storage_type(meta).from_wire(bufs, meta[1:], shape)
 
 
-def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, columnwise: bool
-               ) -> torch.Tensor:
-    """The fp32 ``[m, k]`` value of an operand, from its rowwise or columnwise buffers (the
-    storage's ``gemm_value``: columnwise NVFP4 with RHT stays in the transformed basis, as the
-    GEMM consumes it)."""
+def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, columnwise: bool,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[m, k]`` value of an operand in ``dtype`` (fp32 by default), from its rowwise or
+    columnwise buffers (the storage's ``gemm_value``: columnwise NVFP4 with RHT stays in the
+    transformed basis, as the GEMM consumes it)."""
     if meta[0] == HP:
-        return bufs[0].reshape(m, k).to(torch.float32)
+        return bufs[0].reshape(m, k).to(dtype)
     if not m * k:  # no element: its buffers may all be empty, which the wire calls absent
-        return torch.zeros((m, k), dtype=torch.float32, device=bufs[0].device)
-    return _storage(bufs, meta, (m, k)).gemm_value(columnwise)
+        return torch.zeros((m, k), dtype=dtype, device=bufs[0].device)
+    return _storage(bufs, meta, (m, k)).gemm_value(columnwise, dtype)
 
 
 def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:

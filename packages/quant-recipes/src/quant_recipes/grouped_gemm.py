@@ -14,10 +14,14 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
 - ``"grouped_mm"``: on devices in :data:`GROUPED_MM_DEVICES` where ``torch._grouped_mm`` runs,
-  for bf16 outputs without bias, when every operand of every group dequantizes exactly to bf16
-  (high precision, MXFP8, FP8 with power-of-2 scales; never NVFP4, whose per-tensor factors apply
-  to the product): the operands' fp32 values as bf16, one ``torch._grouped_mm``. It differs from
-  ``"per_group"`` only in the order of the fp32 accumulation;
+  for bf16 operands without bias, when no quantizer scales by a tensor-wide amax and every
+  quantizer decodes exactly to bf16 (``decodes_exactly_to_bf16``: high precision, MXFP8, FP8
+  with power-of-2 scales; never NVFP4, whose per-tensor factors scale the product) and the
+  expert widths close the weight quantizer's row blocks: all groups at once, in the padded
+  layout of :mod:`.grouped_fp8` (no group bound is read on the host). Each operand is quantized
+  in one call over every padded group (the same bytes as one call per padded group: no block
+  crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``. It
+  differs from ``"per_group"`` only in the order of the fp32 accumulation;
 - ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
   every group quantized at once (:mod:`.grouped_fp8_gemm`, which the layer calls directly when
   all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from quant_core.shapes import roundup
 
-from . import grouped_fp8_gemm
+from . import grouped_fp8, grouped_fp8_gemm
 from .gemm import HP, dequantize, qgemm_impl, quantizer_meta
 from .grouped_paths import count_path
 
@@ -60,6 +64,17 @@ def check_offsets(bounds: list[int], total: int, what: str = "offs") -> None:
     if last != total:
         raise ValueError(f"GroupedLinear: {what} must end at the number of rows of x "
                          f"({total}), got {bounds[-1] if bounds else 0}")
+
+
+def check_on_device(valid: torch.Tensor, message) -> None:
+    """Every element of ``valid`` is true: on the CPU a ``ValueError`` saying ``message()``; on
+    another device an asynchronous device assertion, since reading the tensor back would stall
+    the host on every step (the error surfaces at the next synchronization)."""
+    if valid.device.type == "cpu":
+        if not bool(valid.all()):
+            raise ValueError(message())
+    else:
+        torch._assert_async(valid.all(), "GroupedLinear: invalid group sizes (offs or counts)")
 
 
 def _groups(offs: torch.Tensor, total: int) -> list[tuple[int, int]]:
@@ -101,50 +116,76 @@ def grouped_mm_available(device: torch.device) -> bool:
     return device.type in GROUPED_MM_DEVICES and _grouped_mm_runs(device.type)
 
 
-def _bf16_exact(values: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``values`` (fp32) as bf16 when every element is exactly a bf16, else None."""
-    out = [v.to(torch.bfloat16) for v in values]
-    if all(torch.equal(o.to(torch.float32), v) for o, v in zip(out, values, strict=True)):
-        return out
-    return None
+def _batched_takes(quantizers, device: torch.device, dtypes, widths, experts_q=None) -> bool:
+    """The ``"grouped_mm"`` path takes a GEMM of these quantizers: bf16 operands on a device
+    where ``torch._grouped_mm`` runs, widths multiples of 16, no tensor-wide amax, values exact
+    in bf16, and (``experts_q``, the weight's quantizer) expert widths that close its row
+    blocks, so that all experts quantize as one tensor."""
+    return (all(d == torch.bfloat16 for d in dtypes) and grouped_mm_available(device)
+            and all(w % 16 == 0 for w in widths)
+            and all(not q.reduces_amax and q.decodes_exactly_to_bf16() for q in quantizers)
+            and (experts_q is None or widths[0] % experts_q.row_alignment() == 0))
 
 
-def _grouped_mm(a_vals, b_vals, kind: str, rows: list[int]):
-    """One ``torch._grouped_mm`` over bf16 operand values, or ``None`` (a value that is not
-    exactly a bf16, rows or widths not multiples of 16, a layout this torch refuses). ``kind``:
-    ``"fprop"`` (``a_vals`` the groups' ``[rows, K]`` blocks, ``b_vals`` each expert's
-    ``[N, K]``), ``"dgrad"`` (``[rows, N]`` blocks times ``[N, K]``), ``"wgrad"`` (both operands
-    row blocks, contracted over the rows)."""
-    if any(r % 16 for r in rows) or any(d % 16 for d in (*a_vals[0].shape, *b_vals[0].shape)):
-        return None
-    a = _bf16_exact(a_vals)
-    b = _bf16_exact(b_vals) if a is not None else None
-    if b is None:
-        return None
-    offs = torch.tensor(rows, device=a[0].device).cumsum(0).to(torch.int32)
-    cat = torch.cat(a)
-    try:
-        if kind == "fprop":
-            return torch._grouped_mm(cat, torch.stack(b).transpose(1, 2), offs=offs)
-        if kind == "dgrad":
-            return torch._grouped_mm(cat, torch.stack(b), offs=offs)
-        return torch._grouped_mm(cat.t(), torch.cat(b), offs=offs)
-    except RuntimeError:  # a layout or alignment rule of this torch's kernel
-        return None
+def _decoded(t: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
+    """bf16 values of ``t [m, k]`` quantized by ``q`` (one call), read from its columnwise
+    buffers when ``columnwise``."""
+    meta = quantizer_meta(q)
+    if meta[0] == HP:
+        return t
+    m, k = t.shape
+    return dequantize(q.quantize(t).buffer_list(t), meta, m, k, columnwise, torch.bfloat16)
 
 
-def _grouped_takes(quantizers, device: torch.device, out_dtype: torch.dtype) -> bool:
-    """Whether the ``"grouped_mm"`` path may take operands of ``quantizers`` (bf16 output; no
-    NVFP4, whose per-tensor factors scale the product, not the elements)."""
-    return (out_dtype == torch.bfloat16 and grouped_mm_available(device)
-            and all(q.storage_format != "nvfp4" for q in quantizers))
+def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool):
+    """``(rowwise values | None, columnwise values | None)`` of ``t`` quantized once by ``q``
+    (its usages as it has them)."""
+    meta = quantizer_meta(q)
+    if meta[0] == HP:
+        return (t if row else None), (t if col else None)
+    m, k = t.shape
+    bufs = q.quantize(t).buffer_list(t)
+    return tuple(dequantize(bufs, meta, m, k, c, torch.bfloat16) if want else None
+                 for c, want in ((False, row), (True, col)))
 
 
-def _values(bufs: list, meta: list[int], rows, width: int, col: bool) -> list[torch.Tensor]:
-    """The fp32 GEMM values of each group's operand (``rows``: one count per group, or one
-    count for all)."""
-    rows = rows if isinstance(rows, list) else [rows] * len(bufs)
-    return [dequantize(b, meta, r, width, col) for b, r in zip(bufs, rows, strict=True)]
+def _padded_rows(x: torch.Tensor, lay) -> torch.Tensor:
+    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows)."""
+    return x.new_zeros((lay.rows, x.shape[1])).index_copy_(0, lay.dest, x)
+
+
+def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
+    """bf16 ``[E, N, K]`` values of every expert's weight ``w [E, N, K]``, quantized as one
+    ``[E * N, K]`` tensor (one call; the caller checked that N closes ``q``'s row blocks)."""
+    e, n, k = w.shape
+    return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
+
+
+def batched_fprop(x, offs, w, qx, qw, align: int) -> torch.Tensor:
+    """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring)."""
+    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    xv = _decoded(_padded_rows(x, lay), qx, False)
+    out = torch._grouped_mm(xv, _experts(w, qw, False).transpose(1, 2), offs=lay.ends)
+    count_path("grouped_mm")
+    return out[lay.dest]
+
+
+def batched_bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
+                  wgrad: bool):
+    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
+    lay = grouped_fp8.layout(offs, gy.shape[0], align)
+    g_row, g_col = _decoded_pair(_padded_rows(gy, lay), qg, dgrad, wgrad and col)
+    if wgrad and not col:  # the backward overrides: the gradient's rowwise form
+        g_col = g_row if g_row is not None else _decoded(_padded_rows(gy, lay), qg, False)
+    dx = dw = None
+    if dgrad:
+        dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
+        count_path("grouped_mm")
+    if wgrad:
+        xv = _decoded(_padded_rows(x, lay), qx, col)
+        dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)
+        count_path("grouped_mm")
+    return dx, dw
 
 
 def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, int, int]]:
@@ -159,6 +200,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     (total, k), n = x.shape, w.shape[1]
     if b is None and grouped_fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
         return grouped_fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
+    if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
+        return batched_fprop(x, offs, w, qx, qw, align)
     y = x.new_zeros((total, n))
     work = _work(offs, total, align)
     if not work:
@@ -166,28 +209,12 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     xm, wm = quantizer_meta(qx), quantizer_meta(qw)
     xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
     wbs = [quantized(w[g], qw) for g, *_ in work]
-    if b is None and _grouped_takes((qx, qw), x.device, x.dtype):
-        rows = [mp for *_, mp in work]
-        out = _grouped_mm(_values(xbs, xm, rows, k, False), _values(wbs, wm, n, k, False),
-                          "fprop", rows)
-        if out is not None:
-            _scatter(y, out, work)
-            count_path("grouped_mm")
-            return y
     for xb, wb, (g, s, m, mp) in zip(xbs, wbs, work, strict=True):
         yg = qgemm_impl(xb, xm, (mp, k), False, False, wb, wm, (n, k), False, True,
                         None if b is None else b[g], x.dtype)
         y[s:s + m] = yg[:m]
     count_path("per_group")
     return y
-
-
-def _scatter(out: torch.Tensor, padded: torch.Tensor, work) -> None:
-    """The real rows of each group of ``padded`` (groups laid end to end) into ``out``."""
-    at = 0
-    for _, s, m, mp in work:
-        out[s:s + m] = padded[at:at + m]
-        at += mp
 
 
 def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
@@ -197,6 +224,11 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
+    if not bias and _batched_takes((qg, qx, qw), x.device, (gy.dtype, x.dtype, w.dtype),
+                                   (n, k), qw):
+        dx, dw = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)
+        return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
+                w.new_zeros((0,)))
     dx = x.new_zeros((total, k) if dgrad else (0,))
     dw = w.new_zeros((experts, n, k) if wgrad else (0,))
     db = w.new_zeros((experts, n) if bias else (0,))
@@ -205,37 +237,19 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
         return dx, dw, db
     gm, xm, wm = quantizer_meta(qg), quantizer_meta(qx), quantizer_meta(qw)
     gbs = [quantized(_padded(gy[s:s + m], mp), qg) for _, s, m, mp in work]
-    rows = [mp for *_, mp in work]
     if bias:
         for g, s, m, mp in work:
             db[g] = _padded(gy[s:s + m], mp).to(torch.float32).sum(0).to(w.dtype)
     if dgrad:
         wbs = [quantized(w[g], qw) for g, *_ in work]
-        out = None
-        if _grouped_takes((qg, qw), x.device, x.dtype):
-            out = _grouped_mm(_values(gbs, gm, rows, n, False), _values(wbs, wm, n, k, col),
-                              "dgrad", rows)
-        if out is not None:
-            _scatter(dx, out, work)
-            count_path("grouped_mm")
-        else:
-            for gb, wb, (_, s, m, mp) in zip(gbs, wbs, work, strict=True):
-                dx[s:s + m] = qgemm_impl(gb, gm, (mp, n), False, False, wb, wm, (n, k), col,
-                                         False, None, x.dtype)[:m]
-            count_path("per_group")
+        for gb, wb, (_, s, m, mp) in zip(gbs, wbs, work, strict=True):
+            dx[s:s + m] = qgemm_impl(gb, gm, (mp, n), False, False, wb, wm, (n, k), col,
+                                     False, None, x.dtype)[:m]
+        count_path("per_group")
     if wgrad:
         xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
-        out = None
-        if _grouped_takes((qg, qx), x.device, w.dtype):
-            out = _grouped_mm(_values(gbs, gm, rows, n, col), _values(xbs, xm, rows, k, col),
-                              "wgrad", rows)
-        if out is not None:
-            for i, (g, *_) in enumerate(work):
-                dw[g] = out[i]
-            count_path("grouped_mm")
-        else:
-            for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
-                dw[g] = qgemm_impl(gb, gm, (mp, n), col, True, xb, xm, (mp, k), col, False,
-                                   None, w.dtype)
-            count_path("per_group")
+        for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
+            dw[g] = qgemm_impl(gb, gm, (mp, n), col, True, xb, xm, (mp, k), col, False,
+                               None, w.dtype)
+        count_path("per_group")
     return dx, dw, db

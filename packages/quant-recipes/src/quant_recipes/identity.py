@@ -29,5 +29,10 @@ class IdentityQuantizer(Quantizer):
             raise TypeError(f"IdentityQuantizer: expected a torch.Tensor, got {type(x).__name__}")
         return HighPrecisionStorage(shape=x.shape, dtype=x.dtype, quantizer=self, _data=x)
 
+    def decodes_exactly_to_bf16(self) -> bool:
+        """The operand itself: a bf16 value where the layer's operands are bf16 (the grouped
+        GEMMs that ask require bf16 operands)."""
+        return True
+
     def is_requantization_safe(self) -> bool:
         return True

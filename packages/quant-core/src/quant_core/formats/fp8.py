@@ -243,6 +243,10 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         )
         return _quantize_per_tensor(self, x, x2d, be, scale)
 
+    def decodes_exactly_to_bf16(self) -> bool:
+        """With a power-of-2 scale, ``fp8 * scale_inv`` is a bf16 value."""
+        return self.force_pow_2_scales
+
     def is_requantization_safe(self) -> bool:
         return True
 

@@ -167,6 +167,10 @@ class Float8BlockQuantizer(Quantizer):
     def _storage_tags(self):
         return {"_fp8_dtype": self.dtype, "_is_2D_scaled": self.block_scaling_dim == 2}
 
+    def decodes_exactly_to_bf16(self) -> bool:
+        """With power-of-2 scales, ``fp8 * scale_inv`` is a bf16 value."""
+        return self.force_pow_2_scales
+
     def is_requantization_safe(self) -> bool:
         return True
 

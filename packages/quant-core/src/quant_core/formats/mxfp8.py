@@ -150,6 +150,11 @@ class MXFP8Quantizer(Quantizer):
     def _storage_tags(self):
         return {"_fp8_dtype": self.dtype, "_with_gemm_swizzled_scales": self.optimize_for_gemm}
 
+    def decodes_exactly_to_bf16(self) -> bool:
+        """``fp8 * 2^e`` has at most 4 significant bits: a bf16 value, except below 2^-133
+        (bf16's smallest subnormal), which only a block whose amax is under 2^-100 can hold."""
+        return True
+
     def is_requantization_safe(self) -> bool:
         return True
 

@@ -62,7 +62,9 @@ def variant_lines(device: torch.device | str) -> list[str]:
     from ..grouped_fp8_gemm import describe
     from ..grouped_gemm import grouped_mm_available
 
-    grouped = ("one torch._grouped_mm for operands exact in bf16, else one GEMM per group"
+    grouped = ("all groups quantized at once and one torch._grouped_mm per GEMM where every "
+               "operand decodes exactly to bf16 and none scales by a tensor-wide amax (MXFP8, "
+               "FP8 blocks), else one GEMM per group"
                if grouped_mm_available(torch.device(device)) else "one GEMM per group")
     return [
         "nvfp4 4over6     NVFP4BlockScaling(nvfp4_4over6=...): global bound 256 or 448, MAE or "

@@ -1,0 +1,159 @@
+"""On CUDA: mixture-of-experts layers run every grouped GEMM as one launch and read nothing on
+the host (``torch.cuda.set_sync_debug_mode("error")`` fails on any synchronizing call), eagerly,
+compiled, and captured in a CUDA graph that is replayed with other group sizes; their results
+lie within the accumulation bound of the per-group path's (each group quantized and multiplied
+alone, the definition)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import quant_recipes as qr
+import torch
+from quant_recipes import grouped_fp8_gemm, grouped_gemm
+
+DEV = "cuda"
+E, K, N = 8, 256, 384
+COUNTS = [0, 1, 37, 200, 16, 0, 5, 61]
+OTHER = [64, 0, 0, 3, 190, 40, 22, 1]  # the same total, other groups
+RECIPES = {
+    "fp8_current": (lambda: qr.Float8CurrentScaling(), None),
+    "fp8_current_e4m3": (lambda: qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3), None),
+    "mxfp8": (lambda: qr.MXFP8BlockScaling(), {"grouped_mm": 3}),
+    "fp8_block": (lambda: qr.Float8BlockScaling(), {"grouped_mm": 3}),
+}
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _data(counts, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.logspace(-2, 2, sum(counts))[:, None]
+    x = (torch.randn(sum(counts), K, generator=gen) * rows).to(DEV, torch.bfloat16)
+    gy = torch.randn(sum(counts), N, generator=gen).to(DEV, torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(DEV, torch.int32)
+    return x, gy, offs
+
+
+def _layer(seed=0):
+    torch.manual_seed(seed)
+    return qr.GroupedLinear(E, K, N, dtype=torch.bfloat16, device=DEV, name="experts")
+
+
+def _step(m, fwd, recipe, x, gy, offs):
+    xi = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    with qr.autocast(recipe=recipe):
+        y = fwd(xi, offs)
+    y.backward(gy)
+    return y.detach(), xi.grad, m.weight.grad
+
+
+def _want_paths(name):
+    want = RECIPES[name][1]
+    if want is not None:
+        return want
+    e4m3 = grouped_fp8_gemm._runs("cuda", torch.float8_e4m3fn)
+    if name == "fp8_current_e4m3" and e4m3:
+        return {"scaled_grouped_mm": 3}
+    return {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2} if e4m3 else {"fp8_grouped_gemm": 3}
+
+
+def _assert_within_bound(got, want, x, w, gy, counts):
+    """``|got - want| <= 2^-7 |want| + 2^-11 (|A| |B|)`` for y, dx and dw."""
+    ax, aw, ag = x.float().abs(), w.detach().float().abs(), gy.float().abs()
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
+    spans = list(zip(starts, counts, strict=True))
+    mags = [torch.cat([ax[s:s + c] @ aw[g].t() for g, (s, c) in enumerate(spans)]),
+            torch.cat([ag[s:s + c] @ aw[g] for g, (s, c) in enumerate(spans)]),
+            torch.stack([ag[s:s + c].t() @ ax[s:s + c] for s, c in spans])]
+    for name, a, b, s in zip(("y", "dx", "dw"), got, want, mags, strict=True):
+        err = (a.float() - b.float()).abs()
+        assert (err <= 2.0**-7 * b.float().abs() + 2.0**-11 * s).all(), name
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
+    recipe = RECIPES[name][0]()
+    m = _layer()
+    fwd = torch.compile(m, fullgraph=True, dynamic=False) if compiled else m
+    x, gy, offs = _data(COUNTS)
+    _step(m, fwd, recipe, x, gy, offs)  # compiles, probes the kernels once
+    qr.reset_grouped_gemm_paths()
+    with no_host_sync():
+        got = _step(m, fwd, recipe, x, gy, offs)
+    assert qr.grouped_gemm_paths() == _want_paths(name)
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", set())
+    monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    qr.reset_grouped_gemm_paths()
+    want = _step(m, m, recipe, x, gy, offs)
+    assert qr.grouped_gemm_paths() == {"per_group": 3}
+    _assert_within_bound(got, want, x, m.weight, gy, COUNTS)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+def test_a_captured_step_replays_with_other_group_sizes(name):
+    """One CUDA graph of forward + backward, replayed after the group sizes changed in place:
+    the results of an eager step with those sizes."""
+    recipe = RECIPES[name][0]()
+    m = _layer()
+    x, gy, offs = _data(COUNTS)
+    xs = x.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            xs.grad = None
+            m.zero_grad(set_to_none=True)
+            with qr.autocast(recipe=recipe):
+                m(xs, offs).backward(gy)
+    torch.cuda.current_stream().wait_stream(side)
+    xs.grad = None
+    m.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with qr.autocast(recipe=recipe):
+            ys = m(xs, offs)
+        ys.backward(gy)
+    x2, gy2, offs2 = _data(OTHER, seed=1)
+    with torch.no_grad():
+        xs.copy_(x2)
+        offs.copy_(offs2)
+        gy.copy_(gy2)
+    graph.replay()
+    got = (ys.detach().clone(), xs.grad.clone(), m.weight.grad.clone())
+    want = _step(m, m, recipe, x2, gy2, offs2)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_hf_experts_read_nothing_on_the_host():
+    """A converted Qwen3-MoE experts block: routing, grouped GEMMs and the combine, forward and
+    backward, with no synchronizing call."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(DEV, torch.bfloat16)
+    recipe = qr.Float8CurrentScaling()
+    qr.convert(model, recipe=recipe)
+    experts = model.model.layers[0].mlp.experts
+    tokens = 300
+    h = torch.randn(tokens, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(0, 16, (tokens, 4), device=DEV)
+    weights = torch.rand(tokens, 4, device=DEV, dtype=torch.bfloat16)
+    for guard in (contextlib.nullcontext(), no_host_sync()):
+        with guard, qr.autocast(recipe=recipe):
+            experts(h, idx, weights).sum().backward()
