@@ -44,6 +44,13 @@
 #   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
 #                (args: moe.py's, e.g. --tokens 2048 --experts 64)
 #   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
+#   moe-check    the mixture-of-experts checks: the grouped FP8 GEMM kernels against the
+#                reference, tests/gpu/test_grouped_cuda.py (no host sync, CUDA-graph replay,
+#                the per-group bound) and GroupedLinear's tests (args: pytest's)
+#   moe-layer    speed.py layer: one MoE decoder layer at Qwen3-MoE and Mixtral widths, 16k
+#                tokens (args: speed.py layer's, e.g. --configs bf16,fp8_current)
+#   moe-model    speed.py model at Qwen3-MoE then Mixtral widths, 4 layers, 20 steps (args:
+#                speed.py model's)
 #   probe        bench/grouped_probe.py: which FP8 GEMM forms torch and Triton take here (E5M2
 #                operands, per-group slices, fp32 outputs), their errors and speed
 #   cmd          any command as one step (NAME, else "cmd"; limit LIMIT, else 300 s), with the
@@ -183,6 +190,25 @@ profile_multi() {
 }
 profile_grouped() {
   step grouped 300 "${PYTEST[@]}" tests/recipes/test_grouped_fp8.py tests/recipes/test_grouped_linear.py "$@"
+}
+profile_moe-check() {
+  step moe_check 420 "${PYTEST[@]}" tests/kernels/test_fp8_grouped_gemm.py \
+    tests/gpu/test_grouped_cuda.py tests/recipes/test_grouped_fp8.py \
+    tests/recipes/test_grouped_linear.py tests/recipes/test_grouped_host_reads.py "$@"
+}
+profile_moe-layer() {
+  local size
+  for size in qwen3-moe mixtral; do
+    step "layer_$size" 300 python3 bench/speed.py layer --size "$size" \
+      --json "$OUT/layer_$size.json" "$@"
+  done
+}
+profile_moe-model() {
+  local size
+  for size in qwen3-moe mixtral; do
+    step "model_$size" 540 python3 bench/speed.py model --size "$size" --steps 20 \
+      --configs bf16,fp8_current,fp8_block,mxfp8 --json "$OUT/model_$size.json" "$@"
+  done
 }
 profile_cmd() { step "${NAME:-cmd}" 300 "$@"; }
 profile_probe() { step probe 240 python3 bench/grouped_probe.py "$@"; }

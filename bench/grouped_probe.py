@@ -11,7 +11,9 @@ Forms (DeepSeek-V3 expert widths by default: 32 experts x 2048 rows, hidden 7168
   the per-group scale a slice of the scales or a copy of it;
 - ``torch._grouped_mm`` in bf16 (the baseline) and with an fp32 output;
 - a plain Triton tile kernel of one E5M2 x E4M3 product, with Hopper's fast FP8 accumulation
-  and with the fp32 promotion after every MMA (``max_num_imprecise_acc``).
+  and with the fp32 promotion after every MMA (``max_num_imprecise_acc``);
+- quant-kernels' grouped FP8 GEMMs (rows grouped and contraction grouped) over tile configs and
+  promotion intervals.
 
 Prints one JSON line per form (``ok``, ``err`` = max |got - fp32| / max |fp32|, ``ms``,
 ``tflops``) and a markdown table last.
@@ -196,16 +198,63 @@ def triton_forms(m: int, k: int, n: int) -> list[dict]:
     return rows
 
 
+def own_forms(e: int, m: int, k: int, n: int) -> list[dict]:
+    """quant-kernels' grouped FP8 GEMMs (E5M2 x E4M3, HYBRID's gradient GEMMs) at the rows
+    form and the contraction form, over tile configs and promotion intervals."""
+    from quant_core.dtypes import DType
+    from quant_kernels import configs
+    from quant_kernels import fp8_grouped_gemm as kern
+
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
+    a = _fp8((e * m, k), E5M2)
+    w = _fp8((e, n, k), E4M3)
+    at, bt = _fp8((n, e * m), E5M2), _fp8((k, e * m), E4M3)
+    sa, sb = torch.rand(e, device="cuda") + 0.5, torch.rand(e, device="cuda") + 0.5
+    u8 = (lambda t: t.view(torch.uint8))
+    kw = {"a_dtype": DType.E5M2, "b_dtype": DType.E4M3}
+    rows_want, tok_want = [], []
+
+    def rows_ref():
+        if not rows_want:
+            rows_want.append(torch.cat([(a[g * m:(g + 1) * m].float() @ w[g].float().t())
+                                        * sa[g] * sb[g] for g in range(e)]))
+        return rows_want[0]
+
+    def tok_ref():
+        if not tok_want:
+            tok_want.append(torch.stack([(at[:, g * m:(g + 1) * m].float()
+                                          @ bt[:, g * m:(g + 1) * m].float().t()) * sa[g] * sb[g]
+                                         for g in range(e)]))
+        return tok_want[0]
+
+    out = []
+    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+                                      (128, 128, 128, 4, 4), (64, 256, 128, 4, 4)):
+        for promote in (128, -1):
+            cfg = {"BM": bm, "BN": bn, "BK": bk, "PROMOTE": min(promote, bk), "num_warps": warps,
+                   "num_stages": stages}
+            tag = f"{bm}x{bn}x{bk} w{warps} s{stages} promote {promote}"
+            with configs.overridden("fp8_grouped_gemm", cfg):
+                out.append(_row(f"own rows {tag}", lambda: kern.fp8_grouped_rows_gemm(
+                    u8(a), sa, u8(w), sb, offs, offs, total=e * m, **kw), rows_ref,
+                    2.0 * e * m * n * k))
+                out.append(_row(f"own tokens {tag}", lambda: kern.fp8_grouped_tokens_gemm(
+                    u8(at), sa, u8(bt), sb, offs, **kw), tok_ref, 2.0 * e * m * n * k))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--rows", type=int, default=2048, help="rows per expert")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
+    p.add_argument("--own", action="store_true", help="quant-kernels' forms only")
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
-    rows = grouped_forms(args.experts, args.rows, args.hidden, args.out)
-    rows += triton_forms(args.rows, args.hidden, args.out)
+    rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
+    rows += [] if args.own else triton_forms(args.rows, args.hidden, args.out)
+    rows += own_forms(args.experts, args.rows, args.hidden, args.out)
     print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
         if r["ok"]:

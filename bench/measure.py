@@ -125,13 +125,30 @@ def saved_mib(eager, x: torch.Tensor, params) -> float:
     return sum(seen.values()) / 2**20
 
 
+def host_syncs(step, device: torch.device) -> int:
+    """How many times one call of ``step`` made the host wait for the GPU (CUDA's synchronizing
+    calls, as ``torch.cuda.set_sync_debug_mode`` reports them)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
 def kernel_stats(step, device: torch.device) -> dict:
     """GPU kernels of one step (torch.profiler): their count, total GPU ms and the largest 30 by
-    GPU time."""
+    GPU time; the host synchronizations of another step (:func:`host_syncs`)."""
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
 
+    syncs = host_syncs(step, device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync(device)
@@ -142,7 +159,8 @@ def kernel_stats(step, device: torch.device) -> dict:
         entry[0] += 1
         entry[1] += e.device_time
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
-    return {"kernels": len(kernels), "gpu_ms": sum(v[1] for v in by_name.values()) / 1e3,
+    return {"kernels": len(kernels), "syncs": syncs,
+            "gpu_ms": sum(v[1] for v in by_name.values()) / 1e3,
             "top": [{"name": n[:160], "count": c, "us": round(t, 1)} for n, (c, t) in top]}
 
 

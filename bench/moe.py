@@ -11,11 +11,13 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients), ``fp8_current_lean`` (``save_weight_copy=False, save_input_copy=False``: the weight
-and input quantized again in backward) (``quant_recipes.GroupedLinear`` under ``autocast``, with
-the grouped GEMM paths it took). Per config one JSON line (median ms of ``--iters`` steps after
-``--warmup``, CUDA events on a GPU), then a markdown table of speed-ups over bf16, with the peak
-memory of the timed steps. ``--smoke`` runs tiny shapes on the CPU in seconds.
+gradients), ``fp8_current_e4m3:own`` (its GEMMs on the backend's grouped kernel instead of
+``torch._scaled_grouped_mm``), ``fp8_current_lean`` (``save_weight_copy=False,
+save_input_copy=False``: the weight and input quantized again in backward)
+(``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per
+config one JSON line (median ms of ``--iters`` steps after ``--warmup``, CUDA events on a GPU),
+then a markdown table of speed-ups over bf16, with the peak memory of the timed steps.
+``--smoke`` runs tiny shapes on the CPU in seconds.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ import steps
 import torch
 import torch.nn.functional as F
 
-CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean")
+CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean",
+           "fp8_current_e4m3:own")
+#: ``<config>:own``: FP8 current scaling's E4M3 x E4M3 GEMMs on the backend's own grouped
+#: kernel instead of ``torch._scaled_grouped_mm`` (``grouped_fp8_gemm.ROUTE``), for an A/B.
+OWN = ":own"
 
 
 def _recipe(name: str):
@@ -37,6 +43,7 @@ def _recipe(name: str):
     gradients too (``Format.E4M3``), whose three GEMMs all take ``torch._scaled_grouped_mm``."""
     import quant_recipes as qr
 
+    name = name.removesuffix(OWN)
     if name == "fp8_current_e4m3":
         return qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
     if name == "fp8_current_lean":
@@ -132,7 +139,7 @@ def build(name: str, ref_args, device):
             raise steps.Unavailable("torchao.prototype.moe_training is not importable")
         return Experts(*ref_args, lambda x, w, offs: gmm(x, w.transpose(-2, -1), offs), device)
     return QuantExperts(Experts(*ref_args, None, device), _recipe(name),
-                        copies=name != "fp8_current_lean")
+                        copies=name.removesuffix(OWN) != "fp8_current_lean")
 
 
 def run(name: str, args, counts: list[int], device) -> dict:
@@ -151,6 +158,9 @@ def run(name: str, args, counts: list[int], device) -> dict:
                     requires_grad=True)
     g = torch.randn_like(x)
     fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
+    from quant_recipes import grouped_fp8_gemm
+
+    grouped_fp8_gemm.ROUTE = "fp8_grouped_gemm" if name.endswith(OWN) else "scaled_grouped_mm"
 
     def step():
         layer.zero_grad(set_to_none=True)

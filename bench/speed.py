@@ -5,8 +5,11 @@ Subcommands (``python bench/speed.py <command> --help`` for each one's options):
 - ``step``: one compiled training step (forward, dgrad, wgrad) of a bias-free Linear (or a
   stack), bf16 against torchao's float8 and each quant recipe: ms, vs bf16, host ms, peak GiB,
   saved MiB per layer, GEMM paths;
-- ``model``: training steps of a Hugging Face Llama (every decoder layer compiled, fused AdamW):
-  ms, vs bf16, tok/s, peak and activation GiB, kernels per step, GPU ms, loss;
+- ``model``: training steps of a Hugging Face Llama, Qwen3-MoE or Mixtral (every decoder layer
+  compiled, fused AdamW): ms, vs bf16, tok/s, peak and activation GiB, kernels and host syncs
+  per step, GPU ms, loss;
+- ``layer``: forward + backward of one mixture-of-experts decoder layer (Qwen3-MoE or Mixtral
+  widths), bf16 against each quant recipe: ms, vs bf16, peak GiB, kernels, host syncs;
 - ``gemm``: the quantized GEMM paths' exactness and error, then their speed against bf16
   ``torch.mm``; probes of cuBLAS's block-scaled GEMM;
 - ``kernels``: the quantize kernels' bandwidth as a share of a device copy, with torchao peers;
@@ -197,7 +200,7 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device) -> dic
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
-    model = steps.llama(size, device)
+    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device)
     row: dict = {"config": config, "size": size}
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
@@ -234,7 +237,7 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device) -> dic
             step(data[measure.WARMUP + i])
             times.append((time.perf_counter() - t) * 1e3)
         row["ms"] = statistics.median(times)
-        *_, seq, batch = steps.SIZES[size]
+        seq, batch = steps.seq_batch(size)
         row["tok_s"] = batch * seq / row["ms"] * 1e3
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -248,11 +251,12 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device) -> dic
 
 def model_table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "bf16" and "ms" in r), None)
-    lines = ["| config | ms/step | vs bf16 | tok/s | peak GiB | act GiB | kernels | GPU ms "
-             "| loss (bf16) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| config | ms/step | vs bf16 | tok/s | peak GiB | act GiB | kernels | syncs "
+             "| GPU ms | loss (bf16) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | | | | |")
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | | | | | |")
             continue
         ratio = f"{base['ms'] / r['ms']:.3f}" if base else "-"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
@@ -260,7 +264,8 @@ def model_table(rows: list[dict]) -> str:
         gpu = f"{r['gpu_ms']:.1f}" if "gpu_ms" in r else "-"
         ref = f" ({base['loss']:.4f})" if base else ""
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
-                     f"{act} | {r.get('kernels', '-')} | {gpu} | {r['loss']:.4f}{ref} |")
+                     f"{act} | {r.get('kernels', '-')} | {r.get('syncs', '-')} | {gpu} | "
+                     f"{r['loss']:.4f}{ref} |")
     return "\n".join(lines)
 
 
@@ -291,6 +296,86 @@ def cmd_model(args, p) -> None:
                 json.dump({"torch": torch.__version__, "size": args.size, "rows": rows}, f,
                           indent=1)
     print(model_table(rows))
+
+
+# --- layer: one decoder layer of a mixture-of-experts model
+
+
+def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int) -> dict:
+    """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, compiled),
+    on ``tokens`` random tokens: median ms, peak GiB, kernels and host syncs of one step."""
+    torch._dynamo.reset()
+    model = steps.moe_model(size, device, layers=1)
+    forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hidden = model.config.hidden_size
+    x = torch.randn(1, tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    x.requires_grad_()
+    g = torch.randn(1, tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    pos = torch.arange(tokens, device=device)[None]
+    cos_sin = rotary(x, pos)
+    autocast = getattr(forward, "autocast", None)
+    compiled = torch.compile(layer)
+    row: dict = {"config": config, "size": size, "tokens": tokens}
+
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        if autocast is None:
+            out = compiled(x, position_embeddings=cos_sin)
+        else:
+            with autocast():
+                out = compiled(x, position_embeddings=cos_sin)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(g)
+
+    t0 = time.perf_counter()
+    step()
+    measure.sync(device)
+    row["compile_s"] = round(time.perf_counter() - t0, 1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    row["ms"] = measure.time_steps(step, device, iters=iters)
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    row.update(measure.kernel_stats(step, device))
+    return row
+
+
+def layer_table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["config"] == "bf16" and "ms" in r), None)
+    lines = ["| config | ms | vs bf16 | peak GiB | kernels | syncs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | |")
+            continue
+        ratio = f"{base['ms'] / r['ms']:.3f}" if base else "-"
+        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        lines.append(f"| {r['config']} | {r['ms']:.2f} | {ratio} | {peak} | "
+                     f"{r.get('kernels', '-')} | {r.get('syncs', '-')} |")
+    return "\n".join(lines)
+
+
+def cmd_layer(args, p) -> None:
+    device = torch.device(args.device)
+    rows = []
+    for config in args.configs.split(","):
+        try:
+            row = run_layer(config, args.size, args.tokens, device, args.iters)
+        except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
+            row = {"config": config, "error": f"{type(e).__name__}: {e}"}
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(layer_table(rows))
 
 
 # --- gemm, kernels, host, autotune: the cases live in their own modules
@@ -354,8 +439,10 @@ def commands(sub) -> dict:
                        "weights and batches). Per config: median ms (host included), vs bf16, "
                        "tok/s, peak GiB, act GiB (held between forward and backward), kernels "
                        "and GPU ms of one profiled step, mean loss of the last 10 steps.")
-    m.add_argument("--size", choices=sorted(steps.SIZES), default="1b",
-                   help="8b / 1b widths; tiny with --device cpu is a smoke run")
+    m.add_argument("--size", choices=sorted([*steps.SIZES, *steps.MOE_SIZES]), default="1b",
+                   help="Llama 8b / 1b widths; mixture of experts: qwen3-moe, mixtral "
+                   "(transformers' grouped_mm experts for bf16); tiny, tiny-moe with --device "
+                   "cpu are smoke runs")
     m.add_argument("--steps", type=int, default=150)
     m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
                    help=steps.LLAMA_CONFIG_HELP)
@@ -363,6 +450,20 @@ def commands(sub) -> dict:
     m.add_argument("--ops", action="store_true",
                    help="lower quant to torch ops on a device outside OPS_DEVICES (the CPU)")
     m.add_argument("--json", metavar="OUT")
+    d = sub.add_parser("layer", help="one MoE decoder layer's forward + backward vs bf16",
+                       description="Forward + backward of one decoder layer (attention and the "
+                       "mixture-of-experts block) of a Hugging Face MoE model built from a "
+                       "config, compiled, on random tokens: median ms, vs bf16 (transformers' "
+                       "grouped_mm experts), peak GiB, kernels and host synchronizations of one "
+                       "step.")
+    d.add_argument("--size", choices=sorted(steps.MOE_SIZES), default="qwen3-moe")
+    d.add_argument("--tokens", type=int, default=16384)
+    d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
+                   help="bf16 and ours, each with an optional :variant (" + ", ".join(
+                       steps.LLAMA_VARIANTS) + ")")
+    d.add_argument("--iters", type=int, default=measure.ITERS)
+    d.add_argument("--device", default="cuda")
+    d.add_argument("--json", metavar="OUT")
     g = sub.add_parser("gemm", help="quantized GEMM paths: exactness, error, speed vs bf16 mm",
                        description="Per recipe, the three GEMMs of a Linear step (fprop, dgrad, "
                        "wgrad) through quant_recipes.gemm.qgemm_impl: exact operands must give "
@@ -406,8 +507,8 @@ def commands(sub) -> dict:
                        "chosen; the two results' relative difference.")
     a.add_argument("--shapes", default="8192x4096x4096,8192x4096x14336,8192x14336x4096")
     a.add_argument("--json", metavar="OUT")
-    return {"step": cmd_step, "model": cmd_model, "gemm": cmd_gemm, "kernels": cmd_kernels,
-            "host": cmd_host, "autotune": cmd_autotune}
+    return {"step": cmd_step, "model": cmd_model, "layer": cmd_layer, "gemm": cmd_gemm,
+            "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune}
 
 
 if __name__ == "__main__":

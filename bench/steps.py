@@ -240,6 +240,46 @@ LLAMA_CONFIG_HELP = (
     "Inductor to fuse, kernels: the recorded Triton kernels, opaque: opaque custom ops)")
 
 
+#: Mixture-of-experts widths, name -> (hidden, expert width, experts, top-k, heads, KV heads,
+#: head dim, vocab, layers, sequence, batch): Qwen3-30B-A3B's and Mixtral-8x7B's, 4 layers.
+MOE_SIZES = {
+    "qwen3-moe": (2048, 768, 128, 8, 32, 4, 128, 151936, 4, 4096, 2),
+    "mixtral": (4096, 14336, 8, 2, 32, 8, 128, 32000, 4, 8192, 1),
+    "tiny-moe": (128, 64, 8, 2, 4, 2, 32, 512, 2, 64, 2),
+}
+
+
+def seq_batch(size: str) -> tuple[int, int]:
+    """``(sequence, batch)`` of a Llama or mixture-of-experts size."""
+    return (SIZES.get(size) or MOE_SIZES[size])[-2:]
+
+
+def moe_model(size: str, device: torch.device, layers: int | None = None):
+    """The bf16 Hugging Face MoE model of ``size`` (:data:`MOE_SIZES`: ``Qwen3MoeForCausalLM``
+    or ``MixtralForCausalLM``) from a config, seeded, its experts on transformers' own
+    ``grouped_mm`` implementation (``torch._grouped_mm``: the bf16 baseline)."""
+    import transformers
+
+    hidden, inter, experts, top_k, heads, kv, head_dim, vocab, n, _, _ = MOE_SIZES[size]
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers or n,
+                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                  num_experts_per_tok=top_k, max_position_embeddings=8192,
+                  tie_word_embeddings=False, experts_implementation="grouped_mm")
+    if size == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
+                                         **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=4 * inter,
+                                          moe_intermediate_size=inter, num_experts=experts,
+                                          decoder_sparse_step=1, norm_topk_prob=True, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(cfg)
+    return model.to(torch.bfloat16)
+
+
 def llama(size: str, device: torch.device):
     """The bf16 ``LlamaForCausalLM`` of ``size`` from a config (random init, no download),
     seeded: every config starts from the same weights."""
@@ -273,7 +313,7 @@ def corpus(tokens: int) -> torch.Tensor:
 
 def batches(size: str, steps: int, device: torch.device) -> list[torch.Tensor]:
     """One ``[batch, seq]`` batch per step, consecutive windows of the corpus."""
-    *_, seq, batch = SIZES[size]
+    seq, batch = seq_batch(size)
     ids = corpus(steps * batch * seq).reshape(steps, batch, seq)
     return [ids[i].to(device) for i in range(steps)]
 
@@ -324,8 +364,10 @@ def convert_llama(config: str, model):
 
         recipe = qr.recipe(name)
         qr.convert(model, recipe=recipe)
+        from quant_recipes.grouped_linear import GroupedProjection
+
         for m in model.modules():
-            if isinstance(m, qr.Linear):
+            if isinstance(m, (qr.Linear, GroupedProjection)):
                 for attr in LLAMA_VARIANTS.get(variant, ()):
                     setattr(m, attr, False)
 
@@ -333,6 +375,7 @@ def convert_llama(config: str, model):
             with qr.autocast(recipe=recipe):
                 return model(input_ids=ids, labels=ids).loss
 
+        forward.autocast = lambda: qr.autocast(recipe=recipe)
         return forward
     elif name != "bf16":
         raise ValueError(f"unknown config {config!r}; known: {', '.join(LLAMA_DEFAULT)}")
