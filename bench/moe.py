@@ -158,7 +158,7 @@ def run(name: str, args, counts: list[int], device) -> dict:
                     requires_grad=True)
     g = torch.randn_like(x)
     fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
-    from quant_recipes import grouped_fp8_gemm
+    from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
     grouped_fp8_gemm.ROUTE = "fp8_grouped_gemm" if name.endswith(OWN) else "scaled_grouped_mm"
 
@@ -174,7 +174,7 @@ def run(name: str, args, counts: list[int], device) -> dict:
         step()
         res["grouped_gemm_paths"] = qr.grouped_gemm_paths()
         if device.type == "cuda" and name not in ("bf16", "ao_fp8_rowwise"):
-            from quant_recipes import grouped_fp8_gemm
+            from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
             res["unpadded_row_groups"] = grouped_fp8_gemm.unpadded_rows_run("cuda")
         res["gemm_paths"] = qr.gemm_paths()

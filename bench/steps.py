@@ -364,7 +364,7 @@ def convert_llama(config: str, model):
 
         recipe = qr.recipe(name)
         qr.convert(model, recipe=recipe)
-        from quant_recipes.grouped_linear import GroupedProjection
+        from quant_recipes.moe.linear import GroupedProjection
 
         for m in model.modules():
             if isinstance(m, (qr.Linear, GroupedProjection)):

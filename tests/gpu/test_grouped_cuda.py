@@ -11,7 +11,8 @@ import contextlib
 import pytest
 import quant_recipes as qr
 import torch
-from quant_recipes import grouped_fp8_gemm, grouped_gemm
+from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
+from quant_recipes.moe import gemm as grouped_gemm
 
 DEV = "cuda"
 E, K, N = 8, 256, 384

@@ -15,7 +15,7 @@ import io
 import pytest
 import quant_recipes as qr
 import torch
-from quant_recipes import hf_experts
+from quant_recipes.moe import hf_experts
 
 transformers = pytest.importorskip("transformers")
 

@@ -123,7 +123,7 @@ def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
     """Where torch's grouped kernel takes E4M3 (torch 2.11 on Hopper), doctor says the other
     pairs (E5M2 gradients) take the backend's grouped GEMM; where it does not run, every GEMM
     does."""
-    from quant_recipes import grouped_fp8_gemm
+    from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)

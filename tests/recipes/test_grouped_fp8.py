@@ -1,5 +1,5 @@
-"""The batched per-group FP8 current scaling of GroupedLinear (quant_recipes.grouped_fp8) and its
-quantize-once path (quant_recipes.grouped_fp8_gemm): ``"scaled_grouped_mm"`` and
+"""The batched per-group FP8 current scaling of GroupedLinear (quant_recipes.moe.fp8) and its
+quantize-once path (quant_recipes.moe.fp8_gemm): ``"scaled_grouped_mm"`` and
 ``"fp8_grouped_gemm"`` (the backend's grouped FP8 GEMMs; on the CPU the reference's).
 
 Oracles: the per-group path's own quantize calls (one per padded group, one per expert: tested
@@ -14,8 +14,10 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
-from quant_core import DType, Float8CurrentScalingQuantizer
-from quant_recipes import grouped_fp8, grouped_fp8_gemm, grouped_gemm
+from quant_core import DType, Float8CurrentScalingQuantizer, backends
+from quant_recipes.moe import fp8 as grouped_fp8
+from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
+from quant_recipes.moe import gemm as grouped_gemm
 
 K, N, ALIGN = 64, 32, 16
 COUNTS = [5, 0, 1, 37, 16, 0, 22]  # ragged, empty groups, a group of one row, an exact one
@@ -47,27 +49,29 @@ def _rows(counts, dtype, seed=0):
     return x.to(dtype)
 
 
-@pytest.fixture(params=["torch", "triton"])
-def impl(request, monkeypatch):
-    """The batched quantization's two implementations (Triton through the interpreter)."""
+@pytest.fixture(params=["reference", "triton"])
+def impl(request):
+    """The batched quantization on each backend (Triton through the interpreter)."""
     if request.param == "triton":
         pytest.importorskip("quant_kernels")
         import os
 
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
-        pytest.importorskip("quant_kernels.fp8_grouped")
-    monkeypatch.setattr(grouped_fp8, "_triton", lambda device: request.param == "triton")
-    return request.param
+    with backends.using(request.param):
+        yield request.param
 
 
 def _per_group(x, counts, q):
-    """The per-group path's buffers of each group: its rows padded to ALIGN, one quantize."""
+    """The per-group path's buffers of each group: its rows padded to ALIGN, one quantize (by
+    the reference)."""
     out, s = [], 0
-    for m in counts:
-        mp = -(-m // ALIGN) * ALIGN if m else 0
-        out.append(grouped_gemm.quantized(grouped_gemm._padded(x[s:s + m], mp), q) if m else None)
-        s += m
+    with backends.using("reference"):
+        for m in counts:
+            mp = -(-m // ALIGN) * ALIGN if m else 0
+            out.append(grouped_gemm.quantized(grouped_gemm._padded(x[s:s + m], mp), q)
+                       if m else None)
+            s += m
     return out
 
 
@@ -414,7 +418,7 @@ def test_opcheck_fp8_ops(emulated):
     quant_dynamo = pytest.importorskip("quant_dynamo")
     if not quant_dynamo.DERIVES_IN_GRAPH:
         pytest.skip("this torch reads no member of a baked quantizer (grouped ops need its key)")
-    from quant_recipes.grouped_ops import quantizer_spec
+    from quant_recipes.moe.ops import quantizer_spec
 
     q = _quantizer("e4m3")
     g = _quantizer("e5m2")

@@ -14,7 +14,8 @@ import quant_recipes as qr
 import torch
 from _host_reads import HostReads
 from quant_core import backends
-from quant_recipes import grouped_fp8_gemm, grouped_gemm
+from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
+from quant_recipes.moe import gemm as grouped_gemm
 
 COUNTS = [0, 37, 1, 90]
 K, N = 128, 256

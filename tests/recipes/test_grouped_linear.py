@@ -15,7 +15,7 @@ import formats
 import pytest
 import quant_recipes as qr
 import torch
-from quant_recipes import grouped_gemm
+from quant_recipes.moe import gemm as grouped_gemm
 from torch.utils.checkpoint import checkpoint
 
 E, K, N = 4, 128, 64
@@ -389,8 +389,8 @@ def test_opcheck_grouped_ops():
     if not quant_dynamo.DERIVES_IN_GRAPH:
         pytest.skip("torch 2.10 reads no member of a baked quantizer (grouped ops need its key)")
     from quant_core import DType, Float8CurrentScalingQuantizer
-    from quant_recipes.grouped_ops import quantizer_spec
     from quant_recipes.identity import IdentityQuantizer
+    from quant_recipes.moe.ops import quantizer_spec
 
     m, x, gy, _ = _data(COUNTS)
     w, b = m.weight.detach(), m.bias.detach()

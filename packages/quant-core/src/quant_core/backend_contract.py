@@ -135,6 +135,25 @@ class Backend(Protocol):
         """As :meth:`mxfp8_gemm` for packed NVFP4 row operands with their fp32 amaxes (``(1,)``,
         or one per row of a row-scaled operand: the factor of each output row or column)."""
 
+    # --------------------------------- grouped FP8 current scaling (mixture of experts)
+    def fp8_group_quantize_rows(self, x: torch.Tensor, gid: torch.Tensor, src: torch.Tensor,
+                                grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
+                                force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                                columnwise: bool, row_padded: bool, scale_pitch: int = 1
+                                ) -> Tensors3:
+        """``(data, transpose [K, P], scale_inv [groups, scale_pitch])``: each group of the
+        token rows ``x [T, K]`` (``gid [T]`` the group of each row) current-scaled with its own
+        amax, written in the padded layout of ``P`` rows (``src [P]`` the source row of each,
+        ``-1`` a zero row; ``grp [P]`` its group); ``data`` is ``[P, K]`` with ``row_padded``,
+        else ``[T, K]``. Column 0 of ``scale_inv`` holds each group's, the rest zero."""
+
+    def fp8_group_quantize_experts(self, w: torch.Tensor, *, groups: int, fp8_dtype: DType,
+                                   force_pow_2_scales: bool, amax_epsilon: float,
+                                   rowwise: bool, columnwise: bool, scale_pitch: int = 1
+                                   ) -> Tensors3:
+        """``(data [E * N, K], transpose [E, K, N], scale_inv [E, scale_pitch])``: each expert's
+        rows of ``w [E * N, K]`` (``E = groups``) current-scaled with its own amax."""
+
     # ---------------------------------------------- grouped FP8 GEMMs (mixture of experts)
     def fp8_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                               b: torch.Tensor, b_scale_inv: torch.Tensor, offs: torch.Tensor,

@@ -18,6 +18,7 @@ from . import (
     _amax,
     _gemm,
     fp8_block,
+    fp8_grouped,
     fp8_grouped_gemm,
     fp8_tensor,
     mxfp8,
@@ -75,6 +76,8 @@ class TritonBackend:
     unswizzle_scales = staticmethod(reference.unswizzle_scales)
     mxfp8_gemm = staticmethod(mxfp8_gemm.mxfp8_gemm)
     nvfp4_gemm = staticmethod(nvfp4_gemm.nvfp4_gemm)
+    fp8_group_quantize_rows = staticmethod(fp8_grouped.fp8_group_quantize_rows)
+    fp8_group_quantize_experts = staticmethod(fp8_grouped.fp8_group_quantize_experts)
     fp8_grouped_rows_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_rows_gemm)
     fp8_grouped_tokens_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_tokens_gemm)
 

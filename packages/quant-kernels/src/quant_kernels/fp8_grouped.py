@@ -207,3 +207,34 @@ def fp8_group_quantize(
                GROUP_ROWS=group_rows, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
                POW2=bool(force_pow_2_scales), **kw)
     return data, trans
+
+
+def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tensor,
+                            grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
+                            force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                            columnwise: bool, row_padded: bool, scale_pitch: int = 1):
+    """The backend contract's ``fp8_group_quantize_rows``: :func:`group_amax`, the cast
+    (:func:`fp8_group_quantize`) and :func:`group_scale_inv`, three launches."""
+    check_input_dtype(x, "fp8_group_quantize_rows")
+    amax = group_amax(x, groups, gid)
+    data, trans = fp8_group_quantize(
+        x, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
+        row_padded=row_padded)
+    return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                        scale_pitch)
+
+
+def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
+                               force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                               columnwise: bool, scale_pitch: int = 1):
+    """The backend contract's ``fp8_group_quantize_experts`` (``w [E * N, K]``, ``E =
+    groups``): per-expert amaxes, the cast and the scale-inverses, three launches."""
+    check_input_dtype(w, "fp8_group_quantize_experts")
+    n = w.shape[0] // groups if groups else 0
+    amax = group_amax(w, groups, None, group_rows=n)
+    data, trans = fp8_group_quantize(
+        w, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, group_rows=n)
+    return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                        scale_pitch)

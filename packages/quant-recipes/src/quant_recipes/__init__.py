@@ -9,11 +9,10 @@ from .autocast import Frame, autocast, current_frame, default_recipe
 from .convert import convert, unconvert
 from .fsdp import all_gather_bytes, enable_fsdp_quantized_all_gather, reset_all_gather_bytes
 from .gemm import compiled_gemm_paths, gemm_paths, last_gemm_path, reset_gemm_paths
-from .grouped_linear import GroupedLinear
-from .grouped_paths import grouped_gemm_paths, reset_grouped_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
 from .linear import Linear
 from .module import QuantizedModule, intern
+from .moe import GroupedLinear, grouped_gemm_paths, reset_grouped_gemm_paths
 from .quantized_init import (
     MasterWeights,
     clear_high_precision_init_val,

@@ -40,9 +40,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import hf_experts
 from .linear import Linear
 from .module import check_bindable
+from .moe import hf_experts
 from .recipes import Recipe
 from .role import QuantizerRole
 from .states import RecipeState

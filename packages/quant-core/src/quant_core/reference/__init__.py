@@ -15,6 +15,7 @@ RHT :mod:`.rht`'s; the scale swizzle :mod:`.swizzle`'s. ``nvfp4_4over6_quantize`
 from __future__ import annotations
 
 from .fp8_block import fp8_block_dequantize, fp8_block_quantize
+from .fp8_grouped import fp8_group_quantize_experts, fp8_group_quantize_rows
 from .fp8_tensor import (
     amax,
     current_scale,
@@ -34,6 +35,7 @@ __all__ = [
     "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
-    "fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm", "rht_matrix",
+    "fp8_group_quantize_rows", "fp8_group_quantize_experts", "fp8_grouped_rows_gemm",
+    "fp8_grouped_tokens_gemm", "rht_matrix",
     "swizzle_scales", "unswizzle_scales", "nvfp4_4over6_quantize",
 ]

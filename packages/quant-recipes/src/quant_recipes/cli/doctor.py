@@ -59,8 +59,8 @@ def gemm_lines(device: torch.device | str) -> list[str]:
 
 def variant_lines(device: torch.device | str) -> list[str]:
     """NVFP4's optional variants and the grouped GEMMs on ``device``: what runs them."""
-    from ..grouped_fp8_gemm import describe
-    from ..grouped_gemm import grouped_mm_available
+    from ..moe.fp8_gemm import describe
+    from ..moe.gemm import grouped_mm_available
 
     grouped = ("all groups quantized at once and one torch._grouped_mm per GEMM where every "
                "operand decodes exactly to bf16 and none scales by a tensor-wide amax (MXFP8, "

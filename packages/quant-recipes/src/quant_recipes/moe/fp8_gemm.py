@@ -1,5 +1,5 @@
 """FP8 current-scaling grouped GEMMs of :class:`~quant_recipes.GroupedLinear` on the batched
-quantization (:mod:`.grouped_fp8`), and the layer's quantize-once forward and backward.
+quantization (:mod:`.fp8`), and the layer's quantize-once forward and backward.
 
 Each GEMM multiplies every group at once, on FP8 tensor cores, in one launch, with the group
 bounds read on the device (nothing is read on the host, so the step can be captured in a CUDA
@@ -28,10 +28,10 @@ import functools
 import torch
 from quant_core import backends
 
-from . import grouped_fp8
-from .gemm_fast import _tensorwise_problem
-from .grouped_fp8 import quantize_experts, quantize_rows
-from .grouped_paths import count_path
+from ..gemm_fast import _tensorwise_problem
+from . import fp8
+from .fp8 import quantize_experts, quantize_rows
+from .paths import count_path
 
 #: Device types whose grouped FP8 GEMMs may run (tests add "cpu", with stand-ins for the ops).
 SCALED_GROUPED_MM_DEVICES = {"cuda"}
@@ -102,7 +102,7 @@ def takes(quantizers, device: torch.device, out_dtype: torch.dtype, align: int,
     runs there), bf16 output, widths and the token alignment multiples of 16 (the GEMMs over
     tokens contract over whole padded groups)."""
     return (device.type in SCALED_GROUPED_MM_DEVICES and out_dtype == torch.bfloat16
-            and all(grouped_fp8.takes(q) for q in quantizers)
+            and all(fp8.takes(q) for q in quantizers)
             and all(w % 16 == 0 for w in (align, *widths)) and _per_group_runs(device))
 
 
@@ -168,7 +168,7 @@ def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool):
     (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``), and the transposed bytes
     backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input
     gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
-    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    lay = fp8.layout(offs, x.shape[0], align)
     padded = _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
     wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
@@ -177,7 +177,7 @@ def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool):
 
 def input_transposed(x, offs, qx, align: int):
     """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again."""
-    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    lay = fp8.layout(offs, x.shape[0], align)
     _, xt, sx = quantize_rows(x, lay, qx, False, True)
     return xt, sx
 
@@ -192,7 +192,7 @@ def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgra
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
     GEMMs read."""
-    lay = grouped_fp8.layout(offs, gy.shape[0], align)
+    lay = fp8.layout(offs, gy.shape[0], align)
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded) if dgrad else None

@@ -9,7 +9,7 @@ amax), the same quantizer variants, the same :func:`~quant_recipes.gemm.qgemm_im
 rows are zero in every operand: they add nothing to a product over tokens and their output rows
 are dropped.
 
-The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM):
+The paths (:func:`~quant_recipes.moe.gemm_paths` counts one per grouped GEMM):
 
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
@@ -18,12 +18,12 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
   quantizer decodes exactly to bf16 (``decodes_exactly_to_bf16``: high precision, MXFP8, FP8
   with power-of-2 scales; never NVFP4, whose per-tensor factors scale the product) and the
   expert widths close the weight quantizer's row blocks: all groups at once, in the padded
-  layout of :mod:`.grouped_fp8` (no group bound is read on the host). Each operand is quantized
+  layout of :mod:`.fp8` (no group bound is read on the host). Each operand is quantized
   in one call over every padded group (the same bytes as one call per padded group: no block
   crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``. It
   differs from ``"per_group"`` only in the order of the fp32 accumulation;
 - ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
-  every group quantized at once (:mod:`.grouped_fp8_gemm`, which the layer calls directly when
+  every group quantized at once (:mod:`.fp8_gemm`, which the layer calls directly when
   all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
 """
 
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from quant_core.shapes import roundup
 
-from . import grouped_fp8, grouped_fp8_gemm
-from .gemm import HP, dequantize, qgemm_impl, quantizer_meta
-from .grouped_paths import count_path
+from ..gemm import HP, dequantize, qgemm_impl, quantizer_meta
+from . import fp8, fp8_gemm
+from .paths import count_path
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
 GROUPED_MM_DEVICES = {"cuda"}
@@ -163,7 +163,7 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
 
 def batched_fprop(x, offs, w, qx, qw, align: int) -> torch.Tensor:
     """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring)."""
-    lay = grouped_fp8.layout(offs, x.shape[0], align)
+    lay = fp8.layout(offs, x.shape[0], align)
     xv = _decoded(_padded_rows(x, lay), qx, False)
     out = torch._grouped_mm(xv, _experts(w, qw, False).transpose(1, 2), offs=lay.ends)
     count_path("grouped_mm")
@@ -173,7 +173,7 @@ def batched_fprop(x, offs, w, qx, qw, align: int) -> torch.Tensor:
 def batched_bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
                   wgrad: bool):
     """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
-    lay = grouped_fp8.layout(offs, gy.shape[0], align)
+    lay = fp8.layout(offs, gy.shape[0], align)
     g_row, g_col = _decoded_pair(_padded_rows(gy, lay), qg, dgrad, wgrad and col)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
         g_col = g_row if g_row is not None else _decoded(_padded_rows(gy, lay), qg, False)
@@ -198,8 +198,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
     ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does."""
     (total, k), n = x.shape, w.shape[1]
-    if b is None and grouped_fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
-        return grouped_fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
+    if b is None and fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
+        return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
         return batched_fprop(x, offs, w, qx, qw, align)
     y = x.new_zeros((total, n))

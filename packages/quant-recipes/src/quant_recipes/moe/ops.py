@@ -1,7 +1,7 @@
 """The grouped GEMMs as custom ops, for ``torch.compile``: ``quant_recipes::grouped_fprop`` and
-``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.grouped_gemm.grouped_fprop` /
+``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.moe.gemm.grouped_fprop` /
 ``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_bprop``
-the quantize-once FP8 path (:mod:`.grouped_fp8_gemm`; ``grouped_fp8_rows_t`` /
+the quantize-once FP8 path (:mod:`.fp8_gemm`; ``grouped_fp8_rows_t`` /
 ``grouped_fp8_experts_t`` quantize a kept input or weight again in backward), so the groups'
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
@@ -21,11 +21,11 @@ import functools
 import torch
 from quant_core import value_classes
 
-from . import grouped_fp8_gemm
-from .compiling import dynamo
-from .grouped_fp8 import SCALE_PITCH, padded_rows
-from .grouped_gemm import grouped_bprop, grouped_fprop
-from .module import intern
+from ..compiling import dynamo
+from ..module import intern
+from . import fp8_gemm
+from .fp8 import SCALE_PITCH, padded_rows
+from .gemm import grouped_bprop, grouped_fprop
 
 #: Why a torch cannot trace :func:`quantizer_spec` (2.10 reads no member of a baked value).
 NEEDS_MEMBERS = ("GroupedLinear under torch.compile reads its quantizers' value keys at trace "
@@ -86,7 +86,7 @@ _op("grouped_bprop(Tensor gy, Tensor x, Tensor offs, Tensor w, str[] q, bool col
 
 
 def _rows_t(x, offs, q, align):
-    return grouped_fp8_gemm.input_transposed(x, offs, quantizer_of(q), align)
+    return fp8_gemm.input_transposed(x, offs, quantizer_of(q), align)
 
 
 def _rows_t_fake(x, offs, q, align):
@@ -96,7 +96,7 @@ def _rows_t_fake(x, offs, q, align):
 
 
 def _experts_t(w, q):
-    return grouped_fp8_gemm.weight_transposed(w, quantizer_of(q))
+    return fp8_gemm.weight_transposed(w, quantizer_of(q))
 
 
 def _experts_t_fake(w, q):
@@ -115,7 +115,7 @@ def _empty_for_none(t, like, dtype=torch.uint8):
 
 
 def _fp8_fprop(x, offs, w, q, align, keep_x_t, keep_w_t):
-    y, xt, sx, wt, sw = grouped_fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align,
+    y, xt, sx, wt, sw = fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align,
                                                  keep_x_t, keep_w_t)
     return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
@@ -128,7 +128,7 @@ def _fp8_fprop_fake(x, offs, w, q, align, keep_x_t, keep_w_t):
 
 
 def _fp8_bprop(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
-    dx, dw = grouped_fp8_gemm.backward(gy, offs, xt, sx, wt, sw, *map(quantizer_of, q), align,
+    dx, dw = fp8_gemm.backward(gy, offs, xt, sx, wt, sw, *map(quantizer_of, q), align,
                                        dgrad, wgrad)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
@@ -165,19 +165,19 @@ def bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad:
 
 
 def fp8_fprop(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, traced: bool):
-    """:func:`~quant_recipes.grouped_fp8_gemm.forward`, through its op when ``traced`` (the
+    """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
-        return grouped_fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t)
+        return fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t)
     return torch.ops.quant_recipes.grouped_fp8_fprop(
         x, offs, w, [quantizer_spec(qx), quantizer_spec(qw)], align, keep_x_t, keep_w_t)
 
 
 def fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool,
               traced: bool):
-    """:func:`~quant_recipes.grouped_fp8_gemm.backward`, through its op when ``traced``."""
+    """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
-        return grouped_fp8_gemm.backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align, dgrad,
+        return fp8_gemm.backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align, dgrad,
                                          wgrad)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
@@ -187,16 +187,16 @@ def fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgr
 
 
 def fp8_rows_t(x, offs, qx, align: int, traced: bool):
-    """:func:`~quant_recipes.grouped_fp8_gemm.input_transposed`, through its op when
+    """:func:`~quant_recipes.moe.fp8_gemm.input_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return grouped_fp8_gemm.input_transposed(x, offs, qx, align)
+        return fp8_gemm.input_transposed(x, offs, qx, align)
     return torch.ops.quant_recipes.grouped_fp8_rows_t(x, offs, quantizer_spec(qx), align)
 
 
 def fp8_experts_t(w, qw, traced: bool):
-    """:func:`~quant_recipes.grouped_fp8_gemm.weight_transposed`, through its op when
+    """:func:`~quant_recipes.moe.fp8_gemm.weight_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return grouped_fp8_gemm.weight_transposed(w, qw)
+        return fp8_gemm.weight_transposed(w, qw)
     return torch.ops.quant_recipes.grouped_fp8_experts_t(w, quantizer_spec(qw))

@@ -1,5 +1,5 @@
 """How many grouped GEMMs of :class:`~quant_recipes.GroupedLinear` took each path (the path
-names: :mod:`.grouped_gemm`, :mod:`.grouped_fp8_gemm`)."""
+names: :mod:`.gemm`, :mod:`.fp8_gemm`)."""
 
 from __future__ import annotations
 

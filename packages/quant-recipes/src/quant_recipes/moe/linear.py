@@ -7,20 +7,20 @@ It returns ``[T, out_features]``: group ``g`` times ``weight[g]ᵀ`` (plus ``bia
 
 Inside :func:`~quant_recipes.autocast` every group's GEMMs (fprop, dgrad, wgrad) are those of
 the dense :class:`~quant_recipes.Linear` on that group's rows, padded with zero rows to the
-recipe's token alignment (:func:`~quant_recipes.grouped_gemm.token_alignment`): the same
+recipe's token alignment (:func:`~quant_recipes.moe.gemm.token_alignment`): the same
 quantizers (roles with ``module_type="grouped_linear"``), one quantize call per group (a
 tensor-wide amax is the group's), the same GEMM paths. The padding changes no output and no
 gradient. Backward quantizes the input and the weight again (their columnwise copies; the
 rowwise forms under ``backward_override="dequantized"``), so the input and weight quantizers must
 give the same bytes again: value quantizers without stochastic rounding (no ``DelayedScaling``).
 FP8 current scaling on FP8 tensor cores takes the quantize-once path instead
-(:mod:`quant_recipes.grouped_fp8_gemm`): all groups quantized at once, forward keeping the
+(:mod:`quant_recipes.moe.fp8_gemm`): all groups quantized at once, forward keeping the
 transposed FP8 bytes that backward's GEMMs read.
 Outside autocast it is a high-precision grouped linear (fp32 products, one rounding;
 groups padded to 16 rows for ``torch._grouped_mm``).
 
 Under ``torch.compile`` the grouped GEMMs are custom ops with static output shapes
-(:mod:`quant_recipes.grouped_ops`): group sizes may change on every step without a recompile.
+(:mod:`quant_recipes.moe.ops`): group sizes may change on every step without a recompile.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import torch
 from quant_core.inputs import check_dense
 from quant_core.storage import QuantizedStorage
 
-from . import grouped_fp8_gemm
-from .compiling import compiling
-from .grouped_gemm import check_offsets, check_on_device, token_alignment
-from .grouped_ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
-from .identity import IdentityQuantizer
-from .module import QuantizedModule, intern, is_value, module_frame
-from .role import QuantizerRole
+from ..compiling import compiling
+from ..identity import IdentityQuantizer
+from ..module import QuantizedModule, intern, is_value, module_frame
+from ..role import QuantizerRole
+from . import fp8_gemm
+from .gemm import check_offsets, check_on_device, token_alignment
+from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 
 #: The quantizer of every high-precision slot.
 _HIGH_PRECISION = intern(IdentityQuantizer())
@@ -72,7 +72,7 @@ class _GroupedFn(torch.autograd.Function):
 
 
 class _GroupedFP8Fn(torch.autograd.Function):
-    """The quantize-once FP8 current-scaling path (:mod:`.grouped_fp8_gemm`): forward keeps the
+    """The quantize-once FP8 current-scaling path (:mod:`.fp8_gemm`): forward keeps the
     transposed FP8 bytes of the input and the weight that backward's GEMMs read (or, without
     ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward)."""
 
@@ -111,7 +111,7 @@ class GroupedProjection(QuantizedModule):
     name), grad_input_quantizer_role]``, one quantizer per slot, applied to every group.
 
     ``save_weight_copy`` / ``save_input_copy``: as :class:`~quant_recipes.Linear`'s, for the
-    quantize-once FP8 path (:mod:`~quant_recipes.grouped_fp8_gemm`), the only one that keeps
+    quantize-once FP8 path (:mod:`~quant_recipes.moe.fp8_gemm`), the only one that keeps
     quantized copies from forward to backward: keep the weight's (input's) transposed FP8 bytes
     for backward (default), or keep the weight (input) itself and quantize it again in backward,
     the same bytes for less memory held through the step (False suits FSDP2, which frees the
@@ -226,7 +226,7 @@ class GroupedProjection(QuantizedModule):
         qw = qset.variant(qset.fwd[1], columnwise_usage=False)
         override = frame.recipe.backward_override
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        if (override is None and b is None and w.dtype == x.dtype and grouped_fp8_gemm.takes(
+        if (override is None and b is None and w.dtype == x.dtype and fp8_gemm.takes(
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
             return _GroupedFP8Fn.apply(x, offs, w, qx, qw, qset.bwd[0], align, traced,

@@ -9,7 +9,7 @@ laid out as :class:`~quant_recipes.GroupedLinear` lays out its own (``[experts, 
 transposed (``[experts, in, out]``, GPT-OSS), which the projections read as a transposed view.
 
 :func:`quantize_experts` turns such a module, in place, into one whose two projections run as
-quant's grouped GEMMs (:class:`~quant_recipes.grouped_linear.GroupedProjection`, named
+quant's grouped GEMMs (:class:`~quant_recipes.moe.linear.GroupedProjection`, named
 ``<fqn>.gate_up_proj`` / ``<fqn>.up_proj`` and ``<fqn>.down_proj`` for the recipe's roles): its
 class becomes a subclass of the original one (``isinstance`` checks still hold), its Parameters
 and ``state_dict`` keys are unchanged. The forward sorts the ``T * k`` (token, expert) pairs by
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .compiling import compiling
-from .grouped_gemm import check_on_device
-from .grouped_linear import GroupedProjection
+from ..compiling import compiling
+from .gemm import check_on_device
+from .linear import GroupedProjection
 
 #: quant's subclass of each Hugging Face experts class, built on first use.
 _QUANTIZED: dict[type, type] = {}
@@ -110,7 +110,7 @@ def _rebuild(hf_class: type, state: dict) -> torch.nn.Module:
 
 
 def _check_ids(ids: torch.Tensor, num_experts: int, who: str) -> None:
-    """Expert ids in ``[0, num_experts)`` (:func:`~.grouped_gemm.check_on_device`)."""
+    """Expert ids in ``[0, num_experts)`` (:func:`~.gemm.check_on_device`)."""
     check_on_device((ids >= 0) & (ids < num_experts), lambda: (
         f"{who}: top_k_index must hold expert ids in [0, {num_experts}), got "
         f"{ids.min().item()}..{ids.max().item()}"))

@@ -1,0 +1,115 @@
+"""Batched per-group FP8 current scaling for :class:`~quant_recipes.GroupedLinear`: every group
+quantized in one pass over all rows.
+
+Quantization: the backend's ``fp8_group_quantize_rows`` / ``fp8_group_quantize_experts``
+(``quant_core.reference.fp8_grouped`` defines them; quant-kernels' Triton kernels on GPUs): every
+group's amax (NaN dropped) in one pass, its scale by current scaling's rule (`numerics.md` §3),
+then one cast of all rows into the rowwise and/or the transposed layout, each row with its
+group's scale: the bytes and ``scale_inv`` of one per-tensor quantize call per group, which is
+what the per-group path makes.
+
+Layout (:class:`Layout`): the groups' rows end to end, each group padded with zero rows to a
+multiple of ``align`` (an empty group to ``align`` rows: a GEMM contracting over the groups needs
+every group non-empty), in a buffer of the static ``roundup(T, align) + E * align`` rows. The
+padded group ``g`` is the per-group path's padded operand of group ``g``. Transposed copies
+always take the padded layout; a rowwise copy takes it or keeps the rows where they are.
+
+Scale-inverses are ``[E, SCALE_PITCH]`` fp32, column 0 the groups' ``scale_inv``: each group's
+scale starts on a 16-byte boundary, as cuBLAS requires of a scale pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from quant_core import backends
+from quant_core.shapes import roundup
+
+#: fp32 elements between two groups' scale-inverses (a 16-byte pitch, for cuBLAS).
+SCALE_PITCH = 4
+
+
+def takes(q) -> bool:
+    """``q`` is FP8 current scaling without an amax reduction (a group's amax is its own)."""
+    return (q.storage_format == "fp8" and hasattr(q, "amax_epsilon")
+            and not q.with_amax_reduction)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The padded row layout of ``T`` rows in ``E`` groups (device tensors, no host sync)."""
+
+    gid: torch.Tensor  # int64 [T]: the group of each row
+    dest: torch.Tensor  # int64 [T]: the padded row of each row
+    src: torch.Tensor  # int32 [rows]: the row of each padded row, -1 for a padding row
+    grp: torch.Tensor  # int32 [rows]: the group of each padded row (the last past the end)
+    ends: torch.Tensor  # int32 [E]: cumulative padded ends (``offs`` of the padded groups)
+    offs: torch.Tensor  # int32 [E]: cumulative ends of the groups' rows
+    rows: int  # the padded buffer's rows, roundup(T, align) + E * align
+    groups: int
+
+
+def padded_rows(total, groups: int, align: int):
+    """Rows of the padded layout of ``total`` rows in ``groups`` groups: ``roundup(total,
+    align) + groups * align``, at least the sum of the padded groups (an int or a SymInt)."""
+    return roundup(total, align) + groups * align
+
+
+def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
+    """The :class:`Layout` of ``offs`` (cumulative end offsets of ``total`` rows)."""
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = ends - starts
+    padded = torch.where(counts > 0, roundup(counts, align), align)
+    pends = padded.cumsum(0)
+    pstarts = pends - padded
+    r = torch.arange(total, device=offs.device)
+    gid = torch.searchsorted(ends, r, right=True)
+    dest = r - starts[gid] + pstarts[gid]
+    rows = padded_rows(total, offs.shape[0], align)
+    p = torch.arange(rows, device=offs.device)
+    grp = torch.searchsorted(pends, p, right=True).clamp_(max=offs.shape[0] - 1)
+    within = p - pstarts[grp]
+    src = torch.where(within < counts[grp], starts[grp] + within, -1)
+    return Layout(gid, dest, src.to(torch.int32), grp.to(torch.int32), pends.to(torch.int32),
+                  offs.to(torch.int32), rows, offs.shape[0])
+
+
+def padded_starts(bounds: list[int], align: int) -> list[int]:
+    """The host-side starts of the padded groups of :func:`layout` (``bounds``: ``offs``)."""
+    starts, at, last = [], 0, 0
+    for end in bounds:
+        starts.append(at)
+        m = end - last
+        at += roundup(m, align) if m else align
+        last = end
+    return starts
+
+
+def _cast_args(q) -> dict:
+    """The backend's grouped-cast keywords of current-scaling quantizer ``q``."""
+    return {"fp8_dtype": q.dtype, "force_pow_2_scales": q.force_pow_2_scales,
+            "amax_epsilon": q.amax_epsilon, "scale_pitch": SCALE_PITCH}
+
+
+def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bool,
+                  row_padded: bool = False):
+    """``(data | None, transpose [K, rows] | None, scale_inv [E, SCALE_PITCH])``: each group of
+    ``x [T, K]`` quantized by ``q`` with its own amax (the backend's
+    ``fp8_group_quantize_rows``). ``data`` is ``[rows, K]`` in the padded layout when
+    ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero."""
+    return backends.get(None, x.device).fp8_group_quantize_rows(
+        x.contiguous(), lay.gid, lay.src, lay.grp, groups=lay.groups, rowwise=rowwise,
+        columnwise=columnwise, row_padded=row_padded, **_cast_args(q))
+
+
+def quantize_experts(w: torch.Tensor, q, rowwise: bool, columnwise: bool):
+    """``(data [E, N, K] | None, transpose [E, K, N] | None, scale_inv [E, SCALE_PITCH])``: each
+    expert's weight quantized by ``q`` (one per-tensor quantize call per expert; the backend's
+    ``fp8_group_quantize_experts``)."""
+    e, n, k = w.shape
+    data, trans, sinv = backends.get(None, w.device).fp8_group_quantize_experts(
+        w.contiguous().reshape(e * n, k), groups=e, rowwise=rowwise, columnwise=columnwise,
+        **_cast_args(q))
+    return None if data is None else data.view(e, n, k), trans, sinv
