@@ -11,9 +11,9 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients), ``fp8_current_e4m3:own`` (its GEMMs on the backend's grouped kernel instead of
-``torch._scaled_grouped_mm``), ``fp8_current_lean`` (``save_weight_copy=False,
-save_input_copy=False``: the weight and input quantized again in backward)
+gradients), their ``:own_wgrad`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
+(``save_weight_copy=False, save_input_copy=False``: the weight and input quantized again in
+backward)
 (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per
 config one JSON line (median ms of ``--iters`` steps after ``--warmup``, CUDA events on a GPU),
 then a markdown table of speed-ups over bf16, with the peak memory of the timed steps.
@@ -32,10 +32,17 @@ import torch
 import torch.nn.functional as F
 
 CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean",
-           "fp8_current_e4m3:own")
-#: ``<config>:own``: FP8 current scaling's E4M3 x E4M3 GEMMs on the backend's own grouped
-#: kernel instead of ``torch._scaled_grouped_mm`` (``grouped_fp8_gemm.ROUTE``), for an A/B.
-OWN = ":own"
+           "fp8_current:own_wgrad", "fp8_current_e4m3:own")
+#: FP8 current scaling's variants, for an A/B: ``<config>:own_wgrad`` runs the weight gradient
+#: of pairs torch's grouped kernel does not take on the backend's grouped kernel instead of cuBLAS
+#: per group (``OWN_TOKENS_KERNEL``); ``<config>:own`` runs every GEMM there, E4M3 x E4M3 too
+#: (``ROUTE``).
+VARIANTS = {":own_wgrad": ("scaled_grouped_mm", True), ":own": ("fp8_grouped_gemm", True),
+            "": ("scaled_grouped_mm", False)}
+
+
+def _variant(name: str) -> str:
+    return next(v for v in VARIANTS if v and name.endswith(v)) if ":" in name else ""
 
 
 def _recipe(name: str):
@@ -43,7 +50,7 @@ def _recipe(name: str):
     gradients too (``Format.E4M3``), whose three GEMMs all take ``torch._scaled_grouped_mm``."""
     import quant_recipes as qr
 
-    name = name.removesuffix(OWN)
+    name = name.partition(":")[0]
     if name == "fp8_current_e4m3":
         return qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)
     if name == "fp8_current_lean":
@@ -139,7 +146,7 @@ def build(name: str, ref_args, device):
             raise steps.Unavailable("torchao.prototype.moe_training is not importable")
         return Experts(*ref_args, lambda x, w, offs: gmm(x, w.transpose(-2, -1), offs), device)
     return QuantExperts(Experts(*ref_args, None, device), _recipe(name),
-                        copies=name.removesuffix(OWN) != "fp8_current_lean")
+                        copies=name.partition(":")[0] != "fp8_current_lean")
 
 
 def run(name: str, args, counts: list[int], device) -> dict:
@@ -160,7 +167,7 @@ def run(name: str, args, counts: list[int], device) -> dict:
     fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
     from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
-    grouped_fp8_gemm.ROUTE = "fp8_grouped_gemm" if name.endswith(OWN) else "scaled_grouped_mm"
+    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_TOKENS_KERNEL = VARIANTS[_variant(name)]
 
     def step():
         layer.zero_grad(set_to_none=True)

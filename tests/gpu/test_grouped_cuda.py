@@ -1,8 +1,9 @@
 """On CUDA: mixture-of-experts layers run every grouped GEMM as one launch and read nothing on
-the host (``torch.cuda.set_sync_debug_mode("error")`` fails on any synchronizing call), eagerly,
-compiled, and captured in a CUDA graph that is replayed with other group sizes; their results
-lie within the accumulation bound of the per-group path's (each group quantized and multiplied
-alone, the definition)."""
+the host (FP8 current scaling's weight gradient on the backend's grouped kernel,
+``OWN_TOKENS_KERNEL``; ``torch.cuda.set_sync_debug_mode("error")`` fails on any synchronizing
+call), eagerly, compiled, and captured in a CUDA graph that is replayed with other group sizes;
+their results lie within the accumulation bound of the per-group path's (each group quantized
+and multiplied alone, the definition)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def _step(m, fwd, recipe, x, gy, offs):
 
 
 def _want_paths(name):
+    """The paths with ``OWN_TOKENS_KERNEL`` (the configuration that reads nothing on the host)."""
     want = RECIPES[name][1]
     if want is not None:
         return want
@@ -67,6 +69,11 @@ def _want_paths(name):
     if name == "fp8_current_e4m3" and e4m3:
         return {"scaled_grouped_mm": 3}
     return {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2} if e4m3 else {"fp8_grouped_gemm": 3}
+
+
+@pytest.fixture(autouse=True)
+def own_tokens_kernel(monkeypatch):
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_TOKENS_KERNEL", True)
 
 
 def _assert_within_bound(got, want, x, w, gy, counts):

@@ -171,6 +171,23 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False
     return out.to(torch.bfloat16)
 
 
+def _emulated_scaled_mm(a, b, scale_a, scale_b, out):
+    """``torch._scaled_mm`` into ``out`` (tensor scales), with cuBLAS's requirements: A row-major
+    and B column-major with 16-byte aligned rows and columns, widths multiples of 16, scale
+    pointers on 16-byte boundaries (a slice of a packed scale vector is refused there)."""
+    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (
+        torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype != torch.float8_e5m2 or (
+        a.dtype != torch.float8_e5m2), "cuBLAS multiplies no E5M2 x E5M2"
+    assert a.stride(1) == 1 and b.stride(0) == 1, "A row-major, B column-major"
+    assert a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0 and a.data_ptr() % 16 == 0
+    assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+    for s in (scale_a, scale_b):
+        assert s.numel() == 1 and s.dtype == torch.float32
+        assert s.data_ptr() % 16 == 0, "cuBLAS refuses a scale pointer off a 16-byte boundary"
+    assert out.is_contiguous() and out.shape == (a.shape[0], b.shape[1])
+    out.copy_((a.to(torch.float32) @ b.to(torch.float32)) * (scale_a * scale_b))
+
+
 @pytest.fixture(params=["unpadded", "padded"])
 def emulated(request, monkeypatch):
     """The quantize-once path on the CPU, through the emulations; the grouped kernel takes
@@ -179,6 +196,8 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
+    monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_TOKENS_KERNEL", True)
     monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
@@ -212,6 +231,20 @@ def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
     recipe = qr.Float8CurrentScaling()  # HYBRID: E5M2 gradients, which the kernel does not take
     got, paths = _step(COUNTS, recipe)
     assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2}
+    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    want, paths = _step(COUNTS, recipe)
+    assert paths == {"per_group": 3}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_e5m2_weight_gradient_per_group_through_cublas_by_default(emulated):
+    """Without ``OWN_TOKENS_KERNEL`` the weight gradient of an E5M2 x E4M3 pair runs cuBLAS per
+    group (one host read of the bounds), the input gradient the backend's grouped kernel."""
+    emulated.setattr(grouped_fp8_gemm, "OWN_TOKENS_KERNEL", False)
+    recipe = qr.Float8CurrentScaling()
+    got, paths = _step(COUNTS, recipe)
+    assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 1, "scaled_mm_per_group": 1}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, paths = _step(COUNTS, recipe)
     assert paths == {"per_group": 3}

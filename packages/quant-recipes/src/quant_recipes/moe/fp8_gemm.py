@@ -13,6 +13,11 @@ graph). Two routes:
   ``fp8_grouped_tokens_gemm`` of the backend contract; quant-kernels' Triton kernels on GPUs):
   any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
   to its fp32 product. The reference backend's definition reads the group bounds on the host.
+- ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
+  slices of the same batched bytes, after one host read of the group bounds: the weight
+  gradient of a pair torch's grouped kernel does not take, unless :data:`OWN_TOKENS_KERNEL`
+  (the contraction-grouped Triton kernel measured far slower than cuBLAS per group,
+  bench/results/2026-12-03-moe-one-launch.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -88,6 +93,18 @@ def unpadded_rows_run(device_type: str) -> bool:
 ROUTE = "scaled_grouped_mm"
 
 
+#: The weight gradient of a pair ``torch._scaled_grouped_mm`` does not take runs the backend's
+#: grouped kernel (one launch, no host read) instead of cuBLAS per group.
+OWN_TOKENS_KERNEL = False
+
+
+def scaled_mm(a, b, scale_a, scale_b, out):
+    """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation (tests replace
+    it by an emulation on the CPU)."""
+    torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                     use_fast_accum=False, out=out)
+
+
 def grouped_takes(qa, qb, device: torch.device, experts: int) -> bool:
     """``"scaled_grouped_mm"`` takes a GEMM of ``qa`` x ``qb`` operands: :data:`ROUTE` prefers
     it, ``qb`` E4M3, ``qa`` a type this torch's kernel runs, fewer than 1024 groups."""
@@ -112,6 +129,8 @@ def describe(device: torch.device | str) -> str:
     if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
         return "one GEMM per group (no FP8 tensor cores here)"
     own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
+    if not OWN_TOKENS_KERNEL:
+        own += " (the weight gradient: cuBLAS per group)"
     if ROUTE == "scaled_grouped_mm" and _runs(device.type, torch.float8_e4m3fn):
         return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}"
     return f"quantized once; {own}"
@@ -152,9 +171,18 @@ def tokens_gemm(at, sa, bt, sb, lay, qa, qb) -> torch.Tensor:
         count_path("scaled_grouped_mm")
         return scaled_grouped_mm(_fp8(at, qa), _fp8(bt, qb).t(), sa[:, 0].repeat_interleave(m),
                                  sb[:, 0].repeat_interleave(n), lay.ends)
-    count_path("fp8_grouped_gemm")
-    return backends.get(None, at.device).fp8_grouped_tokens_gemm(
-        at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype)
+    if OWN_TOKENS_KERNEL:
+        count_path("fp8_grouped_gemm")
+        return backends.get(None, at.device).fp8_grouped_tokens_gemm(
+            at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype)
+    count_path("scaled_mm_per_group")
+    out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
+    av, bv = _fp8(at, qa), _fp8(bt, qb)
+    starts = [0, *lay.ends.tolist()]  # the one host read
+    for g in range(lay.groups):
+        s, e = starts[g], starts[g + 1]
+        scaled_mm(av[:, s:e], bv[:, s:e].t(), sa[g, :1], sb[g, :1], out[g])
+    return out
 
 
 def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
