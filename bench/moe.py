@@ -11,7 +11,7 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients), their ``:own_wgrad`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
+gradients), their ``:own_e5m2`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
 (``save_weight_copy=False, save_input_copy=False``: the weight and input quantized again in
 backward)
 (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per
@@ -32,12 +32,11 @@ import torch
 import torch.nn.functional as F
 
 CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean",
-           "fp8_current:own_wgrad", "fp8_current_e4m3:own")
-#: FP8 current scaling's variants, for an A/B: ``<config>:own_wgrad`` runs the weight gradient
-#: of pairs torch's grouped kernel does not take on the backend's grouped kernel instead of cuBLAS
-#: per group (``OWN_TOKENS_KERNEL``); ``<config>:own`` runs every GEMM there, E4M3 x E4M3 too
-#: (``ROUTE``).
-VARIANTS = {":own_wgrad": ("scaled_grouped_mm", True), ":own": ("fp8_grouped_gemm", True),
+           "fp8_current:own_e5m2", "fp8_current_e4m3:own")
+#: FP8 current scaling's variants, for an A/B: ``<config>:own_e5m2`` runs the GEMMs of pairs
+#: torch's grouped kernel does not take on the backend's grouped kernels instead of cuBLAS per
+#: group (``OWN_KERNEL``); ``<config>:own`` runs every GEMM there, E4M3 x E4M3 too (``ROUTE``).
+VARIANTS = {":own_e5m2": ("scaled_grouped_mm", True), ":own": ("fp8_grouped_gemm", True),
             "": ("scaled_grouped_mm", False)}
 
 
@@ -167,7 +166,7 @@ def run(name: str, args, counts: list[int], device) -> dict:
     fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
     from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
-    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_TOKENS_KERNEL = VARIANTS[_variant(name)]
+    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL = VARIANTS[_variant(name)]
 
     def step():
         layer.zero_grad(set_to_none=True)

@@ -304,7 +304,11 @@ def cmd_model(args, p) -> None:
 def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int) -> dict:
     """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, compiled),
     on ``tokens`` random tokens: median ms, peak GiB, kernels and host syncs of one step."""
+    from quant_recipes.moe import fp8_gemm
+
     torch._dynamo.reset()
+    config, own = config.removesuffix("+own"), config.endswith("+own")
+    fp8_gemm.OWN_KERNEL = own  # HYBRID's E5M2 GEMMs: the grouped kernels, not cuBLAS per group
     model = steps.moe_model(size, device, layers=1)
     forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
     layer, rotary = model.model.layers[0], model.model.rotary_emb
@@ -317,7 +321,7 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
     cos_sin = rotary(x, pos)
     autocast = getattr(forward, "autocast", None)
     compiled = torch.compile(layer)
-    row: dict = {"config": config, "size": size, "tokens": tokens}
+    row: dict = {"config": config + ("+own" if own else ""), "size": size, "tokens": tokens}
 
     def step():
         x.grad = None
@@ -460,7 +464,8 @@ def commands(sub) -> dict:
     d.add_argument("--tokens", type=int, default=16384)
     d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
                    help="bf16 and ours, each with an optional :variant (" + ", ".join(
-                       steps.LLAMA_VARIANTS) + ")")
+                       steps.LLAMA_VARIANTS) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
+                   "the grouped kernels instead of cuBLAS per group")
     d.add_argument("--iters", type=int, default=measure.ITERS)
     d.add_argument("--device", default="cuda")
     d.add_argument("--json", metavar="OUT")

@@ -197,7 +197,7 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_TOKENS_KERNEL", True)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", True)
     monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
@@ -238,13 +238,13 @@ def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-def test_e5m2_weight_gradient_per_group_through_cublas_by_default(emulated):
-    """Without ``OWN_TOKENS_KERNEL`` the weight gradient of an E5M2 x E4M3 pair runs cuBLAS per
-    group (one host read of the bounds), the input gradient the backend's grouped kernel."""
-    emulated.setattr(grouped_fp8_gemm, "OWN_TOKENS_KERNEL", False)
+def test_e5m2_gradients_per_group_through_cublas_by_default(emulated):
+    """Without ``OWN_KERNEL`` the GEMMs of an E5M2 x E4M3 pair run cuBLAS per group on the
+    batched bytes (one host read of the bounds per backward)."""
+    emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL", False)
     recipe = qr.Float8CurrentScaling()
     got, paths = _step(COUNTS, recipe)
-    assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 1, "scaled_mm_per_group": 1}
+    assert paths == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, paths = _step(COUNTS, recipe)
     assert paths == {"per_group": 3}
@@ -351,12 +351,12 @@ def test_cuda_bytes_equal_the_per_group_quantize():
 
 
 @pytest.mark.skipif(_cuda_fp8_grouped() is not None, reason=str(_cuda_fp8_grouped()))
-@pytest.mark.parametrize("route", ["grouped", "grouped_padded_rows", "own_kernel"])
+@pytest.mark.parametrize("route", ["grouped", "grouped_padded_rows", "own_kernel", "cublas"])
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
     """On the GPU, each GEMM of the quantize-once path (torch's grouped kernel with unpadded or
-    padded row groups, or the backend's own grouped kernel; HYBRID's E5M2 gradients always the
-    own kernel) lies within
+    padded row groups, the backend's own grouped kernel, or cuBLAS per group; HYBRID's E5M2
+    gradients the own kernel, or cuBLAS for ``cublas``) lies within
     the stated bound of the per-group path's (``torch._scaled_mm`` per group, each group
     quantized alone): ``|got - want| <= 2^-7 |want| + 2^-11 (|A| |B|)``, the second term from
     the operands' absolute product."""
@@ -366,8 +366,9 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
     print("unpadded row groups run:", grouped_fp8_gemm.unpadded_rows_run("cuda"))
     if route == "grouped_padded_rows":
         monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: False)
-    elif route == "own_kernel":
+    elif route in ("own_kernel", "cublas"):
         monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", route != "cublas")
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)
     rows = torch.logspace(-2, 2, sum(counts), device=dev)[:, None]
@@ -384,9 +385,8 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
         y.backward(gy)
         results.append(((y.detach(), xi.grad, m.weight.grad), qr.grouped_gemm_paths()))
     (got, paths), (want, want_paths) = results
-    own = route == "own_kernel"
-    want_fast = {"fp8_grouped_gemm": 3} if own else (
-        {"scaled_grouped_mm": 3} if fmt == "E4M3"
+    want_fast = {"own_kernel": {"fp8_grouped_gemm": 3}, "cublas": {"scaled_mm_per_group": 3}}.get(
+        route, {"scaled_grouped_mm": 3} if fmt == "E4M3"
         else {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2})
     assert paths == want_fast and want_paths == {"per_group": 3}
     ax, aw, ag = x.float().abs(), m.weight.detach().float().abs(), gy.float().abs()

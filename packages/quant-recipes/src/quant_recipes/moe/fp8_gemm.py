@@ -14,10 +14,11 @@ graph). Two routes:
   any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
   to its fp32 product. The reference backend's definition reads the group bounds on the host.
 - ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
-  slices of the same batched bytes, after one host read of the group bounds: the weight
-  gradient of a pair torch's grouped kernel does not take, unless :data:`OWN_TOKENS_KERNEL`
-  (the contraction-grouped Triton kernel measured far slower than cuBLAS per group,
-  bench/results/2026-12-03-moe-one-launch.md).
+  slices of the same batched bytes, after one host read of the group bounds per backward: the
+  GEMMs of pairs torch's grouped kernel does not take (HYBRID's E5M2 gradients), unless
+  :data:`OWN_KERNEL`. On the H200 cuBLAS per group ran these at 880-1090 TFLOP/s on 2048-row
+  groups, the backend's Triton kernels at 650 (rows grouped) and 80 (contraction grouped)
+  (bench/results/2026-12-03-moe-one-launch.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -93,9 +94,9 @@ def unpadded_rows_run(device_type: str) -> bool:
 ROUTE = "scaled_grouped_mm"
 
 
-#: The weight gradient of a pair ``torch._scaled_grouped_mm`` does not take runs the backend's
-#: grouped kernel (one launch, no host read) instead of cuBLAS per group.
-OWN_TOKENS_KERNEL = False
+#: The GEMMs of pairs ``torch._scaled_grouped_mm`` does not take run the backend's grouped
+#: kernels (one launch each, no host read) instead of cuBLAS per group.
+OWN_KERNEL = False
 
 
 def scaled_mm(a, b, scale_a, scale_b, out):
@@ -128,9 +129,8 @@ def describe(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
         return "one GEMM per group (no FP8 tensor cores here)"
-    own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
-    if not OWN_TOKENS_KERNEL:
-        own += " (the weight gradient: cuBLAS per group)"
+    own = (f"the {backends.get(None, device).name} backend's grouped FP8 GEMM" if OWN_KERNEL
+           else "cuBLAS per group")
     if ROUTE == "scaled_grouped_mm" and _runs(device.type, torch.float8_e4m3fn):
         return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}"
     return f"quantized once; {own}"
@@ -144,44 +144,63 @@ def _fp8(t: torch.Tensor, q) -> torch.Tensor:
     return t.view(q.dtype.torch_dtype)
 
 
-def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool) -> torch.Tensor:
+def _host_groups(lay) -> list[tuple[int, int, int, int]]:
+    """``(start, end, padded start, padded end)`` of each group's rows (one host read)."""
+    ends, pends = torch.stack([lay.offs, lay.ends]).tolist()
+    return list(zip([0, *ends[:-1]], ends, [0, *pends[:-1]], pends, strict=True))
+
+
+def _route(qa, qb, device: torch.device, experts: int) -> str:
+    """The path of a GEMM of ``qa`` x ``qb`` operands (the module docstring's names)."""
+    if grouped_takes(qa, qb, device, experts):
+        return "scaled_grouped_mm"
+    return "fp8_grouped_gemm" if OWN_KERNEL else "scaled_mm_per_group"
+
+
+def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
     """``[T, cols]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ``, ``b [E, cols, contraction]``
     (each expert's operand, contraction contiguous); ``a`` ``[rows, contraction]`` in the padded
-    layout when ``padded``, else ``[T, contraction]``."""
+    layout when ``padded``, else ``[T, contraction]``. ``groups``: :func:`_host_groups`, when the
+    caller has read them."""
     experts, cols = b.shape[:2]
-    if grouped_takes(qa, qb, a.device, experts):
-        count_path("scaled_grouped_mm")
+    route = _route(qa, qb, a.device, experts)
+    count_path(route)
+    if route == "scaled_grouped_mm":
         out = scaled_grouped_mm(
             _fp8(a, qa), _fp8(b, qb).transpose(-2, -1),
             sa[:, 0][lay.grp if padded else lay.gid],
             sb[:, 0, None].expand(experts, cols).contiguous(), lay.ends if padded else lay.offs)
         return out[lay.dest] if padded else out
-    count_path("fp8_grouped_gemm")
-    return backends.get(None, a.device).fp8_grouped_rows_gemm(
-        a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
-        total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype)
+    if route == "fp8_grouped_gemm":
+        return backends.get(None, a.device).fp8_grouped_rows_gemm(
+            a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
+            total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype)
+    out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
+    av, bv = _fp8(a, qa), _fp8(b, qb)
+    for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
+        if e > s:
+            at = ps if padded else s
+            scaled_mm(av[at:at + e - s], bv[g].t(), sa[g, :1], sb[g, :1], out[s:e])
+    return out
 
 
-def tokens_gemm(at, sa, bt, sb, lay, qa, qb) -> torch.Tensor:
+def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
     """``[E, m, n]``: per group ``a_gᵀ b_g`` of the transposed padded copies ``at [m, rows]`` and
     ``bt [n, rows]``, the contraction over the group's padded tokens (an empty group's are
     zeros, so is its product)."""
     m, n = at.shape[0], bt.shape[0]
-    if grouped_takes(qa, qb, at.device, lay.groups):
-        count_path("scaled_grouped_mm")
+    route = _route(qa, qb, at.device, lay.groups)
+    count_path(route)
+    if route == "scaled_grouped_mm":
         return scaled_grouped_mm(_fp8(at, qa), _fp8(bt, qb).t(), sa[:, 0].repeat_interleave(m),
                                  sb[:, 0].repeat_interleave(n), lay.ends)
-    if OWN_TOKENS_KERNEL:
-        count_path("fp8_grouped_gemm")
+    if route == "fp8_grouped_gemm":
         return backends.get(None, at.device).fp8_grouped_tokens_gemm(
             at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype)
-    count_path("scaled_mm_per_group")
     out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
     av, bv = _fp8(at, qa), _fp8(bt, qb)
-    starts = [0, *lay.ends.tolist()]  # the one host read
-    for g in range(lay.groups):
-        s, e = starts[g], starts[g + 1]
-        scaled_mm(av[:, s:e], bv[:, s:e].t(), sa[g, :1], sb[g, :1], out[g])
+    for g, (_, _, ps, pe) in enumerate(groups or _host_groups(lay)):
+        scaled_mm(av[:, ps:pe], bv[:, ps:pe].t(), sa[g, :1], sb[g, :1], out[g])
     return out
 
 
@@ -223,6 +242,9 @@ def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgra
     lay = fp8.layout(offs, gy.shape[0], align)
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
-    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded) if dgrad else None
-    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx) if wgrad else None
+    per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
+                 or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
+    groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
+    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups) if dgrad else None
+    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups) if wgrad else None
     return dx, dw
