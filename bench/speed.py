@@ -308,7 +308,8 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
 
     torch._dynamo.reset()
     config, own = config.removesuffix("+own"), config.endswith("+own")
-    fp8_gemm.OWN_KERNEL = own  # HYBRID's E5M2 GEMMs: the grouped kernels, not cuBLAS per group
+    # HYBRID's E5M2 GEMMs: the grouped kernels at any expert count, or the default threshold
+    fp8_gemm.OWN_KERNEL_MIN_EXPERTS = 0 if own else 64
     model = steps.moe_model(size, device, layers=1)
     forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
     layer, rotary = model.model.layers[0], model.model.rotary_emb

@@ -1,6 +1,6 @@
 """On CUDA: mixture-of-experts layers run every grouped GEMM as one launch and read nothing on
 the host (FP8 current scaling's weight gradient on the backend's grouped kernel,
-``OWN_KERNEL``; ``torch.cuda.set_sync_debug_mode("error")`` fails on any synchronizing
+``OWN_KERNEL_MIN_EXPERTS`` 0; ``torch.cuda.set_sync_debug_mode("error")`` fails on any synchronizing
 call), eagerly, compiled, and captured in a CUDA graph that is replayed with other group sizes;
 their results lie within the accumulation bound of the per-group path's (each group quantized
 and multiplied alone, the definition)."""
@@ -61,7 +61,7 @@ def _step(m, fwd, recipe, x, gy, offs):
 
 
 def _want_paths(name):
-    """The paths with ``OWN_KERNEL`` (the configuration that reads nothing on the host)."""
+    """The paths with ``OWN_KERNEL_MIN_EXPERTS`` 0 (what reads nothing on the host)."""
     want = RECIPES[name][1]
     if want is not None:
         return want
@@ -73,7 +73,7 @@ def _want_paths(name):
 
 @pytest.fixture(autouse=True)
 def own_tokens_kernel(monkeypatch):
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", True)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
 
 
 def _assert_within_bound(got, want, x, w, gy, counts):

@@ -127,18 +127,21 @@ def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
 
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", False)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
     assert grouped_fp8_gemm.describe("cpu") == (
-        "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else cuBLAS per group")
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", True)
+        "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else cuBLAS per group under "
+        "64 experts, else the reference backend's grouped FP8 GEMM")
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
     assert grouped_fp8_gemm.describe("cpu") == (
         "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else the reference "
         "backend's grouped FP8 GEMM")
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: False)
     assert grouped_fp8_gemm.describe("cpu") == (
         "quantized once; the reference backend's grouped FP8 GEMM")
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", False)
-    assert grouped_fp8_gemm.describe("cpu") == "quantized once; cuBLAS per group"
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
+    assert grouped_fp8_gemm.describe("cpu") == (
+        "quantized once; cuBLAS per group under 64 experts, else the reference backend's "
+        "grouped FP8 GEMM")
 
 
 def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):

@@ -197,7 +197,7 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", True)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
     monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
@@ -239,15 +239,29 @@ def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
 
 
 def test_e5m2_gradients_per_group_through_cublas_by_default(emulated):
-    """Without ``OWN_KERNEL`` the GEMMs of an E5M2 x E4M3 pair run cuBLAS per group on the
-    batched bytes (one host read of the bounds per backward)."""
-    emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL", False)
+    """Below ``OWN_KERNEL_MIN_EXPERTS`` experts (the default, 64) the GEMMs of an E5M2 x E4M3
+    pair run cuBLAS per group on the batched bytes (one host read of the bounds per backward)."""
+    emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
     recipe = qr.Float8CurrentScaling()
     got, paths = _step(COUNTS, recipe)
     assert paths == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     want, paths = _step(COUNTS, recipe)
     assert paths == {"per_group": 3}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_e5m2_gradients_of_64_experts_take_the_grouped_kernel_by_default(emulated):
+    """At ``OWN_KERNEL_MIN_EXPERTS`` experts and more, the backend's grouped kernel (one launch,
+    no host read), within the accumulation bound of the per-group path."""
+    emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
+    counts = [3, 0, 5, 16] * 16
+    recipe = qr.Float8CurrentScaling()
+    got, paths = _step(counts, recipe)
+    assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2}
+    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    want, _ = _step(counts, recipe)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
@@ -368,7 +382,8 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
         monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: False)
     elif route in ("own_kernel", "cublas"):
         monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", route != "cublas")
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS",
+                        1 << 30 if route == "cublas" else 0)
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)
     rows = torch.logspace(-2, 2, sum(counts), device=dev)[:, None]

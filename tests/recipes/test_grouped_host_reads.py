@@ -2,9 +2,9 @@
 (each would stall the host once per GEMM on a GPU and keep the step out of a CUDA graph).
 
 On the CPU, with the grouped GEMMs on their batched paths: FP8 current scaling through the
-Triton backend with its own weight-gradient kernel (``OWN_KERNEL``; the interpreter stands
-in for the GPU; the reference backend's grouped GEMM is a definition that reads the bounds),
-MXFP8 and FP8 blocks through ``torch._grouped_mm``."""
+Triton backend's grouped kernels (``OWN_KERNEL_MIN_EXPERTS`` 0; the interpreter stands in for
+the GPU; the reference backend's grouped GEMM is a definition that reads the bounds), MXFP8 and
+FP8 blocks through ``torch._grouped_mm``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_fp8_current_reads_nothing_on_the_host(monkeypatch):
     pytest.importorskip("quant_kernels")
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
-    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL", True)
+    monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
     qr.reset_grouped_gemm_paths()
     with backends.using("triton"):

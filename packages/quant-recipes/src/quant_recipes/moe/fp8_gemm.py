@@ -14,11 +14,14 @@ graph). Two routes:
   any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
   to its fp32 product. The reference backend's definition reads the group bounds on the host.
 - ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
-  slices of the same batched bytes, after one host read of the group bounds per backward: the
-  GEMMs of pairs torch's grouped kernel does not take (HYBRID's E5M2 gradients), unless
-  :data:`OWN_KERNEL`. On the H200 cuBLAS per group ran these at 880-1090 TFLOP/s on 2048-row
-  groups, the backend's Triton kernels at 650 (rows grouped) and 80 (contraction grouped)
-  (bench/results/2026-12-03-moe-one-launch.md).
+  slices of the same batched bytes, after one host read of the group bounds per backward.
+
+Pairs torch's grouped kernel does not take (HYBRID's E5M2 gradients) run ``"fp8_grouped_gemm"``
+in layers of at least :data:`OWN_KERNEL_MIN_EXPERTS` experts, else ``"scaled_mm_per_group"``:
+on the H200 cuBLAS per group won with 32 experts of 2048 rows (a DeepSeek-V3 expert layer,
+1.15x of bf16 against 0.46x), the grouped kernels with 128 experts (a Qwen3-MoE decoder layer,
+0.72x against 0.43x, 300 kernels against 812, no host sync against one per backward)
+(bench/results/2026-12-03-moe-one-launch.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -94,9 +97,10 @@ def unpadded_rows_run(device_type: str) -> bool:
 ROUTE = "scaled_grouped_mm"
 
 
-#: The GEMMs of pairs ``torch._scaled_grouped_mm`` does not take run the backend's grouped
-#: kernels (one launch each, no host read) instead of cuBLAS per group.
-OWN_KERNEL = False
+#: Layers of at least this many experts run the GEMMs of pairs ``torch._scaled_grouped_mm``
+#: does not take on the backend's grouped kernels (one launch each, no host read); smaller ones
+#: on cuBLAS per group. 0: always the grouped kernels.
+OWN_KERNEL_MIN_EXPERTS = 64
 
 
 def scaled_mm(a, b, scale_a, scale_b, out):
@@ -129,8 +133,9 @@ def describe(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
         return "one GEMM per group (no FP8 tensor cores here)"
-    own = (f"the {backends.get(None, device).name} backend's grouped FP8 GEMM" if OWN_KERNEL
-           else "cuBLAS per group")
+    own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
+    if OWN_KERNEL_MIN_EXPERTS:
+        own = f"cuBLAS per group under {OWN_KERNEL_MIN_EXPERTS} experts, else {own}"
     if ROUTE == "scaled_grouped_mm" and _runs(device.type, torch.float8_e4m3fn):
         return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}"
     return f"quantized once; {own}"
@@ -154,7 +159,7 @@ def _route(qa, qb, device: torch.device, experts: int) -> str:
     """The path of a GEMM of ``qa`` x ``qb`` operands (the module docstring's names)."""
     if grouped_takes(qa, qb, device, experts):
         return "scaled_grouped_mm"
-    return "fp8_grouped_gemm" if OWN_KERNEL else "scaled_mm_per_group"
+    return "fp8_grouped_gemm" if experts >= OWN_KERNEL_MIN_EXPERTS else "scaled_mm_per_group"
 
 
 def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
