@@ -1,9 +1,9 @@
 """FP8 current-scaling grouped GEMMs of :class:`~quant_recipes.GroupedLinear` on the batched
 quantization (:mod:`.fp8`), and the layer's quantize-once forward and backward.
 
-Each GEMM multiplies every group at once, on FP8 tensor cores, in one launch, with the group
-bounds read on the device (nothing is read on the host, so the step can be captured in a CUDA
-graph). Two routes:
+Each GEMM multiplies every group on FP8 tensor cores, by one of three routes (the first two
+are one launch with the group bounds read on the device: nothing read on the host, so the step
+can be captured in a CUDA graph):
 
 - ``"scaled_grouped_mm"``: ``torch._scaled_grouped_mm`` (fp32 accumulation,
   ``use_fast_accum=False``) with each row's (column's) group ``scale_inv`` as its row scale,
@@ -18,10 +18,9 @@ graph). Two routes:
 
 Pairs torch's grouped kernel does not take (HYBRID's E5M2 gradients) run ``"fp8_grouped_gemm"``
 in layers of at least :data:`OWN_KERNEL_MIN_EXPERTS` experts, else ``"scaled_mm_per_group"``:
-on the H200 cuBLAS per group won with 32 experts of 2048 rows (a DeepSeek-V3 expert layer,
-1.15x of bf16 against 0.46x), the grouped kernels with 128 experts (a Qwen3-MoE decoder layer,
-0.72x against 0.43x, 300 kernels against 812, no host sync against one per backward)
-(bench/results/2026-12-03-moe-one-launch.md).
+cuBLAS per group is the faster with a few large experts, the grouped kernels with many small
+ones, whose per-group launches and host read dominate (the threshold's measurements:
+bench/results/2026-12-03-moe-one-launch.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
