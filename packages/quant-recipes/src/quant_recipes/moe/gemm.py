@@ -9,7 +9,7 @@ amax), the same quantizer variants, the same :func:`~quant_recipes.gemm.qgemm_im
 rows are zero in every operand: they add nothing to a product over tokens and their output rows
 are dropped.
 
-The paths (:func:`~quant_recipes.moe.gemm_paths` counts one per grouped GEMM):
+The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM):
 
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
