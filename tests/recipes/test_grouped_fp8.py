@@ -238,32 +238,22 @@ def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-def test_e5m2_gradients_per_group_through_cublas_by_default(emulated):
-    """Below ``OWN_KERNEL_MIN_EXPERTS`` experts (the default, 64) the GEMMs of an E5M2 x E4M3
-    pair run cuBLAS per group on the batched bytes (one host read of the bounds per backward)."""
+@pytest.mark.parametrize("counts, e5m2_path", [(COUNTS, "scaled_mm_per_group"),
+                                               ([3, 0, 5, 16] * 16, "fp8_grouped_gemm")])
+def test_e5m2_gradients_route_by_expert_count(emulated, counts, e5m2_path):
+    """With the default ``OWN_KERNEL_MIN_EXPERTS`` (64) the GEMMs of an E5M2 x E4M3 pair run
+    cuBLAS per group below 64 experts (one host read of the bounds per backward) and the
+    backend's grouped kernel from 64 on; either within the accumulation bound of the per-group
+    path."""
     emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
-    recipe = qr.Float8CurrentScaling()
-    got, paths = _step(COUNTS, recipe)
-    assert paths == {"scaled_grouped_mm": 1, "scaled_mm_per_group": 2}
-    emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
-    want, paths = _step(COUNTS, recipe)
-    assert paths == {"per_group": 3}
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
-
-
-def test_e5m2_gradients_of_64_experts_take_the_grouped_kernel_by_default(emulated):
-    """At ``OWN_KERNEL_MIN_EXPERTS`` experts and more, the backend's grouped kernel (one launch,
-    no host read), within the accumulation bound of the per-group path."""
-    emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
-    counts = [3, 0, 5, 16] * 16
     recipe = qr.Float8CurrentScaling()
     got, paths = _step(counts, recipe)
-    assert paths == {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2}
+    assert paths == {"scaled_grouped_mm": 1, e5m2_path: 2}
     emulated.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
-    want, _ = _step(counts, recipe)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    want, paths = _step(counts, recipe)
+    assert paths == {"per_group": 3}
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)
 
 
 def test_every_gemm_on_the_backends_grouped_gemm_when_torchs_takes_none(emulated):
