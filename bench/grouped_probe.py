@@ -198,48 +198,74 @@ def triton_forms(m: int, k: int, n: int) -> list[dict]:
     return rows
 
 
-def own_forms(e: int, m: int, k: int, n: int) -> list[dict]:
+#: The own kernels' sweep: tile configs (PROMOTE -1: fast accumulation; COLS_FASTEST, the rows
+#: kernel's program order, is left out of the contraction kernel's).
+OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
+                     "num_stages": 4, "tma": 1, "COLS_FASTEST": 1, **c} for c in (
+    {"tma": 0, "BN": 128, "COLS_FASTEST": 0}, {"COLS_FASTEST": 0}, {}, {"num_stages": 3},
+    {"BN": 128}, {"BN": 128, "COLS_FASTEST": 0}, {"BM": 64, "BN": 128, "num_warps": 4},
+    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}, {"PROMOTE": -1}))
+
+
+def group_rows(e: int, m: int, ragged: bool) -> list[int]:
+    """``e`` groups of ``m`` rows, or (``ragged``) as a router skews them: multinomial draws
+    around ``m`` on average, rounded up to multiples of 16 (the padded layout's groups)."""
+    if not ragged:
+        return [m] * e
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.exp(torch.randn(e, generator=gen) * 0.3)
+    counts = torch.multinomial(weights, e * m, replacement=True, generator=gen).bincount(
+        minlength=e)
+    return [-(-int(c) // 16) * 16 for c in counts]
+
+
+def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
     """quant-kernels' grouped FP8 GEMMs (E5M2 x E4M3, HYBRID's gradient GEMMs) at the rows
-    form and the contraction form, over tile configs and promotion intervals."""
+    form and the contraction form, over tile configs and promotion intervals, with groups of
+    ``counts`` rows."""
     from quant_core.dtypes import DType
     from quant_kernels import configs
     from quant_kernels import fp8_grouped_gemm as kern
 
-    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
-    a = _fp8((e * m, k), E5M2)
+    e, total = len(counts), sum(counts)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    spans = list(zip([0, *offs.tolist()[:-1]], offs.tolist(), strict=True))
+    a = _fp8((total, k), E5M2)
     w = _fp8((e, n, k), E4M3)
-    at, bt = _fp8((n, e * m), E5M2), _fp8((k, e * m), E4M3)
+    at, bt = _fp8((n, total), E5M2), _fp8((k, total), E4M3)
     sa, sb = torch.rand(e, device="cuda") + 0.5, torch.rand(e, device="cuda") + 0.5
     u8 = (lambda t: t.view(torch.uint8))
     kw = {"a_dtype": DType.E5M2, "b_dtype": DType.E4M3}
     rows_want, tok_want = [], []
+    flops = 2.0 * total * n * k
 
     def rows_ref():
         if not rows_want:
-            rows_want.append(torch.cat([(a[g * m:(g + 1) * m].float() @ w[g].float().t())
-                                        * sa[g] * sb[g] for g in range(e)]))
+            rows_want.append(torch.cat([(a[s:t].float() @ w[g].float().t()) * sa[g] * sb[g]
+                                        for g, (s, t) in enumerate(spans)]))
         return rows_want[0]
 
     def tok_ref():
         if not tok_want:
-            tok_want.append(torch.stack([(at[:, g * m:(g + 1) * m].float()
-                                          @ bt[:, g * m:(g + 1) * m].float().t()) * sa[g] * sb[g]
-                                         for g in range(e)]))
+            tok_want.append(torch.stack([(at[:, s:t].float() @ bt[:, s:t].float().t())
+                                         * sa[g] * sb[g] for g, (s, t) in enumerate(spans)]))
         return tok_want[0]
 
     out = []
-    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
-                                      (128, 128, 128, 4, 4), (64, 256, 128, 4, 4)):
-        for promote in (128, -1):
-            cfg = {"BM": bm, "BN": bn, "BK": bk, "PROMOTE": min(promote, bk), "num_warps": warps,
-                   "num_stages": stages}
-            tag = f"{bm}x{bn}x{bk} w{warps} s{stages} promote {promote}"
-            with configs.overridden("fp8_grouped_gemm", cfg):
-                out.append(_row(f"own rows {tag}", lambda: kern.fp8_grouped_rows_gemm(
-                    u8(a), sa, u8(w), sb, offs, offs, total=e * m, **kw), rows_ref,
-                    2.0 * e * m * n * k))
+    for cfg in OWN_CONFIGS:
+        cfg = {**cfg, "PROMOTE": min(cfg["PROMOTE"], cfg["BK"])}
+        tokens_cfg = {k: v for k, v in cfg.items() if k != "COLS_FASTEST"}
+        tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
+               f"promote {cfg['PROMOTE']} {'tma' if cfg['tma'] else 'pointers'}")
+        with configs.overridden("fp8_grouped_rows_gemm", cfg):
+            out.append(_row(f"own rows {tag} cols {'first' if cfg['COLS_FASTEST'] else 'last'}",
+                            lambda: kern.fp8_grouped_rows_gemm(
+                                u8(a), sa, u8(w), sb, offs, offs, total=total, **kw),
+                            rows_ref, flops))
+        if cfg["COLS_FASTEST"]:  # the contraction kernel has one program order
+            with configs.overridden("fp8_grouped_tokens_gemm", tokens_cfg):
                 out.append(_row(f"own tokens {tag}", lambda: kern.fp8_grouped_tokens_gemm(
-                    u8(at), sa, u8(bt), sb, offs, **kw), tok_ref, 2.0 * e * m * n * k))
+                    u8(at), sa, u8(bt), sb, offs, **kw), tok_ref, flops))
     return out
 
 
@@ -250,11 +276,18 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
     p.add_argument("--own", action="store_true", help="quant-kernels' forms only")
+    p.add_argument("--ragged", action="store_true",
+                   help="the own forms' groups skewed as a router makes them (--rows on average)")
+    p.add_argument("--no-triton", action="store_true",
+                   help="leave out the plain Triton tile kernels (torch's and the own forms)")
     args = p.parse_args()
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
     rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
-    rows += [] if args.own else triton_forms(args.rows, args.hidden, args.out)
-    rows += own_forms(args.experts, args.rows, args.hidden, args.out)
+    rows += [] if args.own or args.no_triton else triton_forms(args.rows, args.hidden, args.out)
+    counts = group_rows(args.experts, args.rows, args.ragged)
+    print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
+                                     "total": sum(counts)}}))
+    rows += own_forms(counts, args.hidden, args.out)
     print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
         if r["ok"]:

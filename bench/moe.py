@@ -35,10 +35,13 @@ CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_curre
            "fp8_current:own_e5m2", "fp8_current_e4m3:own")
 #: FP8 current scaling's variants, for an A/B: ``<config>:own_e5m2`` runs the GEMMs of pairs
 #: torch's grouped kernel does not take on the backend's grouped kernels at any expert count
-#: (``OWN_KERNEL_MIN_EXPERTS`` 0, the default 64); ``<config>:own`` runs every GEMM there, E4M3 x
-#: E4M3 too (``ROUTE``).
-VARIANTS = {":own_e5m2": ("scaled_grouped_mm", 0), ":own": ("fp8_grouped_gemm", 0),
-            "": ("scaled_grouped_mm", 64)}
+#: (``OWN_KERNEL_MIN_EXPERTS`` 0); ``<config>:own`` runs every GEMM there, E4M3 x E4M3 too
+#: (``ROUTE``); no variant: the package's own route and threshold (``None``).
+VARIANTS = {":own_e5m2": ("scaled_grouped_mm", 0), ":own": ("fp8_grouped_gemm", 0), "": None}
+
+
+#: The package's (ROUTE, OWN_KERNEL_MIN_EXPERTS), read before a variant first sets them.
+_PACKAGE_ROUTE: dict[str, tuple[str, int]] = {}
 
 
 def _variant(name: str) -> str:
@@ -167,7 +170,10 @@ def run(name: str, args, counts: list[int], device) -> dict:
     fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
     from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
-    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS = VARIANTS[_variant(name)]
+    package = _PACKAGE_ROUTE.setdefault(
+        "fp8", (grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS))
+    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS = (
+        VARIANTS[_variant(name)] or package)
 
     def step():
         layer.zero_grad(set_to_none=True)

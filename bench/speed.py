@@ -301,15 +301,26 @@ def cmd_model(args, p) -> None:
 # --- layer: one decoder layer of a mixture-of-experts model
 
 
+#: The package's (OWN_KERNEL_MIN_EXPERTS, ROUTE), read before a layer config first sets them.
+_PACKAGE_ROUTES: dict[str, tuple[int, str]] = {}
+
+
 def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int) -> dict:
     """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, compiled),
     on ``tokens`` random tokens: median ms, peak GiB, kernels and host syncs of one step."""
     from quant_recipes.moe import fp8_gemm
 
     torch._dynamo.reset()
-    config, own = config.removesuffix("+own"), config.endswith("+own")
-    # HYBRID's E5M2 GEMMs: the grouped kernels at any expert count, or the default threshold
-    fp8_gemm.OWN_KERNEL_MIN_EXPERTS = 0 if own else 64
+    name = config
+    config, _, own = config.partition("+")
+    if own not in ("", "own", "ownall"):
+        raise ValueError(f"{name!r}: unknown suffix +{own}; known: +own, +ownall")
+    # +own: HYBRID's E5M2 GEMMs on the grouped kernels at any expert count, E4M3 x E4M3 on
+    # torch's; +ownall: every FP8 GEMM on the grouped kernels; neither: the package's routes
+    defaults = _PACKAGE_ROUTES.setdefault("fp8", (fp8_gemm.OWN_KERNEL_MIN_EXPERTS, fp8_gemm.ROUTE))
+    fp8_gemm.OWN_KERNEL_MIN_EXPERTS = 0 if own else defaults[0]
+    fp8_gemm.ROUTE = {"own": "scaled_grouped_mm", "ownall": "fp8_grouped_gemm"}.get(own,
+                                                                                   defaults[1])
     model = steps.moe_model(size, device, layers=1)
     forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
     layer, rotary = model.model.layers[0], model.model.rotary_emb
@@ -322,7 +333,7 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
     cos_sin = rotary(x, pos)
     autocast = getattr(forward, "autocast", None)
     compiled = torch.compile(layer)
-    row: dict = {"config": config + ("+own" if own else ""), "size": size, "tokens": tokens}
+    row: dict = {"config": name, "size": size, "tokens": tokens}
 
     def step():
         x.grad = None
@@ -466,7 +477,8 @@ def commands(sub) -> dict:
     d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
                    help="bf16 and ours, each with an optional :variant (" + ", ".join(
                        steps.LLAMA_VARIANTS) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
-                   "the grouped kernels instead of cuBLAS per group")
+                   "the grouped kernels and E4M3 x E4M3 on torch's at any expert count; "
+                   "+ownall: every FP8 GEMM on the grouped kernels")
     d.add_argument("--iters", type=int, default=measure.ITERS)
     d.add_argument("--device", default="cuda")
     d.add_argument("--json", metavar="OUT")

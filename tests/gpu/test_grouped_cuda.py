@@ -61,14 +61,10 @@ def _step(m, fwd, recipe, x, gy, offs):
 
 
 def _want_paths(name):
-    """The paths with ``OWN_KERNEL_MIN_EXPERTS`` 0 (what reads nothing on the host)."""
+    """The paths with ``OWN_KERNEL_MIN_EXPERTS`` 0 (what reads nothing on the host): every FP8
+    GEMM on the grouped kernels."""
     want = RECIPES[name][1]
-    if want is not None:
-        return want
-    e4m3 = grouped_fp8_gemm._runs("cuda", torch.float8_e4m3fn)
-    if name == "fp8_current_e4m3" and e4m3:
-        return {"scaled_grouped_mm": 3}
-    return {"scaled_grouped_mm": 1, "fp8_grouped_gemm": 2} if e4m3 else {"fp8_grouped_gemm": 3}
+    return {"fp8_grouped_gemm": 3} if want is None else want
 
 
 @pytest.fixture(autouse=True)

@@ -120,28 +120,31 @@ def test_doctor_reports_versions_backends_and_formats(capsys):
 
 
 def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
-    """Where torch's grouped kernel takes E4M3 (torch 2.11 on Hopper), doctor says the other
-    pairs (E5M2 gradients) take the backend's grouped GEMM; where it does not run, every GEMM
-    does."""
+    """Where torch's grouped kernel takes E4M3 (torch 2.11 on Hopper), doctor says which kernel
+    takes which pair below the expert threshold and that the backend's grouped GEMM takes every
+    pair from there on; where torch's does not run, the backend's takes every pair."""
     from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
+    own = "the reference backend's grouped FP8 GEMM"
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
     assert grouped_fp8_gemm.describe("cpu") == (
+        "quantized once; under 64 experts torch._scaled_grouped_mm for E4M3 x E4M3 and cuBLAS "
+        f"per group for the rest, else {own}")
+    monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")
+    assert grouped_fp8_gemm.describe("cpu") == (
         "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else cuBLAS per group under "
-        "64 experts, else the reference backend's grouped FP8 GEMM")
+        f"64 experts, else {own}")
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
     assert grouped_fp8_gemm.describe("cpu") == (
-        "quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else the reference "
-        "backend's grouped FP8 GEMM")
+        f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}")
+    monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "auto")
+    assert grouped_fp8_gemm.describe("cpu") == f"quantized once; {own}"
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: False)
-    assert grouped_fp8_gemm.describe("cpu") == (
-        "quantized once; the reference backend's grouped FP8 GEMM")
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
     assert grouped_fp8_gemm.describe("cpu") == (
-        "quantized once; cuBLAS per group under 64 experts, else the reference backend's "
-        "grouped FP8 GEMM")
+        f"quantized once; cuBLAS per group under 64 experts, else {own}")
 
 
 def test_doctor_says_whether_compiled_graphs_launch_the_kernels(capsys, monkeypatch):

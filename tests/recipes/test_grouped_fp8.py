@@ -198,6 +198,7 @@ def emulated(request, monkeypatch):
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
+    monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")
     monkeypatch.setattr(grouped_fp8_gemm, "_runs",
                         lambda device_type, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "unpadded_rows_run", lambda device_type: not aligned)
@@ -374,6 +375,7 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
         monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS",
                         1 << 30 if route == "cublas" else 0)
+    monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)
     rows = torch.logspace(-2, 2, sum(counts), device=dev)[:, None]

@@ -91,11 +91,18 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},
     },
     # fp8_grouped_gemm.py: grouped FP8 GEMMs; PROMOTE: the contraction elements the tensor core
-    # sums before an fp32 add (0: after every MMA). The winner of bench/grouped_probe.py's sweep
-    "fp8_grouped_gemm": {
-        "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "num_warps": 8,
-                "num_stages": 4},
-        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0},
+    # sums before an fp32 add (0: after every MMA); COLS_FASTEST: the rows kernel's programs
+    # that run together share a row tile; tma: tiles loaded by the tensor memory accelerator.
+    # The winners of bench/grouped_probe.py's sweep
+    "fp8_grouped_rows_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
+                "num_warps": 8, "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1},
+    },
+    "fp8_grouped_tokens_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
+                "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
     # dequant_gemm.py
     "gemm_epilogue": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
@@ -133,18 +140,21 @@ def launch_config(name: str) -> tuple[Mapping[str, int], dict[str, int]]:
 
 
 @contextlib.contextmanager
-def overridden(name: str, gpu_config: dict[str, int]) -> Iterator[None]:
-    """Within the block, ``name``'s ``"gpu"`` config is (a copy of) ``gpu_config``; the previous
-    one is restored on exit, also on an exception. For benchmarks: the ``"interp"`` config (what
-    :func:`config` returns under the interpreter) is untouched."""
+def overridden(name: str, gpu_config: dict[str, int], *, mode: str = "gpu") -> Iterator[None]:
+    """Within the block, ``name``'s config of ``mode`` (``"gpu"``, or ``"interp"``: what
+    :func:`config` returns under the interpreter) is (a copy of) ``gpu_config``; the previous
+    one is restored on exit, also on an exception. For benchmarks and for tests that run a
+    kernel's other forms."""
+    if mode not in ("gpu", "interp"):
+        raise ValueError(f"overridden: mode must be 'gpu' or 'interp', got {mode!r}")
     entry = _entry(name)
-    saved = entry["gpu"]
-    entry["gpu"] = dict(gpu_config)
+    saved = entry[mode]
+    entry[mode] = dict(gpu_config)
     _LAUNCH_CONFIGS.clear()
     try:
         yield
     finally:
-        entry["gpu"] = saved
+        entry[mode] = saved
         _LAUNCH_CONFIGS.clear()
 
 

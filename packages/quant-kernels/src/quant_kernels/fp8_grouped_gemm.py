@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
+from quant_core.kernel_capture import capturing
 from quant_core.shapes import ceil_div
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import launch, out_code
 from ._rounding import NATIVE_FP8, fp8_decode, to_out
@@ -85,10 +87,23 @@ def _start(ends_ptr, g):
 
 
 @triton.jit
-def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E,
+def _rows_program(RT, N, BN: tl.constexpr, COLS_FASTEST: tl.constexpr):
+    """``(row tile, column tile)`` of this program of a 1D grid of ``RT`` row tiles times the
+    column tiles: with ``COLS_FASTEST`` the programs that run together share a row tile (its
+    rows read from memory once, the expert's weight staying in L2), else a column tile."""
+    pid = tl.program_id(0)
+    if COLS_FASTEST:
+        tiles_n = tl.cdiv(N, BN)
+        return pid // tiles_n, pid % tiles_n
+    else:
+        return pid % RT, pid // RT
+
+
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E, RT,
                  s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                  EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PROMOTE: tl.constexpr):
+                 PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
     """One ``[BM, BN]`` tile of one group's rows of :func:`fp8_grouped_rows_gemm`.
 
     a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous.
@@ -96,17 +111,18 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
     offs_ptr: int32/int64 ``[E]`` cumulative ends of the output rows (the real rows).
     a_ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' rows in ``a``.
     c_ptr: output ``[T, N]`` of the dtype ``OUT`` codes, contiguous.
-    Program axis 0: the row tile (group after group; past the last one exits), axis 1: the
-    column tile.
+    RT: the row tiles of the grid (group after group; past the last one a program exits); the
+    program's row and column tile: :func:`_rows_program`.
     """
-    g, t = _tile_group(offs_ptr, tl.program_id(0), E, BM, EP2)
+    rt, ct = _rows_program(RT, N, BN, COLS_FASTEST)
+    g, t = _tile_group(offs_ptr, rt, E, BM, EP2)
     if g < E:
         out0 = _start(offs_ptr, g)
         rows = tl.load(offs_ptr + g).to(tl.int64) - out0
         local = t * BM + tl.arange(0, BM)
         rmask = local < rows
         ar = _start(a_ends_ptr, g) + tl.where(rmask, local, 0)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rn = ct * BN + tl.arange(0, BN)
         nmask = rn < N
         b_rows = g.to(tl.int64) * N + tl.where(nmask, rn, 0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -157,6 +173,93 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa,
     tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E,
+                     RT, s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
+                     OUT: tl.constexpr, EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
+    """:func:`_rows_kernel` with the operand tiles loaded by the tensor memory accelerator:
+    ``a_desc`` over ``a [R, K]``, ``b_desc`` over ``b [E·N, K]`` (FP8-typed on a GPU). A tile
+    may hold rows of the next group or expert; they only reach output rows and columns that
+    the masked store leaves out. The same products and the same order of sums as
+    :func:`_rows_kernel`."""
+    rt, ct = _rows_program(RT, N, BN, COLS_FASTEST)
+    g, t = _tile_group(offs_ptr, rt, E, BM, EP2)
+    if g < E:
+        out0 = _start(offs_ptr, g)
+        rows = tl.load(offs_ptr + g).to(tl.int64) - out0
+        local = t * BM + tl.arange(0, BM)
+        a_row = (_start(a_ends_ptr, g) + t * BM).to(tl.int32)
+        n0 = ct * BN
+        b_row = g * N + n0
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = a_desc.load([a_row, k0])
+            b = b_desc.load([b_row, k0])
+            acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+        acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+        rn = n0 + tl.arange(0, BN)
+        out_rows = out0 + local
+        tl.store(c_ptr + out_rows[:, None] * N + rn[None, :], to_out(acc, OUT),
+                 mask=(local < rows)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _tokens_tma_kernel(a_desc, b_desc, a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R,
+                       s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
+                       OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       PROMOTE: tl.constexpr):
+    """:func:`_tokens_kernel` with the group's whole ``BK`` chunks loaded by the tensor memory
+    accelerator (``a_desc`` / ``b_desc`` over ``a [M, R]`` / ``b [N, R]``, FP8-typed on a GPU)
+    and its last partial chunk by masked loads, so that no column of another group enters the
+    sums. The same products and the same order of sums as :func:`_tokens_kernel`."""
+    g = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    mmask, nmask = rm < M, rn < N
+    start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), 16)
+    cols = tl.load(ends_ptr + g).to(tl.int32) - start
+    whole = cols - cols % BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, whole, BK):
+        a = a_desc.load([m0, start + k0])
+        b = b_desc.load([n0, start + k0])
+        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+    if whole < cols:
+        rk = whole + tl.arange(0, BK)
+        kmask = rk < cols
+        am = tl.where(mmask, rm, 0).to(tl.int64)
+        bn = tl.where(nmask, rn, 0).to(tl.int64)
+        a = tl.load(a_ptr + am[:, None] * R + start + rk[None, :], mask=kmask[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + bn[None, :] * R + start + rk[:, None], mask=kmask[:, None],
+                    other=0.0)
+        acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
+    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
+
+
+def _tma_operands(tensors, dtypes, blocks, cfg):
+    """``(views, descriptors)`` for the TMA kernels, or None where they don't apply: off
+    (config ``tma`` 0), inside a kernel capture (a compiled graph records the pointer kernels),
+    or an operand the tensor memory accelerator can't address (a base or row stride not a
+    multiple of 16 bytes). On a GPU the views are the operands' FP8 dtypes, so that the tiles
+    go to the tensor cores as loaded; the interpreter decodes the uint8 bytes itself."""
+    if not cfg.get("tma", 0) or capturing():
+        return None
+    if any(t.data_ptr() % 16 or t.stride(0) % 16 for t in tensors):
+        return None
+    native = NATIVE_FP8.value and tensors[0].is_cuda
+    views = [t.view(d.torch_dtype) if native else t
+             for t, d in zip(tensors, dtypes, strict=True)]
+    return views, [TensorDescriptor.from_tensor(v, list(b))
+                   for v, b in zip(views, blocks, strict=True)]
+
+
 def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: DType,
            b_dtype: DType, out_dtype: torch.dtype) -> None:
     """Clear errors for both wrappers: FP8 dtypes, contiguous uint8 operands, fp32 scales and
@@ -205,12 +308,19 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
         return out
     if k == 0:
         return out.zero_()
-    cfg, kw = launch_config("fp8_grouped_gemm")
-    launch(_rows_kernel, (ceil_div(total, cfg["BM"]) + experts, ceil_div(n, cfg["BN"])),
-           a, b, a_scale_inv, b_scale_inv, offs, a_ends, out, n, k, experts,
-           a_scale_inv.stride(0), b_scale_inv.stride(0), A_E4M3=a_dtype == DType.E4M3,
-           B_E4M3=b_dtype == DType.E4M3, OUT=out_code(out_dtype),
-           EP2=triton.next_power_of_2(experts), **kw)
+    cfg, kw = launch_config("fp8_grouped_rows_gemm")
+    row_tiles = ceil_div(total, cfg["BM"]) + experts
+    grid = (row_tiles * ceil_div(n, cfg["BN"]),)
+    flags = {"A_E4M3": a_dtype == DType.E4M3, "B_E4M3": b_dtype == DType.E4M3,
+             "OUT": out_code(out_dtype), "EP2": triton.next_power_of_2(experts), **kw}
+    scales = (a_scale_inv, b_scale_inv, offs, a_ends, out, n, k, experts, row_tiles,
+              a_scale_inv.stride(0), b_scale_inv.stride(0))
+    tma = _tma_operands((a, b.view(experts * n, k)), (a_dtype, b_dtype),
+                        ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
+    if tma is None:
+        launch(_rows_kernel, grid, a, b, *scales, **flags)
+    else:
+        _rows_tma_kernel[grid](*tma[1], *scales, **flags)
     return out
 
 
@@ -232,9 +342,16 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    cfg, kw = launch_config("fp8_grouped_gemm")
-    launch(_tokens_kernel, (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts),
-           a, b, a_scale_inv, b_scale_inv, ends, out, m, n, r, a_scale_inv.stride(0),
-           b_scale_inv.stride(0), A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3,
-           OUT=out_code(out_dtype), **kw)
+    cfg, kw = launch_config("fp8_grouped_tokens_gemm")
+    grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
+    flags = {"A_E4M3": a_dtype == DType.E4M3, "B_E4M3": b_dtype == DType.E4M3,
+             "OUT": out_code(out_dtype), **kw}
+    rest = (a_scale_inv, b_scale_inv, ends, out, m, n, r, a_scale_inv.stride(0),
+            b_scale_inv.stride(0))
+    tma = _tma_operands((a, b), (a_dtype, b_dtype), ((cfg["BM"], cfg["BK"]),
+                                                     (cfg["BN"], cfg["BK"])), cfg)
+    if tma is None:
+        launch(_tokens_kernel, grid, a, b, *rest, **flags)
+    else:
+        _tokens_tma_kernel[grid](*tma[1], *tma[0], *rest, **flags)
     return out

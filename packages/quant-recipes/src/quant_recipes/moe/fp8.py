@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from quant_core import backends
+from quant_core import Float8CurrentScalingQuantizer, backends
 from quant_core.shapes import roundup
 
 #: fp32 elements between two groups' scale-inverses (a 16-byte pitch, for cuBLAS).
@@ -31,9 +31,11 @@ SCALE_PITCH = 4
 
 
 def takes(q) -> bool:
-    """``q`` is FP8 current scaling without an amax reduction (a group's amax is its own)."""
-    return (q.storage_format == "fp8" and hasattr(q, "amax_epsilon")
-            and not q.with_amax_reduction)
+    """``q`` is FP8 current scaling without an amax reduction (a group's amax is its own).
+    Asked through members traced code can read (torch 2.11 traces a wrapper of the quantizer,
+    which is no instance of its class)."""
+    return (q.storage_format == Float8CurrentScalingQuantizer.storage_format
+            and hasattr(q, "amax_epsilon") and not q.with_amax_reduction)
 
 
 @dataclass(frozen=True)

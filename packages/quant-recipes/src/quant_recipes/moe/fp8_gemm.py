@@ -16,11 +16,12 @@ can be captured in a CUDA graph):
 - ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
   slices of the same batched bytes, after one host read of the group bounds per backward.
 
-Pairs torch's grouped kernel does not take (HYBRID's E5M2 gradients) run ``"fp8_grouped_gemm"``
-in layers of at least :data:`OWN_KERNEL_MIN_EXPERTS` experts, else ``"scaled_mm_per_group"``:
-cuBLAS per group is the faster with a few large experts, the grouped kernels with many small
-ones, whose per-group launches and host read dominate (the threshold's measurements:
-bench/results/2026-12-03-moe-one-launch.md).
+Layers of at least :data:`OWN_KERNEL_MIN_EXPERTS` experts run every GEMM on
+``"fp8_grouped_gemm"``; smaller ones run E4M3 x E4M3 on ``"scaled_grouped_mm"`` and the pairs
+torch's grouped kernel does not take (HYBRID's E5M2 gradients) on ``"scaled_mm_per_group"``.
+With a few large experts torch's and cuBLAS's kernels are the faster; with many small ones the
+grouped kernels, which beat torch's grouped kernel there and need no per-group launches or host
+read (the measurements: bench/RESULTS.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -36,7 +37,7 @@ import functools
 import torch
 from quant_core import backends
 
-from ..gemm_fast import _tensorwise_problem
+from ..gemm_fast import tensorwise_problem
 from . import fp8
 from .fp8 import quantize_experts, quantize_rows
 from .paths import count_path
@@ -91,14 +92,16 @@ def unpadded_rows_run(device_type: str) -> bool:
         return False
 
 
-#: Which route takes an E4M3 x E4M3 GEMM that both can run: ``"scaled_grouped_mm"`` or
-#: ``"fp8_grouped_gemm"`` (the benchmark compares them, bench/moe.py).
-ROUTE = "scaled_grouped_mm"
+#: Which route takes an E4M3 x E4M3 GEMM that both can run: ``"auto"`` (torch's kernel in
+#: layers of fewer than :data:`OWN_KERNEL_MIN_EXPERTS` experts, the backend's from there on),
+#: ``"scaled_grouped_mm"`` or ``"fp8_grouped_gemm"`` (the benchmarks compare them).
+ROUTE = "auto"
 
 
-#: Layers of at least this many experts run the GEMMs of pairs ``torch._scaled_grouped_mm``
-#: does not take on the backend's grouped kernels (one launch each, no host read); smaller ones
-#: on cuBLAS per group. 0: always the grouped kernels.
+#: Layers of at least this many experts run their GEMMs on the backend's grouped kernels (one
+#: launch each, no host read): the pairs ``torch._scaled_grouped_mm`` does not take, and with
+#: :data:`ROUTE` ``"auto"`` the E4M3 x E4M3 ones too; smaller layers run cuBLAS per group for
+#: the former and torch's grouped kernel for the latter. 0: always the grouped kernels.
 OWN_KERNEL_MIN_EXPERTS = 64
 
 
@@ -111,9 +114,12 @@ def scaled_mm(a, b, scale_a, scale_b, out):
 
 def grouped_takes(qa, qb, device: torch.device, experts: int) -> bool:
     """``"scaled_grouped_mm"`` takes a GEMM of ``qa`` x ``qb`` operands: :data:`ROUTE` prefers
-    it, ``qb`` E4M3, ``qa`` a type this torch's kernel runs, fewer than 1024 groups."""
-    return (ROUTE == "scaled_grouped_mm" and qb.dtype.torch_dtype == torch.float8_e4m3fn
-            and experts < 1024 and _runs(device.type, qa.dtype.torch_dtype))
+    it (at this expert count), ``qb`` E4M3, ``qa`` a type this torch's kernel runs, fewer than
+    1024 groups."""
+    prefers = ROUTE == "scaled_grouped_mm" or (ROUTE == "auto"
+                                               and experts < OWN_KERNEL_MIN_EXPERTS)
+    return (prefers and qb.dtype.torch_dtype == torch.float8_e4m3fn and experts < 1024
+            and _runs(device.type, qa.dtype.torch_dtype))
 
 
 def takes(quantizers, device: torch.device, out_dtype: torch.dtype, align: int,
@@ -133,15 +139,19 @@ def describe(device: torch.device | str) -> str:
     if device.type not in SCALED_GROUPED_MM_DEVICES or not _per_group_runs(device):
         return "one GEMM per group (no FP8 tensor cores here)"
     own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
-    if OWN_KERNEL_MIN_EXPERTS:
-        own = f"cuBLAS per group under {OWN_KERNEL_MIN_EXPERTS} experts, else {own}"
-    if ROUTE == "scaled_grouped_mm" and _runs(device.type, torch.float8_e4m3fn):
-        return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {own}"
-    return f"quantized once; {own}"
+    n = OWN_KERNEL_MIN_EXPERTS
+    rest = f"cuBLAS per group under {n} experts, else {own}" if n else own
+    torch_e4m3 = _runs(device.type, torch.float8_e4m3fn)
+    if torch_e4m3 and ROUTE == "scaled_grouped_mm":
+        return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {rest}"
+    if torch_e4m3 and ROUTE == "auto" and n:
+        return (f"quantized once; under {n} experts torch._scaled_grouped_mm for E4M3 x E4M3 "
+                f"and cuBLAS per group for the rest, else {own}")
+    return f"quantized once; {rest}"
 
 
 def _per_group_runs(device: torch.device) -> bool:
-    return device.type != "cuda" or _tensorwise_problem(device) is None
+    return device.type != "cuda" or tensorwise_problem(device) is None
 
 
 def _fp8(t: torch.Tensor, q) -> torch.Tensor:

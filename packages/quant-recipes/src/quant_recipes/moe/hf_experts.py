@@ -76,12 +76,14 @@ def quantize_experts(m: torch.nn.Module, fqn: str, bound_recipe=None) -> torch.n
     """Turn the experts module ``m`` (named ``fqn`` in its model) into quant's grouped form, in
     place; ``bound_recipe`` quantizes outside autocast (``convert(always_quantize=True)``).
     Returns ``m``."""
-    m.__class__ = _quantized_class(type(m))
     num_experts = getattr(m, _up_name(m)).shape[0]
+    projections = {}
     for attr, name in (("_quant_up", _up_name(m)), ("_quant_down", "down_proj")):
         k, n = projection_shapes(m)[name]
-        proj = GroupedProjection(num_experts, k, n, name=f"{fqn}.{name}")
-        proj.bound_recipe = bound_recipe
+        projections[attr] = GroupedProjection(num_experts, k, n, name=f"{fqn}.{name}")
+        projections[attr].bound_recipe = bound_recipe
+    m.__class__ = _quantized_class(type(m))  # only once nothing else can raise
+    for attr, proj in projections.items():
         setattr(m, attr, proj)
     return m
 
