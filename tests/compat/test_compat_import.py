@@ -89,7 +89,7 @@ def test_opaque_base_alias_never_imported_on_custom_class_torch():
 
 
 def child_mode() -> str:
-    from quant_core._torch_compat import opaque_api_generation
+    from quant_core.torch_compat import opaque_api_generation
 
     return opaque_api_generation()
 

@@ -316,3 +316,85 @@ def test_quantizers_pickled_under_the_old_module_names_still_load(old_module, q)
     old = pickle.dumps(q, protocol=0).replace(new_module + b"\n", old_module.encode() + b"\n")
     assert old_module.encode() in old
     assert pickle.loads(old) == q
+
+
+class TEStyleMXFP8(MXFP8Quantizer):
+    """Opts in as a TransformerEngine quantizer does: by overriding ``_value_fields()``."""
+
+    tag: str = "a"
+
+    def _value_fields(self):
+        return (*BASE_FIELDS, "dtype", "with_2d_quantization", "tag")
+
+
+def test_te_hook_names_are_callable_on_every_quantizer():
+    """``_value_fields()`` / ``_value_key()`` (TransformerEngine's names) are the same hooks as
+    ``value_fields()`` / ``value_key()``."""
+    q = MXFP8Quantizer(DType.E5M2)
+    assert q._value_fields() == q.value_fields() == MXFP8Quantizer._value_fields()
+    assert q._value_key() == q.value_key()
+    d = Float8Quantizer(torch.ones(1), torch.zeros(1))
+    assert d._value_fields() is None
+    with pytest.raises(TypeError, match="not a value quantizer"):
+        d._value_key()
+
+
+def test_te_style_value_fields_override_opts_in():
+    a, b = TEStyleMXFP8(tag="x"), TEStyleMXFP8(tag="x")
+    assert a is not b and a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != TEStyleMXFP8(tag="y") and a != MXFP8Quantizer()
+    assert is_value_quantizer(TEStyleMXFP8)
+    assert a.value_fields() == a._value_fields() == (
+        *BASE_FIELDS, "dtype", "with_2d_quantization", "tag")
+    assert a.value_key() == a._value_key() and dict(a._value_key()[1])["tag"] == "x"
+    for other in (a.copy(), pickle.loads(pickle.dumps(a)), a.replace(tag="x")):
+        assert other == a and other is not a
+    with pytest.raises(AttributeError, match="immutable"):
+        a.tag = "z"
+
+
+def test_te_style_override_returning_none_keeps_identity():
+    """``None`` from the override keeps identity semantics, also below a value class."""
+
+    class Stateful(MXFP8Quantizer):
+        def _value_fields(self):
+            return None
+
+    a, b = Stateful(), Stateful()
+    assert a != b and hash(a) == object.__hash__(a) and not is_value_quantizer(Stateful)
+    assert a.value_fields() is None and a._value_fields() is None
+
+
+def test_subclass_of_an_overriding_class_does_not_inherit_value_identity():
+    class Sub(TEStyleMXFP8):
+        pass
+
+    assert Sub.value_fields() is None and Sub()._value_fields() is None
+    assert Sub() != Sub() and not is_value_quantizer(Sub)
+
+
+def test_overriding_either_name_overrides_both():
+    class QuantStyle(MXFP8Quantizer):
+        tag: str = "a"
+
+        @classmethod
+        def value_fields(cls):
+            return (*MXFP8Quantizer.value_fields(), "tag")
+
+    assert QuantStyle._value_fields() == QuantStyle.value_fields()
+    assert QuantStyle(tag="x") != QuantStyle(tag="y")
+
+    @value_quantizer
+    class Keyed(MXFP8Quantizer):
+        def _value_key(self):  # TransformerEngine's name: every Keyed is one value
+            return ("Keyed", ())
+
+    assert Keyed(DType.E4M3) == Keyed(DType.E5M2)
+    assert Keyed().value_key() == ("Keyed", ())
+
+
+def test_override_naming_a_non_field_is_refused_at_class_creation():
+    with pytest.raises(TypeError, match=r"Bad\._value_fields\(\) names 'nope'"):
+        class Bad(MXFP8Quantizer):
+            def _value_fields(self):
+                return (*BASE_FIELDS, "nope")

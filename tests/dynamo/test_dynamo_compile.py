@@ -15,7 +15,7 @@ from _dynamo_helpers import (
     requires_nesting,
 )
 from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer
-from quant_core._torch_compat import opaque_base
+from quant_core.torch_compat import opaque_base
 from quant_dynamo._api import probe
 from torch._dynamo.testing import CompileCounter
 

@@ -273,3 +273,26 @@ def test_import_after_a_local_value_class_does_not_fail():
         "import quant_dynamo\n"
         "assert 'Local' not in ' '.join(quant_dynamo.status()['registered'])\n"
     )
+
+
+class TEStyleTaggedMXFP8(MXFP8Quantizer):
+    """Opts in as a TransformerEngine quantizer does, by overriding ``_value_fields()``."""
+
+    tag: str = "a"
+
+    def _value_fields(self):
+        return (*MXFP8Quantizer._value_fields(), "tag")
+
+
+def test_te_style_subclass_is_registered_and_baked_into_a_fullgraph_graph():
+    q = TEStyleTaggedMXFP8(tag="b")
+    assert eval(*q.__fx_repr__()) == q and q != TEStyleTaggedMXFP8()
+    assert quant_dynamo.is_value_opaque_quantizer(q) == quant_dynamo.compile_supported()
+    x = make_input()
+    want = MXFP8Quantizer().quantize(x).dequantize(x.dtype)
+    assert_bitwise(quant_dynamo.qdq(x, q), want)
+    if quant_dynamo.compile_supported():
+        torch._dynamo.reset()
+        got = torch.compile(lambda x: quant_dynamo.qdq(x, q), backend="aot_eager",
+                            fullgraph=True)(x)
+        assert_bitwise(got, want)

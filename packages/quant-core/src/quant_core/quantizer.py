@@ -2,7 +2,8 @@
 
 Class annotations are the single source of truth for a quantizer's configuration: the four base
 fields plus each subclass's own, in MRO order (base first). A class becomes a *value quantizer*
-only by decorating it with :func:`value_quantizer`, which validates the fields at class creation.
+only by decorating it with :func:`value_quantizer`, which validates the fields at class creation,
+or by overriding ``_value_fields()`` to name them (TransformerEngine's way, which opts in too).
 Value quantizers are immutable, compare and hash by their value key, and can be rebuilt from it
 without ``__init__``; every other quantizer (delayed scaling, a user subclass that did not opt in)
 keeps identity semantics.
@@ -19,8 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._torch_compat import QuantizerMeta
 from .inputs import check_shape
+from .torch_compat import QuantizerMeta
 
 _PRIMITIVES = (bool, int, float, str)
 
@@ -81,6 +82,8 @@ class Quantizer(metaclass=QuantizerMeta):
         fmt = getattr(cls._storage_class, "format", None)
         if fmt is not None and "storage_format" not in cls.__dict__:
             cls.storage_format = fmt
+        if _join_hook_names(cls) and _overridden_value_fields(cls) is not None:
+            value_quantizer(cls)  # TransformerEngine's opt-in: an override naming the fields
 
     def __init__(self, **fields: Any) -> None:
         cls = type(self)
@@ -106,7 +109,13 @@ class Quantizer(metaclass=QuantizerMeta):
     # ----------------------------------------------------------------- value identity
     @classmethod
     def value_fields(cls_or_self) -> tuple[str, ...] | None:
-        """Field names of a class that opted in itself; ``None`` (identity semantics) otherwise."""
+        """Field names of a class that opted in itself; ``None`` (identity semantics) otherwise.
+
+        ``_value_fields`` (TransformerEngine's name) is the same hook: a class overriding either
+        name overrides both. A class opts in by overriding it to return its value fields (read
+        once, when the class is created, on an instance without state) as well as with
+        :func:`value_quantizer`; returning ``None`` keeps identity semantics.
+        """
         cls = cls_or_self if isinstance(cls_or_self, type) else type(cls_or_self)
         return cls._value_field_names if cls._value_owner is cls else None
 
@@ -120,7 +129,8 @@ class Quantizer(metaclass=QuantizerMeta):
             )
 
     def value_key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
-        """``(qualified class name, ((field, value), ...))``; enum members keyed by ``.value``."""
+        """``(qualified class name, ((field, value), ...))``; enum members keyed by ``.value``.
+        ``_value_key`` (TransformerEngine's name) is the same hook."""
         names = self.value_fields()
         if names is None:
             raise TypeError(
@@ -133,6 +143,9 @@ class Quantizer(metaclass=QuantizerMeta):
             key = (type(self).__qualname__, tuple((n, _key_value(getattr(self, n))) for n in names))
             object.__setattr__(self, "_value_key_cache", key)
         return key
+
+    _value_fields = value_fields
+    _value_key = value_key
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -265,6 +278,11 @@ class Quantizer(metaclass=QuantizerMeta):
         """``(format name, K multiple)``: the shape rule of ``quantize`` and ``make_empty``."""
         return type(self).__name__, 1
 
+    def check_columnwise_input(self, x: torch.Tensor) -> None:
+        """``ValueError`` unless a columnwise copy of the 2D input ``x [M, K]`` can be made, beyond
+        :meth:`shape_rule` (its dtype, its rows): asked before quantizing, e.g. by a layer in
+        forward for its backward's operands. The base takes every input."""
+
     def row_alignment(self) -> int:
         """The row count that closes this format's blocks along the rows (the columnwise
         direction's, and the fast GEMMs' row multiple): a caller that pads rows (a grouped GEMM
@@ -308,8 +326,10 @@ class Quantizer(metaclass=QuantizerMeta):
     def supports_only_rowwise_all_gather(self) -> bool:
         return False
 
-    def amax_numel(self) -> int:
-        """The element count of :meth:`local_amax`'s result (0 without :attr:`reduces_amax`)."""
+    def amax_numel(self, rows: int | None = None) -> int:
+        """The element count of :meth:`local_amax`'s result for an input of ``rows`` rows (the
+        elements before the last dimension; only a format with one amax per row reads it), 0
+        without :attr:`reduces_amax`."""
         return 0
 
     def lowerings(self) -> tuple[str, ...]:
@@ -331,6 +351,62 @@ class Quantizer(metaclass=QuantizerMeta):
 
 
 # ---------------------------------------------------------------------- class machinery
+#: Each value-identity hook under quant's name and TransformerEngine's: one hook, two names.
+_HOOK_NAMES = (("value_fields", "_value_fields"), ("value_key", "_value_key"))
+
+
+def _join_hook_names(cls: type) -> bool:
+    """Give a hook ``cls`` overrides under one name the other name too, so that quant (which
+    calls ``value_fields``/``value_key``) and TransformerEngine code (``_value_fields``/
+    ``_value_key``) see the override. A hook ``cls`` inherits from a class below
+    :class:`Quantizer` is reset to the base's: a subclass that did not opt in itself keeps
+    identity semantics. True when ``cls`` overrides ``value_fields``."""
+    for pair in _HOOK_NAMES:
+        own = [name for name in pair if name in cls.__dict__]
+        for name in pair:
+            if own and name not in cls.__dict__:
+                type.__setattr__(cls, name, cls.__dict__[own[0]])
+            elif not own and _lookup(cls, name) is not Quantizer.__dict__[name]:
+                type.__setattr__(cls, name, Quantizer.__dict__[name])
+    return _overrides_value_fields(cls)
+
+
+def _overrides_value_fields(cls: type) -> bool:
+    base = Quantizer.__dict__["value_fields"]
+    return cls.__dict__.get("value_fields", base) is not base
+
+
+def _lookup(cls: type, name: str) -> Any:
+    """``name`` as the MRO resolves it, unbound (what a class dict holds)."""
+    return next(klass.__dict__[name] for klass in cls.__mro__ if name in klass.__dict__)
+
+
+def _overridden_value_fields(cls: type) -> tuple[str, ...] | None:
+    """What ``cls``'s own override of ``value_fields``/``_value_fields`` returns: called on the
+    class (a classmethod) or on an instance without state (TransformerEngine's signature), since
+    the names are a property of the class."""
+    hook = cls.__dict__["value_fields"]
+    try:
+        if isinstance(hook, (classmethod, staticmethod)):
+            names = cls.value_fields()
+        else:
+            names = hook(object.__new__(cls))
+    except Exception as exc:
+        raise TypeError(
+            f"{cls.__qualname__}._value_fields() must return the class's value field names (or "
+            f"None) without reading instance state; it is read once, when the class is created: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if names is not None and not (
+        isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+    ):
+        raise TypeError(
+            f"{cls.__qualname__}._value_fields() must return a tuple of field names or None, "
+            f"got {names!r}"
+        )
+    return names
+
+
 def _annotated_fields(cls: type) -> tuple[str, ...]:
     """Annotated field names of ``cls``, walking the MRO base first, in declaration order."""
     names: list[str] = []
@@ -417,7 +493,11 @@ def value_quantizer(cls: type) -> type:
     """
     if not (isinstance(cls, type) and issubclass(cls, Quantizer)):
         raise TypeError(f"@value_quantizer applies to Quantizer subclasses, not {cls!r}")
+    if cls._value_owner is cls:
+        return cls  # opted in already (by an override of _value_fields)
     types = _field_types(cls)
+    if _overrides_value_fields(cls):
+        types = _overridden_types(cls, types)
     for name, typ in types.items():
         ok = typ in _PRIMITIVES or (
             isinstance(typ, type)
@@ -437,6 +517,24 @@ def value_quantizer(cls: type) -> type:
     for hook in list(_value_class_hooks):
         hook(cls)
     return cls
+
+
+def _overridden_types(cls: type, types: dict[str, Any]) -> dict[str, Any]:
+    """The field types of the value fields ``cls``'s ``_value_fields()`` override names."""
+    names = _overridden_value_fields(cls)
+    if names is None:
+        raise TypeError(
+            f"{cls.__qualname__}._value_fields() returns None (identity semantics), so it "
+            "cannot opt in; remove the override"
+        )
+    unknown = [n for n in names if n not in types]
+    if unknown:
+        raise TypeError(
+            f"{cls.__qualname__}._value_fields() names {', '.join(map(repr, unknown))}, which "
+            f"{'is not an annotated field' if len(unknown) == 1 else 'are not annotated fields'}"
+            f"; fields: {list(types)}"
+        )
+    return {n: types[n] for n in names}
 
 
 def is_value_quantizer(obj_or_cls: Any) -> bool:
@@ -475,6 +573,11 @@ def _rebuild_quantizer(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantiz
             value = typ(value)
         fields[name] = value
     return cls(**fields)
+
+
+#: The rebuild under its public name, for the layers above (FX codegen); pickles hold
+#: ``_rebuild_quantizer``, which stays for the files already saved.
+rebuild_quantizer = _rebuild_quantizer
 
 
 def warn_deprecated_group(cls_name: str) -> None:

@@ -8,7 +8,7 @@ amax all-reduced over the group) travel once, as metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .shapes import ceil_div, m_k
@@ -23,13 +23,17 @@ class ShardPlan:
     dim 0 by the all-gather) and ``shared`` ones (equal on every rank: sent as metadata),
     quantized by ``quantizer`` (the weight quantizer with the usages gathered), with the amax
     all-reduced over the group first when ``reduce_amax``. ``trimmed``: gathered buffers whose
-    rows past the weight's (the padding of an uneven split) are dropped on assembly."""
+    rows past the weight's (the padding of an uneven split) are dropped on assembly.
+    ``rows_independent`` (every format states it): each row of a gathered buffer is one row of
+    the input and nothing else, so rows may be split anywhere and gathered in any order (False
+    where blocks or scales span rows)."""
 
     quantizer: Any
     gathered: tuple[str, ...]
     shared: tuple[str, ...]
     reduce_amax: bool
     trimmed: tuple[str, ...] = ()
+    rows_independent: bool = field(kw_only=True)
 
 
 def row_blocks_refusal(what: str, shape, world: int) -> str | None:

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .dtypes import INPUT_DTYPES
-from .reference._pad import zero_pad
+from .reference.pad import zero_pad
 from .shapes import ceil_div, m_k, roundup
 from .tensor import (
     OPS,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quant_core._torch_compat import opaque_api_generation
+from quant_core.torch_compat import opaque_api_generation
 
 #: Every mode :func:`probe` can report, newest API first.
 MODES = ("custom_class", "opaque_value", "opaque_value_base", "repr", "none")

@@ -13,15 +13,12 @@ import functools
 import math
 from typing import Any
 
-from quant_core.quantizer import Quantizer, _rebuild_quantizer
-
-#: Rebuild a value quantizer from its key items through its constructor (full validation).
-rebuild_quantizer = _rebuild_quantizer
+from quant_core.quantizer import Quantizer, rebuild_quantizer
 
 
 @functools.lru_cache(maxsize=4096)
 def _rebuild_interned(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
-    return _rebuild_quantizer(cls, items)
+    return rebuild_quantizer(cls, items)
 
 
 def rebuild_for_graph(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
@@ -31,7 +28,7 @@ def rebuild_for_graph(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantize
     try:
         return _rebuild_interned(cls, items)
     except TypeError:
-        return _rebuild_quantizer(cls, items)  # unhashable items, or the validation error again
+        return rebuild_quantizer(cls, items)  # unhashable items, or the validation error again
 
 
 def literal(value: Any) -> str:

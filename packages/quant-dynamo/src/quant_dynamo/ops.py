@@ -124,7 +124,7 @@ def _amax_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
 
 
 def _amax_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return x.new_empty((_with_amax(q).amax_numel(),), dtype=torch.float32)
+    return x.new_empty((_with_amax(q).amax_numel(x.shape[:-1].numel()),), dtype=torch.float32)
 
 
 def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:

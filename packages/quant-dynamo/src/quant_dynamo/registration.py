@@ -72,7 +72,7 @@ def _attach_op_helpers(cls: type) -> None:
 
 
 def _members(cls: type) -> list[str]:
-    names = list(cls.value_fields())
+    names = list(cls._value_field_names)
     helpers = _READ_ONLY_MEMBERS + tuple(getattr(cls, "traced_members", ()))
     return names + [m for m in dict.fromkeys(helpers) if hasattr(cls, m) and m not in names]
 

@@ -73,7 +73,8 @@ class Float8TensorStorage(QuantizedStorage):
         dropped); the one ``scale_inv`` comes from the amax all-reduced over the group, equal on
         every rank, so it travels as metadata. The transpose is built from the data."""
         row = q.replace(rowwise_usage=True, columnwise_usage=False, with_amax_reduction=False)
-        return ShardPlan(row, ("_data",), ("_scale_inv",), True, trimmed=("_data",))
+        return ShardPlan(row, ("_data",), ("_scale_inv",), True, trimmed=("_data",),
+                         rows_independent=True)
 
     @classmethod
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
@@ -225,7 +226,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         amax = reduce_amax(self.local_amax(x, backend=backend), group)
         return self.quantize_with_amax(x, amax, backend=backend)
 
-    def amax_numel(self) -> int:
+    def amax_numel(self, rows: int | None = None) -> int:
         return 1
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from ..dtypes import DType, check_fp8
 from ..inputs import as_2d, check_amax_epsilon, check_block_scaling_dim, transposed_shape
 from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer
-from ..reference._pad import zero_pad
+from ..reference.pad import zero_pad
 from ..shapes import (
     FP8_BLOCK,
     ceil_div,
@@ -73,7 +73,8 @@ class Float8BlockwiseQTensorStorage(QuantizedStorage):
         if refusal:
             return refusal
         return ShardPlan(q.replace(rowwise_usage=True, columnwise_usage=False),
-                         ("_rowwise_data", "_rowwise_scale_inv"), (), False)
+                         ("_rowwise_data", "_rowwise_scale_inv"), (), False,
+                         rows_independent=False)
 
     @classmethod
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:

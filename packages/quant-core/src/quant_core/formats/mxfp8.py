@@ -10,7 +10,7 @@ from ..dtypes import DType, check_fp8
 from ..inputs import as_2d
 from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer
-from ..reference._pad import zero_pad
+from ..reference.pad import zero_pad
 from ..shapes import (
     MXFP8_BLOCK,
     m_k,
@@ -72,8 +72,10 @@ class MXFP8TensorStorage(QuantizedStorage):
         names = ("_rowwise_data", "_rowwise_scale_inv")
         if columnwise and not q.with_2d_quantization:
             return ShardPlan(q.with_usage(True, True),
-                             names + ("_columnwise_data", "_columnwise_scale_inv"), (), False)
-        return ShardPlan(q.replace(rowwise_usage=True, columnwise_usage=False), names, (), False)
+                             names + ("_columnwise_data", "_columnwise_scale_inv"), (), False,
+                             rows_independent=False)
+        return ShardPlan(q.replace(rowwise_usage=True, columnwise_usage=False), names, (), False,
+                         rows_independent=False)
 
     @classmethod
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ from ..dtypes import DType
 from ..inputs import as_2d, check_rht_input
 from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
-from ..reference._pad import zero_pad
 from ..reference.nvfp4 import pack_e2m1, unpack_e2m1
+from ..reference.pad import zero_pad
 from ..shapes import (
     NVFP4_BLOCK,
     m_k,
@@ -115,7 +115,8 @@ class NVFP4TensorStorage(QuantizedStorage):
         if refusal:
             return refusal
         row = q.replace(rowwise_usage=True, columnwise_usage=False, with_amax_reduction=False)
-        return ShardPlan(row, ("_rowwise_data", "_rowwise_scale_inv"), ("_amax_rowwise",), True)
+        return ShardPlan(row, ("_rowwise_data", "_rowwise_scale_inv"), ("_amax_rowwise",), True,
+                         rows_independent=False)
 
     @classmethod
     def columnwise_from_rowwise(cls, s, q) -> dict[str, torch.Tensor]:
@@ -161,7 +162,9 @@ class NVFP4Quantizer(Quantizer):
     global bound ``nvfp4_e4m3_max`` (256 or 448) by ``nvfp4_4over6_err_mode`` ("MAE"/"MSE"); it
     takes no RHT and no stochastic rounding. ``row_scaled_nvfp4`` gives each row its own amax
     and ``S_enc`` (`numerics.md` §7.9): rowwise only (``columnwise_usage=False``), 1x16 blocks,
-    round to nearest, no RHT and no amax reduction.
+    round to nearest, no RHT and no ``with_amax_reduction`` (a group of ranks that hold other
+    rows leaves the rows' amaxes alone); ranks that hold other columns of the same rows combine
+    them elementwise between :meth:`local_amax` and :meth:`quantize_with_amax`.
     """
 
     _storage_class = NVFP4TensorStorage
@@ -250,6 +253,12 @@ class NVFP4Quantizer(Quantizer):
     def shape_rule(self) -> tuple[str, int]:
         return "NVFP4", NVFP4_BLOCK
 
+    def check_columnwise_input(self, x: torch.Tensor) -> None:
+        """With RHT, the Hadamard transform of the columnwise copy needs a bfloat16 input with
+        rows a multiple of 16 (:func:`~quant_core.inputs.check_rht_input`)."""
+        if self.with_rht:
+            check_rht_input(x)
+
     def quantize(self, x, *, amax_reduction_group=None, backend=None,
                  generator: torch.Generator | None = None):
         """Quantize ``x``; stochastic rounding draws its seed from ``generator`` (default: torch's
@@ -261,17 +270,19 @@ class NVFP4Quantizer(Quantizer):
             amax_r, amax_c = self._split(reduce_amax(self._joined(amax_r, amax_c), group))
         return self._quantize(x, x2d, be, amax_r, amax_c, generator)
 
-    def amax_numel(self) -> int:
-        """One amax per usage (rowwise, columnwise). A row-scaled quantizer's amaxes, one per
-        row, depend on the input's shape and are never reduced: ``ValueError``."""
+    def amax_numel(self, rows: int | None = None) -> int:
+        """One amax per usage (rowwise, columnwise); a row-scaled quantizer's: one per row of
+        an input of ``rows`` rows (``ValueError`` without ``rows``)."""
         if self.row_scaled_nvfp4:
-            raise ValueError("row_scaled_nvfp4=True takes no amax reduction: its amaxes, one "
-                             "per row, are local to the rows")
+            if rows is None:
+                raise ValueError("row_scaled_nvfp4=True has one amax per row: amax_numel needs "
+                                 "the input's rows")
+            return rows
         return int(self.rowwise_usage) + int(self.columnwise_usage)
 
     def local_amax(self, x: torch.Tensor, *, backend=None) -> torch.Tensor:
         """fp32 ``(n,)``: this rank's amaxes, rowwise then columnwise (post-RHT with RHT), one
-        per usage: the values an amax reduction combines."""
+        per usage (row-scaled: one per row): the values an amax reduction combines."""
         x2d, be = self._prepare(x, backend, None)
         return self._joined(*self._amaxes(x2d, be))
 
@@ -289,8 +300,11 @@ class NVFP4Quantizer(Quantizer):
 
     def _split(self, amax: torch.Tensor):
         """``(amax_r, amax_c)`` of :meth:`_joined`'s layout, each with its own storage (they
-        become distinct storage buffers)."""
-        parts = iter(amax.to(torch.float32).reshape(-1).split(1))
+        become distinct storage buffers); row-scaled: every element is a row's amax."""
+        amax = amax.to(torch.float32).reshape(-1)
+        if self.row_scaled_nvfp4:
+            return amax.clone(), None
+        parts = iter(amax.split(1))
         amax_r = next(parts).clone() if self.rowwise_usage else None
         amax_c = next(parts).clone() if self.columnwise_usage else None
         return amax_r, amax_c
@@ -299,8 +313,8 @@ class NVFP4Quantizer(Quantizer):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
         x2d = as_2d(x, *self.shape_rule())
-        if self.with_rht and self.columnwise_usage:
-            check_rht_input(x2d)
+        if self.columnwise_usage:
+            self.check_columnwise_input(x2d)
         return x2d, backends.get(backend, x.device)
 
     def _amaxes(self, x2d, be):

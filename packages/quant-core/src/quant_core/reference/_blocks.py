@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ._pad import zero_pad
 from ._rounding import nan_to_zero_abs
+from .pad import zero_pad
 
 
 def block_amax(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:

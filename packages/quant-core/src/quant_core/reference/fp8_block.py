@@ -8,8 +8,8 @@ from .. import shapes
 from ..dtypes import DType, check_fp8
 from ..inputs import check_block_scaling_dim, check_input_dtype
 from ._blocks import block_amax, expand_blocks
-from ._pad import zero_pad
 from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode, to_fp32
+from .pad import zero_pad
 
 BLOCK = shapes.FP8_BLOCK
 

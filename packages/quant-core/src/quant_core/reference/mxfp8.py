@@ -9,7 +9,6 @@ from ..constants import RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
 from ..inputs import check_input_dtype, check_k_multiple
 from ._blocks import block_amax, expand_blocks
-from ._pad import zero_pad
 from ._rounding import (
     e8m0_roundup,
     e8m0_to_encode_multiplier,
@@ -18,6 +17,7 @@ from ._rounding import (
     fp8_encode,
     to_fp32,
 )
+from .pad import zero_pad
 from .swizzle import swizzle_scales, unswizzle_scales
 
 BLOCK = shapes.MXFP8_BLOCK

@@ -20,7 +20,6 @@ from .. import shapes
 from ..constants import E2M1_MAX, FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX, rcp_f32
 from ..dtypes import DType
 from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_modes
-from ._pad import zero_pad
 from ._rounding import (
     e2m1_decode,
     e2m1_encode,
@@ -30,6 +29,7 @@ from ._rounding import (
     sr_random_byte,
     sr_round_e2m1,
 )
+from .pad import zero_pad
 from .rht import rht_columnwise
 
 BLOCK = shapes.NVFP4_BLOCK

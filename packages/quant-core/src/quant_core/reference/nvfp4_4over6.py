@@ -21,9 +21,9 @@ from .. import shapes
 from ..constants import E2M1_MAX, E4M3_MAX, FLT_MAX, NVFP4_4OVER6_MAP4
 from ..dtypes import DType
 from ..inputs import check_input_dtype, check_k_multiple
-from ._pad import zero_pad
 from ._rounding import e2m1_decode, e2m1_encode, fp8_decode, fp8_encode
 from .nvfp4 import blocks_amax, f32, global_encode_scale, pack_e2m1
+from .pad import zero_pad
 
 BLOCK = shapes.NVFP4_BLOCK
 #: The global E4M3 bounds 4over6 takes.
