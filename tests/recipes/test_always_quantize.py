@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import quant_recipes as qr
@@ -85,3 +86,33 @@ def test_a_bound_model_compiles_in_one_graph_with_eagers_bits():
     y = compiled(_x())
     y.float().pow(2).sum().backward()
     assert _equal([y.detach()] + [p.grad for p in bound.parameters()], want)
+
+
+def test_always_quantize_binds_the_quant_layers_already_in_the_model():
+    """Built from quant's layers (the default filter chooses among plain Linear layers only):
+    every quant layer is bound, the grouped one too."""
+    model = torch.nn.Sequential(qr.Linear(64, 64), qr.GroupedLinear(2, 64, 64), qr.Linear(64, 32))
+    recipe = qr.Float8CurrentScaling()
+    qr.convert(model, recipe=recipe, always_quantize=True)
+    assert all(m.bound_recipe == recipe for m in model)
+
+
+def test_a_filter_decides_which_quant_layers_are_bound_and_the_others_are_named(caplog):
+    model = torch.nn.Sequential(qr.Linear(64, 64), qr.Linear(64, 64), torch.nn.Linear(64, 32))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model, recipe=qr.Float8CurrentScaling(), always_quantize=True,
+                   filter=lambda fqn, m: fqn != "1")
+    assert [m.bound_recipe for m in model] == [qr.Float8CurrentScaling(), None,
+                                               qr.Float8CurrentScaling()]
+    assert "1 layer left as it is: the filter keeps them in high precision (1)" in caplog.text
+
+
+def test_quant_layers_of_shapes_the_recipe_cannot_take_stay_unbound_and_nothing_bound_warns(
+        caplog):
+    model = torch.nn.Sequential(qr.Linear(48, 48), qr.Linear(48, 48))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model, recipe=qr.MXFP8BlockScaling(), always_quantize=True)
+    assert [m.bound_recipe for m in model] == [None, None]
+    assert "2 layers left as they are: MXFP8BlockScaling cannot take their shapes" in caplog.text
+    assert ("no layer of Sequential is bound to MXFP8BlockScaling, so it will train in full "
+            "precision outside autocast") in caplog.text

@@ -54,8 +54,18 @@ def test_default_recipe_is_stateless():
 
 def test_bad_recipe_type():
     with pytest.raises(TypeError, match="Recipe"):
-        with qr.autocast(recipe="fp8"):
+        with qr.autocast(recipe=42):
             pass
+    assert current_frame() is None
+
+
+def test_a_recipe_name_is_resolved_as_recipe_resolves_it():
+    with qr.autocast(recipe="mxfp8"):
+        assert current_frame().recipe == qr.MXFP8BlockScaling()
+    with qr.autocast(recipe="Float8BlockScaling"):
+        assert current_frame().recipe == qr.Float8BlockScaling()
+    with pytest.raises(ValueError, match="unknown name 'fp8'; known: 'fp8_current'"):
+        qr.autocast(recipe="fp8")
     assert current_frame() is None
 
 

@@ -215,8 +215,9 @@ def test_custom_recipe_factory_errors_under_compile(factory, message):
     """Issue 12 item 16: the intended message reaches a fullgraph caller (before, a dataclass
     repr tripped Dynamo first, and a delayed quantizer was called a subclass without identity)."""
     _, fn = _linear_under(qr.CustomRecipe(qfactory=factory), 32, 16, torch.float32)
-    with pytest.raises(Exception, match=re.escape(message)):
+    with pytest.raises(Exception, match=re.escape(message)) as info:
         torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.randn(16, 32))
+    assert str(info.value).startswith("CustomRecipe.qfactory ")  # quant's message comes first
 
 
 #: A Linear under Float8CurrentScaling in a fresh process, compiled with fullgraph=True; the
@@ -263,3 +264,45 @@ def test_compiling_without_quant_dynamo_names_the_install_command():
     out = _fresh_process('import sys; sys.modules["quant_dynamo"] = None  # not installed')
     assert "compiling a quant_recipes module needs quant-dynamo" in out
     assert "pip install ./packages/quant-dynamo" in out
+    # quant's message is the first thing the caller reads, not Dynamo's report around it
+    assert out.startswith("compiling a quant_recipes module needs quant-dynamo")
+
+
+def _delayed_inside(m):
+    def fn(x):
+        with qr.autocast(recipe=qr.DelayedScaling()):
+            return m(x)
+
+    return fn
+
+
+def _delayed_outside(m):
+    recipe = qr.DelayedScaling()
+
+    def fn(x):
+        return m(x)
+
+    def run(x):
+        with qr.autocast(recipe=recipe):
+            return torch.compile(fn, backend="eager", fullgraph=True)(x)
+
+    return run
+
+
+@pytest.mark.parametrize("where", [_delayed_inside, _delayed_outside], ids=["inside", "outside"])
+def test_delayed_scaling_under_fullgraph_compile_raises_quants_error_first(where):
+    """A refusal in traced code used to reach a fullgraph caller as Dynamo's "Observed
+    exception" report, with quant's message deep in its debug context. It is raised at trace
+    time now, as an error Dynamo passes through: its text starts with quant's message, and it is
+    the error class eager code raises for the same mistake."""
+    from quant_recipes.compiling import CompileError
+
+    torch._dynamo.reset()
+    m = qr.Linear(32, 16)
+    run = where(m)
+    if where is _delayed_inside:
+        run = torch.compile(run, backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError) as info:
+        run(torch.randn(8, 32))
+    assert str(info.value).startswith("DelayedScaling is not supported under torch.compile")
+    assert isinstance(info.value, CompileError)

@@ -8,6 +8,7 @@ import logging
 import pytest
 import quant_recipes as qr
 import torch
+from quant_recipes.moe import hf_experts
 
 
 class Block(torch.nn.Module):
@@ -60,6 +61,38 @@ def test_default_filter_keeps_the_output_layer_of_a_sequential_and_named_heads()
     assert type(seq[0]) is qr.Linear and type(seq[2]) is torch.nn.Linear
     qr.convert(seq, filter=lambda fqn, m: True)
     assert type(seq[2]) is qr.Linear
+
+
+class _LoraLinear(torch.nn.Module):
+    """PEFT's LoRA layout: the base layer and, per adapter name, ``lora_A`` and ``lora_B``."""
+
+    def __init__(self, d: int, r: int = 4) -> None:
+        super().__init__()
+        self.base_layer = torch.nn.Linear(d, d)
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(d, r, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(r, d, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def test_default_filter_keeps_lora_adapters_and_converts_their_base_layer(caplog):
+    """Converting after the adapters were added quantizes what converting before does: the base
+    layers, not the rank-r adapters (with FP8 they would be quantized, with MXFP8 refused)."""
+    for recipe in (qr.Float8CurrentScaling(), qr.MXFP8BlockScaling()):
+        model = torch.nn.Sequential(_LoraLinear(64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+            qr.convert(model, recipe=recipe)
+        lora = model[0]
+        assert type(lora.base_layer) is qr.Linear
+        assert type(lora.lora_A["default"]) is torch.nn.Linear
+        assert type(lora.lora_B["default"]) is torch.nn.Linear
+        assert ("2 layers left as they are: the default filter keeps LoRA adapters (lora_A, "
+                "lora_B) in high precision (0.lora_A.default, 0.lora_B.default)") in caplog.text
+        assert "cannot take their shapes" not in caplog.text
+    qr.convert(model, filter=lambda fqn, m: True)
+    assert type(model[0].lora_A["default"]) is qr.Linear  # a filter that asks for them
 
 
 def test_filter_receives_fqn_and_module():
@@ -121,8 +154,40 @@ def test_state_dict_round_trips_between_converted_and_plain_models():
 def test_convert_refuses_what_it_cannot_convert(bad):
     with pytest.raises(TypeError, match="convert: "):
         qr.convert(bad)
-    with pytest.raises(TypeError, match="recipe must be a quant_recipes.Recipe"):
-        qr.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), recipe="mxfp8")
+    with pytest.raises(TypeError, match="recipe must be a quant_recipes.Recipe or its name"):
+        qr.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), recipe=42)
+
+
+def test_convert_takes_a_recipe_name():
+    model = qr.convert(Toy(), recipe="mxfp8", always_quantize=True)
+    assert model.blocks[0].up.bound_recipe == qr.MXFP8BlockScaling()
+    model = qr.convert(Toy().bfloat16(), recipe="nvfp4", always_quantize=True)
+    assert model.blocks[1].down.bound_recipe == qr.NVFP4BlockScaling()
+    with pytest.raises(ValueError, match="unknown name 'fp8'"):
+        qr.convert(Toy(), recipe="fp8")
+
+
+def test_module_filter_fn_takes_torchaos_argument_order():
+    """A torchao filter (module first) keeps the layers it refuses, as it does in torchao."""
+    seen = []
+
+    def module_filter_fn(mod, fqn):
+        seen.append((type(mod).__name__, fqn))
+        return isinstance(mod, torch.nn.Linear) and fqn != "blocks.0.up"
+
+    model = qr.convert(Toy(), module_filter_fn=module_filter_fn)
+    assert type(model.blocks[0].up) is torch.nn.Linear
+    assert type(model.blocks[0].down) is qr.Linear and type(model.lm_head) is qr.Linear
+    assert ("Linear", "blocks.1.up") in seen
+
+
+def test_filter_and_module_filter_fn_exclude_each_other():
+    model = Toy()
+    with pytest.raises(TypeError, match="filter .* or module_filter_fn .*, not both"):
+        qr.convert(model, filter=lambda fqn, m: True, module_filter_fn=lambda m, fqn: True)
+    with pytest.raises(TypeError, match="module_filter_fn must be callable"):
+        qr.convert(model, module_filter_fn="blocks")
+    assert type(model.blocks[0].up) is torch.nn.Linear
 
 
 def test_a_shared_layer_is_converted_at_every_name_and_stays_shared():
@@ -281,3 +346,113 @@ def test_converting_a_converted_model_again_does_not_claim_full_precision(caplog
     with caplog.at_level(logging.WARNING, logger="quant_recipes"):
         qr.convert(model)
     assert "no layer" not in caplog.text
+
+
+def _parametrized(kind):
+    from torch.nn.utils import parametrizations
+
+    return {"weight_norm": parametrizations.weight_norm,
+            "spectral_norm": parametrizations.spectral_norm,
+            "orthogonal": parametrizations.orthogonal}[kind](torch.nn.Linear(32, 32))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_parametrized_linear_is_left_as_it_is_by_name(kind, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), _parametrized(kind),
+                                torch.nn.Linear(32, 32))
+    parametrized = type(model[1])
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model, filter=lambda fqn, m: True)
+    assert [type(m) for m in model] == [qr.Linear, parametrized, qr.Linear]
+    assert "1 layer left as it is: its parameters are parametrized" in caplog.text
+    assert "(1)" in caplog.text
+    model.eval()  # spectral_norm's power iteration updates its vectors in training mode
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), qr.unconvert(model)(x))
+
+
+def test_a_linear_whose_weight_a_hook_computes_is_left_as_it_is(caplog):
+    """``torch.nn.utils.weight_norm`` (the older API): ``weight`` is no Parameter but a tensor
+    a forward pre-hook recomputes from ``weight_g`` and ``weight_v``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = torch.nn.utils.weight_norm(torch.nn.Linear(32, 32))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), normed)
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model, filter=lambda fqn, m: True)
+    assert type(model[0]) is qr.Linear and model[1] is normed
+    assert "1 layer left as it is: its weight is not a Parameter" in caplog.text
+
+
+def test_an_unmaterialized_lazy_linear_is_left_as_it_is_and_converted_once_materialized(caplog):
+    model = torch.nn.Sequential(torch.nn.LazyLinear(32), torch.nn.Linear(32, 32))
+    with caplog.at_level(logging.WARNING, logger="quant_recipes"):
+        qr.convert(model, filter=lambda fqn, m: True)
+    assert isinstance(model[0], torch.nn.LazyLinear) and type(model[1]) is qr.Linear
+    assert "1 layer left as it is: LazyLinear has not been materialized" in caplog.text
+    model(torch.randn(4, 16))  # materializes the layer: an nn.Linear(16, 32)
+    qr.convert(model, filter=lambda fqn, m: True)
+    assert type(model[0]) is qr.Linear and model[0].in_features == 16
+
+
+class _Experts(torch.nn.Module):
+    """As a ``transformers`` experts module (``use_experts_implementation``): 3-D
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; no ``in_features``."""
+
+    is_concatenated, is_transposed, has_gate, has_bias = True, False, True, False
+
+    def __init__(self, experts=4, hidden=32, inter=32):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inter))
+
+
+_Experts.__module__ = "transformers.models.fake.modeling_fake"
+
+
+class _MoEBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(32, 4)
+        self.proj = torch.nn.Linear(32, 32)
+        self.experts = _Experts()
+
+
+def _layer_types(model):
+    return {fqn: type(m) for fqn, m in model.named_modules()}
+
+
+def test_a_filter_that_raises_leaves_the_model_untouched_and_the_error_names_the_module():
+    model = _MoEBlock()
+    before = _layer_types(model)
+    with pytest.raises(AttributeError, match="in_features") as raised:
+        qr.convert(model, filter=lambda fqn, m: m.in_features >= 32)  # written for Linears
+    assert _layer_types(model) == before
+    if hasattr(raised.value, "add_note"):  # Python 3.11 and later
+        assert any("'experts'" in note and "_Experts" in note
+                   for note in getattr(raised.value, "__notes__", []))
+    seen = []
+    qr.convert(model, filter=lambda fqn, m: seen.append((fqn, type(m).__name__)) or True)
+    assert seen == [("gate", "Linear"), ("proj", "Linear"), ("experts", "_Experts")]
+
+
+def test_always_quantize_binds_experts_converted_before():
+    model = qr.convert(_MoEBlock(), filter=lambda fqn, m: True)
+    assert hf_experts.is_quantized_experts(model.experts)
+    recipe = qr.Float8CurrentScaling()
+    qr.convert(model, recipe=recipe, always_quantize=True)
+    assert model.gate.bound_recipe == recipe and model.proj.bound_recipe == recipe
+    assert model.experts._quant_up.bound_recipe == model.experts._quant_down.bound_recipe == recipe
+
+
+def test_a_refusal_while_planning_leaves_the_model_untouched():
+    """A layer the recipe refuses (NVFP4's transform takes bfloat16 inputs only) after layers
+    it takes: none is converted."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32).bfloat16(), torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="layer '1' has torch.float32 parameters"):
+        qr.convert(model, recipe=qr.NVFP4BlockScaling(), filter=lambda fqn, m: True)
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.Linear]

@@ -56,3 +56,77 @@ def test_options_go_to_the_named_recipe_and_not_to_an_object():
         QuantConverter(qr.NVFP4BlockScaling(), disable_rht=True)
     with pytest.raises(TypeError, match="recipe must be a quant_recipes.Recipe or its name"):
         QuantConverter(3)
+
+
+def _quant_model():
+    """As the README's first example: built from quant's ``Linear``, the last one included."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(qr.Linear(64, 64), torch.nn.GELU(), qr.Linear(64, 64),
+                               torch.nn.GELU(), qr.Linear(64, 32))
+
+
+@pytest.mark.parametrize("build", [_quant_model, lambda: qr.convert(_model())],
+                         ids=["built_from_quant_linear", "converted_before"])
+def test_the_quant_layers_a_model_already_has_train_quantized_in_the_loop(build):
+    converter = QuantConverter("mxfp8")
+    model = converter.convert(build())
+    recipe = qr.MXFP8BlockScaling()
+    quant = [m for m in model if isinstance(m, qr.Linear)]
+    assert quant and all(m.bound_recipe == recipe for m in quant)
+    qr.reset_gemm_paths()
+    losses = _train(model, 2, converter.post_optimizer_hook)
+    assert sum(qr.gemm_paths().values()) == 2 * (2 + 3 * (len(quant) - 1))
+    with qr.autocast(recipe=recipe):  # the same as the same loop inside autocast
+        assert _train(build(), 2) == losses
+
+
+def _stub_torchtitan(monkeypatch):
+    """A ``torchtitan.protocols.model_converter`` whose ``register_model_converter`` records its
+    calls and refuses a name twice, as torchtitan's does."""
+    import sys
+    import types
+
+    registry = {}
+
+    def register_model_converter(converter_cls, name):
+        assert name not in registry, f"A model converter '{name}' is already registered."
+        registry[name] = converter_cls
+
+    mod = types.ModuleType("torchtitan.protocols.model_converter")
+    mod.register_model_converter = register_model_converter
+    for name in ("torchtitan", "torchtitan.protocols"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "torchtitan.protocols.model_converter", mod)
+    return registry
+
+
+def test_importing_the_module_registers_the_converters_with_torchtitan(monkeypatch):
+    import importlib.util
+
+    import quant_recipes.model_converter as imported
+
+    registry = _stub_torchtitan(monkeypatch)
+    # a fresh import of the module (as `experimental.custom_import` does in a torchtitan job),
+    # beside the one already imported, whose classes other tests hold
+    spec = importlib.util.spec_from_file_location("quant_recipes._model_converter_fresh",
+                                                  imported.__file__)
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    assert sorted(registry) == ["quant_fp8_block", "quant_fp8_current", "quant_mxfp8",
+                                "quant_nvfp4"]
+    # torchtitan builds a converter from (job_config, parallel_dims)
+    converter = registry["quant_mxfp8"](object(), object())
+    assert isinstance(converter, mc.QuantConverter)
+    assert converter.recipe == qr.MXFP8BlockScaling()
+    model = converter.convert(_model())
+    assert type(model[0]) is qr.Linear and model[0].bound_recipe == qr.MXFP8BlockScaling()
+    converter.post_optimizer_hook(model)
+
+
+def test_without_torchtitan_nothing_is_registered(monkeypatch):
+    import sys
+
+    from quant_recipes.model_converter import register_with_torchtitan
+
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # import raises ImportError
+    assert register_with_torchtitan() is False

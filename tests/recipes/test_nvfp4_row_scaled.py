@@ -1,6 +1,7 @@
 """Row-scaled NVFP4 activations (``NVFP4BlockScaling(row_scaled_activation=True)``,
 numerics.md §7.9) in a Linear: the recipe's slots, forward and backward against the operands
-decoded independently, rows that split with their amaxes, and the compiled graph equal to eager.
+decoded independently, rows that split with their amaxes, the compiled graph equal to eager, and
+autocast's amax reduction group (2 gloo ranks) leaving the per-row amaxes alone.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+import torch.distributed as dist
+from _dist_helpers import init, spawn
 from quant_core import NVFP4Quantizer, reference
 from quant_core.formats.nvfp4 import NVFP4TensorStorage
 
@@ -95,14 +98,36 @@ def test_the_gemm_operand_carries_one_factor_per_row():
     assert s.gemm_operand(True) is None
 
 
-def test_amax_reduction_and_columnwise_use_are_refused():
+def test_amax_reduction_flag_and_columnwise_use_are_refused():
+    """The quantizer cannot tell whether a group's ranks hold other rows (nothing to share) or
+    other columns of its rows: ``with_amax_reduction`` is refused, its amax count is a row
+    count."""
     q = NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False)
     with pytest.raises(ValueError, match="takes no with_amax_reduction=True"):
         q.replace(with_amax_reduction=True)
-    with pytest.raises(ValueError, match="takes no amax reduction"):
+    with pytest.raises(ValueError, match="amax_numel needs the input's rows"):
         q.amax_numel()
+    assert q.amax_numel(rows=24) == 24
     with pytest.raises(ValueError, match="takes no columnwise_usage=True"):
         q.replace(columnwise_usage=True)
+
+
+def test_per_row_amaxes_pass_through_local_amax_and_quantize_with_amax():
+    """The split around a reduction keeps one amax per row, and amaxes combined elementwise
+    (the max of two column halves' row amaxes) give the whole rows' quantization."""
+    _, x = _layer_and_input()
+    x = x.detach()
+    q = NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False)
+    amax = q.local_amax(x)
+    assert amax.shape == (24,)
+    want = q.quantize(x)
+    got = q.quantize_with_amax(x, amax)
+    halves = torch.maximum(q.local_amax(x[:, :32]), q.local_amax(x[:, 32:]))
+    left = q.quantize_with_amax(x[:, :32].contiguous(), halves)
+    for name in want.buffer_names:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(left.dequantize(torch.float32), want.dequantize(torch.float32)[:, :32])
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -127,3 +152,55 @@ def test_compiled_linear_equals_eager(backend):
     yc.float().sum().backward()
     for a, b in zip(eager, (yc.detach(), x.grad, m.weight.grad), strict=True):
         assert torch.equal(a, b)
+
+
+def _reduction_group_worker(rank, port, compiled, out):
+    """Each rank its own rows and, to make the weight's reduction visible, its own weight
+    (rank r's is r + 1 times the base weight)."""
+    init(rank, port, 2)
+    try:
+        m, x = _layer_and_input(seed=0)
+        base = m.weight.detach().clone()
+        with torch.no_grad():
+            m.weight.mul_(rank + 1)
+        x = (x.detach() * (rank + 1)).flip(0).requires_grad_()  # other rows on each rank
+        recipe = row_scaled_recipe()
+
+        def step(t):
+            with qr.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                return m(t)
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        y = fn(x)
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+        y.backward(gy)
+        # the input: its own rows' amaxes, not reduced; the weight: the amax of both ranks'
+        # weights (rank 1's, twice the base's)
+        xq = NVFP4Quantizer(row_scaled_nvfp4=True, columnwise_usage=False).quantize(x.detach())
+        wq_ = NVFP4Quantizer(columnwise_usage=False)
+        wq = wq_.quantize_with_amax(m.weight.detach(), wq_.local_amax(2 * base))
+        ra, rb = xq.gemm_operand(False), wq.gemm_operand(False)
+        want = reference.nvfp4_gemm(ra.data, ra.scale, ra.amax, rb.data, rb.scale, rb.amax,
+                                    a_swizzled=False, b_swizzled=False, bias=m.bias,
+                                    out_dtype=torch.bfloat16)
+        xd, wd = xq.dequantize(torch.float32), wq.dequantize(torch.float32)
+        out[rank] = {"y": torch.equal(y, want),
+                     "x.grad": torch.equal(x.grad, (gy.float() @ wd).bfloat16()),
+                     "weight.grad": torch.equal(m.weight.grad, (gy.float().t() @ xd).bfloat16())}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autocast_reduction_group_reduces_the_weight_and_leaves_the_rows(compiled):
+    """Under ``autocast(amax_reduction_group=g)`` (data parallel: the ranks hold other rows) the
+    per-tensor weight amax is all-reduced, the row-scaled input's per-row amaxes are the rank's
+    own rows' (there is nothing to share)."""
+    if compiled:
+        dynamo = pytest.importorskip("quant_dynamo")
+        if not dynamo.compile_supported():
+            pytest.skip("this torch bakes no quantizer into a graph")
+    out = spawn(_reduction_group_worker, compiled)
+    for rank in range(2):
+        assert all(out[rank].values()), (rank, out[rank])

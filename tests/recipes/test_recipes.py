@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import quant_recipes as qr
@@ -272,3 +273,36 @@ def test_row_scaled_nvfp4_without_what_it_needs_is_refused_at_construction():
     r = qr.NVFP4BlockScaling(row_scaled_activation=True, disable_rht=True,
                              backward_override="dequantized")
     assert r.row_scaled_activation
+
+
+def _no_quantizer(role):
+    return None
+
+
+_EVERY_RECIPE = [
+    qr.DelayedScaling, qr.Float8CurrentScaling, qr.MXFP8BlockScaling, qr.Float8BlockScaling,
+    qr.NVFP4BlockScaling, functools.partial(qr.CustomRecipe, qfactory=_no_quantizer),
+]
+_RECIPE_IDS = ["delayed", "current", "mxfp8", "block", "nvfp4", "custom"]
+
+
+@pytest.mark.parametrize("make", _EVERY_RECIPE, ids=_RECIPE_IDS)
+@pytest.mark.parametrize("flag", ["fp8_dpa", "fp8_mha"])
+def test_fp8_attention_switches_are_refused(make, flag):
+    """TransformerEngine's FP8 attention switches have no effect here (only Linear layers are
+    quantized): a ported config that sets one is told so when the recipe is built."""
+    with pytest.raises(ValueError, match=rf"{flag}=True\): quant has no FP8 attention; it "
+                                         "quantizes Linear layers only"):
+        make(**{flag: True})
+    assert getattr(make(**{flag: False}), flag) is False
+
+
+@pytest.mark.parametrize("make", [*_EVERY_RECIPE, qr.DelayedScalingRequest],
+                         ids=[*_RECIPE_IDS, "delayed-request"])
+def test_every_recipe_takes_format_names(make):
+    """Every recipe class converts a format's name (any case) at construction, and refuses an
+    unknown one listing the names."""
+    assert make(fp8_format="e4m3").fp8_format is qr.Format.E4M3
+    assert make(fp8_format="e4m3") == make(fp8_format=qr.Format.E4M3)
+    with pytest.raises(ValueError, match=r"fp8_format: unknown Format 'fp8'; allowed: 'E4M3'"):
+        make(fp8_format="fp8")

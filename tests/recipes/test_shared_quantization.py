@@ -1,7 +1,8 @@
 """One quantization per (tensor, quantizer value), and what a compiled block keeps for backward.
 
 Layers that read one activation under equal quantizers (q, k and v; gate and up) share its
-quantization: eagerly through quant_recipes.reuse, compiled through the graph's
+quantization: eagerly inside ``shared_activations()`` (by default each layer quantizes its own
+input, so a write the version counter misses is seen), compiled through the graph's
 common-subexpression elimination over the quantization's traced ops ("ops" lowering; the CPU is
 added to ``OPS_DEVICES`` here). A compiled block then keeps for backward one FP8 copy of the shared
 input and, with ``save_weight_copy=False``, no copy of a weight; its results equal eager mode's
@@ -9,6 +10,8 @@ bit for bit.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import quant_recipes as qr
@@ -61,41 +64,96 @@ def quantized_shapes(monkeypatch):
 def test_eager_readers_of_one_tensor_share_its_quantization(quantized_shapes):
     torch.manual_seed(0)
     block = Block()
-    with qr.autocast(recipe=RECIPE):
+    with qr.shared_activations(), qr.autocast(recipe=RECIPE):
         block(_x())
     # x once for q, k, v; h once for gate and up; the product once; six weights
     assert sorted(quantized_shapes) == sorted([(40, 64), (40, 128), (40, 96)] + [
         tuple(p.shape) for p in block.parameters()])
 
 
+def test_by_default_each_reader_quantizes_its_input(quantized_shapes):
+    torch.manual_seed(0)
+    block = Block()
+    with qr.autocast(recipe=RECIPE):
+        block(_x())
+    assert sorted(quantized_shapes) == sorted([(40, 64)] * 3 + [(40, 128)] * 2 + [(40, 96)] + [
+        tuple(p.shape) for p in block.parameters()])
+
+
+def test_by_default_a_write_past_the_version_counter_is_seen():
+    """``.data`` and NumPy writes leave the version as it was."""
+    torch.manual_seed(0)
+    a, b = qr.Linear(64, 32, bias=False), qr.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    writes = [lambda t: t.data.mul_(3)]
+    if importlib.util.find_spec("numpy") is not None:  # the compat sessions' torch has none
+        writes.append(lambda t: t.numpy().__imul__(3))
+    for write in writes:
+        with qr.autocast(recipe=RECIPE):
+            a(x)
+            version = x._version
+            write(x)
+            assert x._version == version
+            assert torch.equal(b(x), b(x.clone()))
+
+
 def test_an_in_place_change_is_quantized_again(quantized_shapes):
     torch.manual_seed(0)
     a, b = qr.Linear(64, 32, bias=False), qr.Linear(64, 32, bias=False)
     x = torch.randn(8, 64)
-    with qr.autocast(recipe=RECIPE):
+    with qr.shared_activations(), qr.autocast(recipe=RECIPE):
         a(x)
         x.mul_(2)  # the same object at a new version: the remembered quantization is stale
         b(x)
     assert quantized_shapes.count((8, 64)) == 2
 
 
+def test_an_inference_tensor_is_never_shared(quantized_shapes):
+    """It has no version counter to tell an in-place change by."""
+    torch.manual_seed(0)
+    a, b = qr.Linear(64, 32, bias=False), qr.Linear(64, 32, bias=False)
+    with qr.shared_activations(), torch.inference_mode(), qr.autocast(recipe=RECIPE):
+        x = torch.randn(8, 64)
+        a(x)
+        x.mul_(2)
+        got = b(x)
+        assert torch.equal(got, b(x.clone()))
+    assert quantized_shapes.count((8, 64)) == 3
+
+
 def test_a_dead_tensor_releases_its_quantization():
     layer = qr.Linear(64, 32, bias=False)
-    with qr.autocast(recipe=RECIPE):
+    with qr.shared_activations(), qr.autocast(recipe=RECIPE):
         layer(torch.randn(8, 64))  # the input dies with this statement
-    assert getattr(reuse._last, "entry", None) is None
+        assert getattr(reuse._last, "entry", None) is None
+
+
+def test_leaving_the_context_forgets_the_last_quantization(quantized_shapes):
+    layer = qr.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    with qr.shared_activations():
+        with qr.shared_activations(), qr.autocast(recipe=RECIPE):
+            layer(x)
+        assert reuse._last.entry is not None  # the outer context still shares
+    assert reuse._last.entry is None
+    with qr.autocast(recipe=RECIPE):
+        layer(x)
+    assert quantized_shapes.count((8, 64)) == 2
 
 
 def test_sharing_changes_no_bit():
     torch.manual_seed(0)
     block = Block()
-    shared = _run(block, block, _x())
+
+    def shared(x):
+        with qr.shared_activations():
+            return block(x)
 
     def unshared(x):  # each reader gets its own copy of the input: nothing to share
         h = torch.cat([block.q(x.clone()), block.k(x.clone()), block.v(x.clone())], dim=-1)
         return block.down(block.gate(h.clone()) * block.up(h))
 
-    for a, b in zip(shared, _run(unshared, block, _x()), strict=True):
+    for a, b in zip(_run(shared, block, _x()), _run(unshared, block, _x()), strict=True):
         assert torch.equal(a, b)
 
 

@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .compiling import compiling
+from .compiling import compiling, raise_error
 from .delayed import Region, update_registered
+from .recipe_names import recipe as named_recipe
 from .recipes import Float8CurrentScaling, Recipe
 
 
@@ -89,17 +90,21 @@ def current_region() -> Region | None:
 
 def _check_recipe_support(recipe: Recipe) -> None:
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"autocast(recipe=...) must be a quant_recipes.Recipe, got {recipe!r}")
+        raise TypeError(f"autocast(recipe=...) must be a quant_recipes.Recipe or its name, got "
+                        f"{recipe!r}")
     if recipe.delayed() and compiling():
-        raise RuntimeError(
+        raise_error(
+            RuntimeError,
             "DelayedScaling is not supported under torch.compile: it keeps live amax/scale "
             "tensors updated between steps. Use Float8CurrentScaling (or another stateless "
-            "recipe) in compiled code, or run this region eagerly."
+            "recipe) in compiled code, or run this region eagerly.",
         )
 
 
 class autocast:  # noqa: N801  (TransformerEngine's name)
-    """Quantize the modules called inside with ``recipe`` (default ``Float8CurrentScaling()``).
+    """Quantize the modules called inside with ``recipe`` (default ``Float8CurrentScaling()``),
+    a :class:`~quant_recipes.Recipe` or a name :func:`~quant_recipes.recipe` knows (``"mxfp8"``,
+    resolved when the instance is made).
 
     ``enabled=False`` turns quantization off inside (also within an enabled region);
     ``calibrating=True`` runs high precision while delayed-scaling quantizers record amaxes;
@@ -110,10 +115,10 @@ class autocast:  # noqa: N801  (TransformerEngine's name)
     __slots__ = ("enabled", "recipe", "calibrating", "amax_reduction_group", "_depth",
                  "_frame")
 
-    def __init__(self, enabled: bool = True, *, recipe: Recipe | None = None,
+    def __init__(self, enabled: bool = True, *, recipe: Recipe | str | None = None,
                  calibrating: bool = False, amax_reduction_group=None) -> None:
         self.enabled = enabled
-        self.recipe = recipe
+        self.recipe = named_recipe(recipe) if isinstance(recipe, str) else recipe
         self.calibrating = calibrating
         self.amax_reduction_group = amax_reduction_group
         self._depth = -1

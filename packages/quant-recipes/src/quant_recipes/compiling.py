@@ -5,11 +5,15 @@ quant-dynamo is imported here, once, when the package is imported: it must regis
 quantizer classes with torch before Dynamo first sees one (imported lazily, mid-trace, the first
 compile of a module traced its quantizers as plain objects and failed). Without quant-dynamo,
 eager use is unaffected, and compiling a quantized module stops with :data:`NEEDS_DYNAMO`.
+
+quant's errors in traced code go through :func:`raise_error`, so that a ``fullgraph=True`` caller
+reads quant's message first rather than Dynamo's "Observed exception" report around it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NoReturn
 
 import torch
 
@@ -38,7 +42,7 @@ def available() -> bool:
 def dynamo() -> Any:
     """The ``quant_dynamo`` module; ``RuntimeError`` naming the install command without it."""
     if _quant_dynamo is None:
-        raise RuntimeError(NEEDS_DYNAMO)
+        raise_error(RuntimeError, NEEDS_DYNAMO)
     return _quant_dynamo
 
 
@@ -46,3 +50,56 @@ def is_compiled_value(q: Any) -> bool:
     """While tracing: whether ``q`` is a registered value quantizer (the registry's test, which
     Dynamo folds; also true for torch 2.11's traced wrapper of one)."""
     return dynamo().is_value_opaque_quantizer(q)
+
+
+class CompileError(Exception):
+    """Base of quant's errors raised while Dynamo traces (see :func:`raise_error`); each is also
+    an instance of the error class the same mistake raises eagerly (``RuntimeError``,
+    ``TypeError``, ``ValueError``)."""
+
+
+def raise_error(error: type[Exception], message: str) -> NoReturn:
+    """Raise ``error(message)``.
+
+    Eagerly this is a plain ``raise``. While Dynamo traces, a ``raise`` in traced code reaches a
+    ``fullgraph=True`` caller as Dynamo's "Observed exception" report, with quant's message deep
+    in its debug context. So the error is raised at trace time instead (``comptime``), as
+    :func:`compile_error_class` of ``error``, which Dynamo hands to the caller as it is: ``str()``
+    of it starts with ``message``. ``message`` must be a constant while tracing (built from
+    constants, as quant's messages are); where it is not, the plain ``raise`` runs.
+    """
+    if compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_raise_at_trace_time)
+    raise error(message)
+
+
+def _raise_at_trace_time(ctx: Any) -> None:
+    """``comptime`` callback: raise :func:`raise_error`'s error, read from its locals."""
+    try:
+        error = ctx.get_local("error").as_python_constant()
+        message = ctx.get_local("message").as_python_constant()
+    except Exception:  # noqa: BLE001  (not constants: leave it to the traced raise)
+        return
+    raise compile_error_class(error)(message)
+
+
+@functools.cache
+def compile_error_class(error: type[Exception]) -> type[Exception]:
+    """The class :func:`raise_error` raises under torch.compile for ``error``: a subclass of
+    ``error``, of :class:`CompileError` and of Dynamo's ``UserError`` ("valid in eager, not
+    under Dynamo"), the one user exception Dynamo passes through unchanged. ``error`` itself
+    where this torch has no ``UserError``."""
+    try:
+        from torch._dynamo.exc import UserError, UserErrorType
+    except ImportError:  # pragma: no cover  (every supported torch has it)
+        return error
+
+    def __init__(self, message: str) -> None:
+        UserError.__init__(self, UserErrorType.INVALID_INPUT, message)
+
+    bases = (UserError, CompileError) + (() if issubclass(UserError, error) else (error,))
+    name = f"Compile{error.__name__}"
+    return type(name, bases, {"__init__": __init__, "__module__": __name__,
+                              "__qualname__": name})

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 from quant_core import Quantizer
-from quant_core.reference._pad import zero_pad
+from quant_core.reference.pad import zero_pad
 from quant_core.shapes import ceil_div
 from torch.utils import _pytree as pytree
 

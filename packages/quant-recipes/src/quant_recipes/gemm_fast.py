@@ -54,8 +54,9 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 EMULATED = "dequantize to fp32, fp32 matmul"
 
 
-def _tensorwise_problem(device: torch.device) -> str | None:
-    """Why ``torch._scaled_mm`` cannot run on ``device``; ``None`` when it can."""
+def tensorwise_problem(device: torch.device) -> str | None:
+    """Why ``torch._scaled_mm`` (FP8 per-tensor scales) cannot run on ``device``; ``None`` when
+    it can. The grouped FP8 GEMMs (:mod:`.moe.fp8_gemm`) ask it too."""
     cap = _cuda_capability(device)
     if cap is None:
         return f"no FP8 tensor cores on {device.type}"
@@ -67,7 +68,7 @@ def _tensorwise_problem(device: torch.device) -> str | None:
 
 
 def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
-    if _tensorwise_problem(ra.data.device) is not None:
+    if tensorwise_problem(ra.data.device) is not None:
         return None
     if ra.fp_dtype == rb.fp_dtype == DType.E5M2 or not _aligned(ra.rows, rb.rows, ra.k):
         return None
@@ -291,7 +292,7 @@ class _Path:
 _NATIVE_TAKES = "rows multiples of 16, K of 32"
 #: Per format, its fast paths in the order :func:`fast_gemm` tries them.
 _PATHS: dict[str, tuple[_Path, ...]] = {
-    "fp8": (_Path(_tensorwise, _tensorwise_problem, "scaled_mm", "cuBLAS scaled_mm (tensorwise)",
+    "fp8": (_Path(_tensorwise, tensorwise_problem, "scaled_mm", "cuBLAS scaled_mm (tensorwise)",
                   "not both E5M2; rows and K multiples of 16"),),
     "fp8_block": (_Path(_blockwise, _blockwise_problem, "scaled_mm_blockwise",
                         "cuBLAS blockwise scaled_mm",

@@ -22,7 +22,7 @@ from quant_core import Quantizer, is_value_quantizer
 
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
-from .compiling import compiling, dynamo, is_compiled_value
+from .compiling import compiling, dynamo, is_compiled_value, raise_error
 from .recipes import Recipe
 from .role import QuantizerRole
 from .states import RecipeState, delayed_states
@@ -133,6 +133,32 @@ def check_bindable(recipe: Recipe) -> None:
                          "(Float8CurrentScaling, ...) or use autocast")
 
 
+def check_operands(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, quantized_weight: bool) -> None:
+    """``RuntimeError`` naming the layer and both tensors where the quantized GEMM cannot take
+    them, as ``nn.Linear`` refuses them: an input, weight and bias not on one device, or one that
+    is not floating point. Floating dtypes may differ (unlike ``nn.Linear``): each operand is
+    quantized from its own dtype and the output has the input's dtype. Metadata only: no host
+    sync, and static under ``torch.compile``."""
+    device = x.device
+    for what, t in (("input", x), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.device != device:
+            raise RuntimeError(f"{_label(module)}: input is on {device} but {what} on "
+                               f"{t.device}; move the module or the input so that both are on "
+                               "one device")
+        if not (t.is_floating_point() or (what == "weight" and quantized_weight)):
+            raise RuntimeError(f"{_label(module)}: the {what} is {t.dtype}; a quantized Linear "
+                               "takes floating-point operands, as nn.Linear does")
+
+
+def _label(module: torch.nn.Module) -> str:
+    """How a message names ``module``: its class and, when it has one, its name."""
+    name = getattr(module, "name", "")
+    return f"{type(module).__name__} {name!r}" if name else type(module).__name__
+
+
 class QuantizedModule(torch.nn.Module):
     """Base of modules that quantize their GEMM operands inside :func:`autocast`. It is
     cooperative: positional and other keyword arguments go to the next class in the MRO (the
@@ -198,9 +224,10 @@ class QuantizedModule(torch.nn.Module):
         bwd_roles = self.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
         if compiling():
             if recipe.delayed():
-                raise RuntimeError(
+                raise_error(
+                    RuntimeError,
                     "DelayedScaling is not supported under torch.compile (live amax/scale state); "
-                    "use a stateless recipe such as Float8CurrentScaling"
+                    "use a stateless recipe such as Float8CurrentScaling",
                 )
             return self._build(None, recipe, fwd_roles, bwd_roles, num_gemms, device, None)
         key = (recipe_key(recipe), fwd_roles, bwd_roles, num_gemms,

@@ -14,9 +14,11 @@ import dataclasses
 import enum
 import math
 import os
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from quant_core import DType
 
@@ -137,7 +139,66 @@ def _fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
             object.__setattr__(recipe, name, value)
 
 
+#: Per class: ``(field, target, optional)`` for each field whose type is an Enum or a dataclass
+#: (a config gives those as a member's name or as a dict); filled once per class.
+_CONVERTIBLE: dict[type, tuple[tuple[str, type, bool], ...]] = {}
+
+
+def _convertible_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    found = _CONVERTIBLE.get(cls)
+    if found is None:
+        rows = []
+        for name, hint in typing.get_type_hints(cls).items():
+            if typing.get_origin(hint) is ClassVar:
+                continue
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            options = typing.get_args(hint) if union else (hint,)
+            for target in options:
+                if isinstance(target, type) and (
+                    issubclass(target, enum.Enum) or dataclasses.is_dataclass(target)
+                ):
+                    rows.append((name, target, type(None) in options))
+                    break
+        found = _CONVERTIBLE[cls] = tuple(rows)
+    return found
+
+
+def _convert_config_values(obj: Any) -> None:
+    """Turn the values a config file or command line gives into the field types, in place
+    (frozen-safe): an Enum field takes a member's name in any case (``"hybrid"``), a dataclass
+    field (:class:`QParams`, :class:`MMParams`) a dict of its fields. Anything else that is not
+    of the field's type is refused, naming the field and what it takes."""
+    cls = type(obj).__name__
+    for name, target, optional in _convertible_fields(type(obj)):
+        value = getattr(obj, name)
+        if isinstance(value, target) or (value is None and optional):
+            continue
+        if issubclass(target, enum.Enum):
+            allowed = ", ".join(repr(m.name) for m in target)
+            if isinstance(value, str):
+                member = {m.name.lower(): m for m in target}.get(value.strip().lower())
+                if member is None:
+                    raise ValueError(f"{cls}.{name}: unknown {target.__name__} {value!r}; "
+                                     f"allowed: {allowed} (any case)")
+                object.__setattr__(obj, name, member)
+                continue
+            raise TypeError(f"{cls}.{name} must be a {target.__name__} or one of its names "
+                            f"({allowed}; any case), got {value!r}")
+        keys = [f.name for f in dataclasses.fields(target)]
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(keys), key=str)
+            if unknown:
+                raise ValueError(f"{cls}.{name}: {target.__name__} has no field "
+                                 f"{', '.join(map(repr, unknown))}; its fields: {', '.join(keys)}")
+            object.__setattr__(obj, name, target(**value))
+            continue
+        none = " or None" if optional else ""
+        raise TypeError(f"{cls}.{name} must be a {target.__name__} or a dict of its fields "
+                        f"({', '.join(keys)}){none}, got {value!r}")
+
+
 def _check_common(recipe: Recipe) -> None:
+    _convert_config_values(recipe)
     _check_field_types(recipe)
     margin = getattr(recipe, "margin", 0)
     if not 0 <= margin <= MAX_MARGIN:
@@ -150,9 +211,19 @@ def _check_common(recipe: Recipe) -> None:
             f"{type(recipe).__name__}.backward_override must be one of {_BACKWARD_OVERRIDES}, "
             f"got {recipe.backward_override!r}"
         )
-    fmt = getattr(recipe, "fp8_format", None)
-    if fmt is not None and not isinstance(fmt, Format):
-        raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {fmt!r}")
+    _refuse_fp8_attention(recipe)
+
+
+def _refuse_fp8_attention(recipe: Recipe) -> None:
+    """``fp8_dpa`` / ``fp8_mha`` exist for TransformerEngine parity and must stay False: quant
+    quantizes the GEMMs of its linear modules only, and attention runs in high precision."""
+    for name in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, name, False):
+            raise ValueError(
+                f"{type(recipe).__name__}({name}=True): quant has no FP8 attention; it quantizes "
+                "Linear layers only (quant_recipes.Linear, GroupedLinear), and attention runs in "
+                f"the model's precision. Leave {name} False."
+            )
 
 
 @dataclass(frozen=True)
@@ -160,14 +231,17 @@ class Recipe:
     """Base of every recipe; the predicates tell the kind without ``isinstance`` chains.
 
     Recipes are frozen dataclasses, validated at construction (an error names the field and
-    what is allowed), equal and hashable by value. Fields most recipes share:
+    what is allowed), equal and hashable by value. Options may be given as a config file gives
+    them: a :class:`Format` as a member's name in any case (``fp8_format="hybrid"``), a
+    :class:`QParams` or :class:`MMParams` as a dict of its fields; they are converted when the
+    recipe is built. Fields most recipes share:
 
     - ``fp8_format``: the FP8 element format, ``Format.E4M3`` everywhere or ``Format.HYBRID``
       (E4M3 forward, E5M2 for gradients);
     - ``margin``: delayed scaling divides its scales by ``2^margin`` (headroom against
       overflow); the other recipes accept it for TransformerEngine parity;
-    - ``fp8_dpa`` / ``fp8_mha``: FP8 attention (accepted for TransformerEngine parity; no
-      attention module here uses them);
+    - ``fp8_dpa`` / ``fp8_mha``: TransformerEngine's FP8 attention switches, kept so that its
+      configs load; quant quantizes Linear layers only, so ``True`` raises ``ValueError``;
     - ``backward_override``: ``None`` (backward GEMMs on the quantized columnwise copies),
       ``"high_precision"`` (backward GEMMs in the input dtype, on the saved originals) or
       ``"dequantized"`` (backward GEMMs on the forward's rowwise quantized operands, used
@@ -182,6 +256,13 @@ class Recipe:
     #: The :class:`~quant_recipes.states.RecipeState` subclass that turns this recipe into
     #: quantizers (``RecipeState.create``); each recipe module sets its own.
     state_class: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        try:  # resolved now, so that a recipe built while Dynamo traces finds them ready
+            _convertible_fields(cls)
+        except NameError:  # a forward reference: resolved at the first construction
+            pass
 
     # The kind predicates (TransformerEngine's API): each recipe class answers its own.
     def delayed(self) -> bool:

@@ -4,7 +4,9 @@ Integrators pass recipes as strings (a YAML file, a ``--converters`` flag, a lau
 keyword arguments). A name is matched without regard to case, hyphens or underscores. It is one
 of the short names (``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``delayed``) or a
 recipe class name as TransformerEngine spells it (``Float8CurrentScaling``, ``DelayedScaling``,
-...). The options are the recipe's own fields, given as keywords.
+...). The options are the recipe's own fields, given as keywords, with the values a config
+holds: a format's name (``fp8_format="hybrid"``), a dict for a ``QParams``/``MMParams`` (the
+recipe converts them when it is built).
 """
 
 from __future__ import annotations

@@ -1,24 +1,32 @@
-"""One quantization per (tensor, quantizer value) in eager mode: consecutive layers that read one
-activation under equal quantizers (a block's q, k and v projections; gate and up) share its
-quantized buffers, and so one copy saved for backward.
+"""``shared_activations()``: in eager code, consecutive layers that read one activation under
+equal quantizers (a block's q, k and v projections; gate and up) share its quantized buffers,
+and so one copy saved for backward.
 
-This is legal because a value quantizer is a pure function of its value: an equal quantizer
-given the same, unmodified tensor produces the same bytes (`docs/behaviour.md`), so the second
-quantization is the first one's result. Only quantizers whose requantization gives the same bits
-share (``Quantizer.is_requantization_safe``: not stochastic rounding, not delayed scaling), and
-the tensor must be the same object at the same version (an in-place change bumps it).
+A value quantizer is a pure function of its value: an equal quantizer given the same, unmodified
+tensor produces the same bytes (`docs/behaviour.md`), so the second quantization is the first
+one's result. Whether the tensor is unmodified is read from its version counter, which every
+in-place op bumps (under ``no_grad`` and through ``detach()`` views too) but which writes through
+``.data``, a NumPy view, DLPack or ``torch.autograd._unsafe_preserve_version_counter`` leave as it
+was. Nothing cheaper than reading the tensor again sees those writes, and user code runs between
+two layers, so sharing is off by default: each layer quantizes its own input. Inside the context
+the caller promises that no such write reaches a tensor between two layers that read it.
 
-Only the last quantization of an activation (not a parameter) is remembered, per thread, and
-only while the tensor lives: consecutive readers of one tensor share it, and nothing outlives
-the tensor. Compiled graphs get the same sharing from the compiler (equal quantizations trace
-equal ops, which its common-subexpression elimination merges); this module is for eager code.
+Inside it, only the last quantization of an activation (not a parameter) is remembered, per
+thread, and only while the tensor lives: the next reader shares it when it gets the same tensor
+object at the same version, data pointer and layout, the same quantizer object and amax group.
+Only quantizers whose requantization gives the same bits share
+(``Quantizer.is_requantization_safe``: not stochastic rounding, not delayed scaling), and never
+an inference tensor (it has no version counter). Compiled graphs share without the context:
+equal quantizations trace equal ops, which the compiler's common-subexpression elimination
+merges, and the graph sees every write it contains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from quant_core import Quantizer
@@ -26,23 +34,43 @@ from quant_core import Quantizer
 _last = threading.local()
 
 
-def contents_key(x: torch.Tensor, group) -> tuple:
+def contents_key(x: torch.Tensor, group) -> tuple | None:
     """What a remembered quantization of ``x`` under amax reduction ``group`` is valid for: the
-    tensor's version (an in-place change bumps it), its memory and layout, and the group."""
+    tensor's version (an in-place change bumps it), its memory and layout, and the group; None
+    for an inference tensor, which has no version."""
+    if x.is_inference():
+        return None
     return (x._version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device,
             id(group))
 
 
+@contextlib.contextmanager
+def shared_activations() -> Iterator[None]:
+    """Let consecutive eager layers that read one unmodified activation share its quantization,
+    for the duration of the context (see the module docstring for the promise it asks)."""
+    outer = getattr(_last, "on", False)
+    _last.on = True
+    try:
+        yield
+    finally:
+        _last.on = outer
+        if not outer:
+            forget()
+
+
 def shared_quantization(x: torch.Tensor, q: Quantizer, group,
                         quantize: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """``quantize()`` (``q``'s buffers of ``x`` under amax reduction ``group``), or the buffers
-    of the previous call on this thread when it had the same tensor at the same version, the
-    same quantizer object and the same group."""
-    if isinstance(x, torch.nn.Parameter) or not q.is_requantization_safe():
+    """``quantize()`` (``q``'s buffers of ``x`` under amax reduction ``group``), or, inside
+    :func:`shared_activations`, the buffers of the previous call on this thread when it had the
+    same tensor at the same version, the same quantizer object and the same group."""
+    if (not getattr(_last, "on", False) or isinstance(x, torch.nn.Parameter)
+            or not q.is_requantization_safe()):
+        return quantize()
+    key = contents_key(x, group)
+    if key is None:
         return quantize()
     # the quantizer by identity: equal value quantizers are one interned object in the modules
     # (and comparing a deprecated group-holding quantizer by value raises)
-    key = contents_key(x, group)
     entry = getattr(_last, "entry", None)
     if entry is not None and entry[0]() is x and entry[1] == key and entry[3] is q:
         return list(entry[2])

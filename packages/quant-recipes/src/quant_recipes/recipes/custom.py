@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from quant_core import Quantizer
 
-from ..compiling import compiling, dynamo, is_compiled_value
+from ..compiling import compiling, dynamo, is_compiled_value, raise_error
 from ..recipe import Format, Recipe, _check_common, _env_backward_override
 from ..role import QuantizerRole
 from ..states import RecipeState
@@ -31,9 +31,10 @@ def _check_compilable(q: Quantizer, slot: str) -> None:
     not (stateful delayed scaling, or a subclass that did not opt in) before tracing trips."""
     if not is_compiled_value(q):
         why = dynamo().registration.identity_quantizer_message(type(q))
-        raise TypeError(
+        raise_error(
+            TypeError,
             f"CustomRecipe.qfactory returned {type(q).__name__} for {slot} under "
-            f"torch.compile: {why}"
+            f"torch.compile: {why}",
         )
 
 
@@ -55,14 +56,16 @@ class CustomRecipeState(RecipeState):
             # message must survive tracing intact (it is what a compiled caller sees)
             slot = f"slot {i} (role {str(roles[i])!r})"
             if q is None:
-                raise ValueError(
+                raise_error(
+                    ValueError,
                     f"CustomRecipe.qfactory returned None for {slot}; "
-                    "return quant_recipes.IdentityQuantizer() to keep a tensor in high precision"
+                    "return quant_recipes.IdentityQuantizer() to keep a tensor in high precision",
                 )
             if not (isinstance(q, DelayedScalingRequest) or _is_quantizer(q)):
-                raise TypeError(
+                raise_error(
+                    TypeError,
                     f"CustomRecipe.qfactory must return a Quantizer or a DelayedScalingRequest, "
-                    f"got {type(q).__name__} for {slot}"
+                    f"got {type(q).__name__} for {slot}",
                 )
             if compiling() and isinstance(q, Quantizer):
                 _check_compilable(q, slot)
@@ -70,9 +73,10 @@ class CustomRecipeState(RecipeState):
         if not requests:
             return raw
         if compiling():
-            raise RuntimeError(
+            raise_error(
+                RuntimeError,
                 "a CustomRecipe qfactory returned a DelayedScalingRequest under torch.compile: "
-                "delayed scaling holds live tensor state and runs in eager mode only"
+                "delayed scaling holds live tensor state and runs in eager mode only",
             )
         first = raw[requests[0]]
         for i in requests[1:]:

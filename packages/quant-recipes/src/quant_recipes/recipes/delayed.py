@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from quant_core import Float8Quantizer, Quantizer
 
-from ..recipe import Format, Recipe, _check_common, _env_backward_override
+from ..recipe import (
+    Format,
+    Recipe,
+    _check_common,
+    _convert_config_values,
+    _env_backward_override,
+)
 from ..states import RecipeState, _default_device, _dtype
 
 
@@ -112,6 +118,9 @@ class DelayedScalingRequest:
     amax_compute_algo: str | Callable = "max"
     scaling_factor_compute_algo: Callable | None = None
     reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _convert_config_values(self)
 
     def to_recipe(self) -> DelayedScaling:
         """The :class:`DelayedScaling` recipe with these parameters."""

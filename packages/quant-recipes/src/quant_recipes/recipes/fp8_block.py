@@ -87,8 +87,6 @@ class Float8BlockScaling(Recipe):
         for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             if not getattr(self, name).use_split_accumulator:
                 raise ValueError(f"Float8BlockScaling.{name}: split accumulator is required")
-        if self.fp8_dpa or self.fp8_mha:
-            raise ValueError("Float8BlockScaling does not support FP8 attention (fp8_dpa/fp8_mha)")
         pow2 = not self.use_f32_scales
         _fill_unset(self, {name: QParams(power_2_scale=pow2) for name in _FP8_QPARAM_FIELDS})
 

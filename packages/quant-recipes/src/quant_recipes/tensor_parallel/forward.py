@@ -19,7 +19,13 @@ from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
 from ..compiling import compiling, dynamo
 from ..fsdp_layout import base, columnwise_buffer_list
 from ..gemm import HP, HP_META, qgemm, quantizer_meta
-from ..linear import kept_for_backward, quantize_buffers
+from ..linear import (
+    amax_per_row,
+    operand_quantizers,
+    quantize_buffers,
+    save_operands,
+    saved_operands,
+)
 from ..module import is_value, module_frame
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -44,7 +50,8 @@ def quantize_over(x: torch.Tensor, q, groups: tuple) -> list[torch.Tensor]:
     return q.quantize_with_amax(x, amax).buffer_list(x)
 
 
-def operand_groups(kind: str, tp_group, frame_group) -> tuple[tuple, tuple, tuple]:
+def operand_groups(kind: str, tp_group, frame_group, input_per_row: bool = False
+                   ) -> tuple[tuple, tuple, tuple]:
     """``(input, weight, grad_output)`` amax groups of a layer parallelized ``kind``.
 
     The weight is always a shard of the weight one process would quantize whole: its amax is
@@ -53,20 +60,26 @@ def operand_groups(kind: str, tp_group, frame_group) -> tuple[tuple, tuple, tupl
     output gradient holds this rank's output features (reduced). Row-parallel: the input holds
     this rank's slice of K (reduced); the output gradient is the gradient of the reduced,
     replicated output, whole on every rank (not reduced). ``frame_group`` (autocast's
-    ``amax_reduction_group``) is added to every operand, as autocast does for plain layers."""
+    ``amax_reduction_group``) is added to every operand, as autocast does for plain layers,
+    but to an input quantized with one amax per row (``input_per_row``,
+    :func:`~quant_recipes.linear.amax_per_row`): the ranks of that group hold other rows, the
+    TP group of a row-parallel layer the other columns of this rank's rows (the per-row amaxes
+    are reduced elementwise over it)."""
     sharded = (tp_group, frame_group)
     whole = (frame_group,)
     if kind == COLWISE:
-        return whole, sharded, sharded
-    return sharded, sharded, whole
+        return (() if input_per_row else whole), sharded, sharded
+    return ((tp_group,) if input_per_row else sharded), sharded, whole
 
 
 class TensorParallelLinearFn(torch.autograd.Function):
-    """``y = x Wᵀ (+ b)`` on local tensors with one amax group tuple per operand. ``x`` is 2-D
-    high precision, or a quantized storage (an input gathered quantized) of any rank."""
+    """``y = x Wᵀ (+ b)`` on local tensors with one amax group tuple per operand and the
+    quantizers of :func:`~quant_recipes.linear.operand_quantizers`. ``x`` is 2-D high precision,
+    or a quantized storage (an input gathered quantized) of any rank."""
 
     @staticmethod
-    def forward(ctx, x, w, b, input_q, weight_q, grad_q, groups, override):
+    def forward(ctx, x, w, b, operands, groups, override):
+        input_q, weight_q = operands.input, operands.weight
         gx, gw, gg = groups
         quantized_x = isinstance(x, QuantizedStorage)
         k = x.shape[-1]
@@ -80,27 +93,21 @@ class TensorParallelLinearFn(torch.autograd.Function):
             xb = quantize_over(x, input_q, gx)
         wb = quantize_over(w, weight_q, gw)
         y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
-        if override == "high_precision":
-            ctx.save_for_backward(x, w)
-            xm = wm = list(HP_META)
-            ctx.nx = 1
-        else:
-            kept_x = kept_for_backward(xb, xm, override, ctx.needs_input_grad[1])
-            ctx.save_for_backward(*kept_x,
-                                  *kept_for_backward(wb, wm, override, ctx.needs_input_grad[0]))
-            ctx.nx = len(kept_x)
+        xm, wm = save_operands(ctx, x, xb, xm, w, wb, wm, override, operands.input_bwd,
+                               operands.weight_bwd)
         ctx.meta = (xm, wm, (m, k), n, x.dtype, w.dtype, tuple(x.shape))
-        ctx.grad_q, ctx.gg, ctx.override, ctx.has_bias = grad_q, gg, override, b is not None
+        ctx.grad_q, ctx.groups, ctx.override = operands.grad, groups, override
+        ctx.has_bias = b is not None
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        saved = ctx.saved_tensors
-        xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
+        xb, wb = saved_operands(ctx, lambda t, q, i: quantize_over(t, q, ctx.groups[i]))
         xm, wm, (m, k), n, x_dtype, w_dtype, x_shape = ctx.meta
         gy = gy.contiguous()
         if ctx.override is None:
-            gb, gm, col = quantize_over(gy, ctx.grad_q, ctx.gg), quantizer_meta(ctx.grad_q), True
+            gb, gm, col = (quantize_over(gy, ctx.grad_q, ctx.groups[2]),
+                           quantizer_meta(ctx.grad_q), True)
         else:
             gb, gm, col = [gy], list(HP_META), False
         dx = dw = db = None
@@ -111,7 +118,7 @@ class TensorParallelLinearFn(torch.autograd.Function):
             dw = qgemm(gb, gm, (m, n), col, True, xb, xm, (m, k), col, False, None, w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.to(torch.float32).sum(0).to(w_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 def _buffers(s: QuantizedStorage, q, like: torch.Tensor) -> list[torch.Tensor]:
@@ -155,22 +162,56 @@ def block_of(q) -> int:
     return q.shape_rule()[1]
 
 
+def shard_sizes(full: int, world: int) -> list[int]:
+    """Each rank's share of a dimension of ``full`` elements sharded over ``world`` ranks, as
+    DTensor's ``Shard`` splits it (``torch.chunk``: ``ceil(full / world)`` per rank, the last
+    ranks what remains, possibly nothing)."""
+    chunk = -(-full // world)
+    return [max(0, min(chunk, full - r * chunk)) for r in range(world)]
+
+
 def check_alignment(module, kind: str, world: int, quantizers) -> None:
     """``ValueError`` unless each rank's slice of the sharded dimension (out_features for a
-    column-parallel layer, in_features for a row-parallel one) is a whole number of the format's
-    blocks: a block across a shard boundary would be scaled from a part of its elements."""
+    column-parallel layer, in_features for a row-parallel one; uneven as DTensor shards it) is a
+    whole number of the format's blocks: a block across a shard boundary would be scaled from a
+    part of its elements. A per-tensor format (block 1) shards at any width."""
     full = module.out_features if kind == COLWISE else module.in_features
     dim = "out_features" if kind == COLWISE else "in_features"
-    local = full // world
+    sizes = shard_sizes(full, world)
     for q in quantizers:
         block = block_of(q)
-        if full % world or local % block:
+        if any(size % block for size in sizes):
+            per_rank = str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))
             raise ValueError(
                 f"{'QuantColwiseParallel' if kind == COLWISE else 'QuantRowwiseParallel'}: "
                 f"layer {layer_name(module)} shards {dim}={full} over {world} ranks into "
-                f"{full / world:g} per rank, not a multiple of the {q.storage_format} block of "
-                f"{block} along that dimension ({type(q).__name__}); use a width whose shard "
-                "holds whole blocks, or another recipe")
+                f"{per_rank} per rank, not a multiple of the {q.storage_format} block of "
+                f"{block} along that dimension ({type(q).__name__}); use a width whose shards "
+                "hold whole blocks, or another recipe")
+
+
+def check_stateless(module, qset, recipe) -> None:
+    """``ValueError`` naming the layer unless the quantizers it runs (input, weight, output
+    gradient) are values: a stateful quantizer (delayed scaling: ``DelayedScaling``, or a
+    ``CustomRecipe`` factory's ``DelayedScalingRequest``) scales by a per-process state that
+    no tensor-parallel reduction reaches, so the ranks would not quantize with the unsharded
+    tensor's scale."""
+    for what, q in (("input", qset.fwd[0]), ("weight", qset.fwd[1]),
+                    ("output gradient", qset.bwd[0])):
+        if is_value(q):
+            continue
+        if recipe.delayed():
+            source = "DelayedScaling, whose amax histories and scales are per process"
+        else:  # a DelayedScalingRequest becomes a Float8Quantizer on the request's state
+            source = (f"{type(recipe).__name__}, whose factory gives the {what} a stateful "
+                      f"{type(q).__name__} (delayed scaling: per-process amax history and "
+                      "scale)")
+        raise ValueError(
+            f"tensor parallelism: layer {layer_name(module)} runs under {source}; no "
+            "tensor-parallel amax reduction reaches that state, so each rank would scale its "
+            "shard by its own state, not the unsharded tensor's. Use a stateless recipe "
+            "(Float8CurrentScaling, ...) or a CustomRecipe whose factory returns value "
+            "quantizers")
 
 
 def check_gathered_input(x: QuantizedStorage, q, module) -> None:
@@ -200,27 +241,24 @@ def forward(module, x: torch.Tensor) -> torch.Tensor:
     if frame is None or not frame.enabled:  # high precision (calibration has no state here)
         xh = x.dequantize(dtype=x.dtype) if quantized_x else x
         return F.linear(xh, w, b)
-    if frame.recipe.delayed():
-        raise ValueError(f"tensor parallelism: layer {layer_name(module)} runs under "
-                         "DelayedScaling, whose amax histories are per process; use a "
-                         "stateless recipe (Float8CurrentScaling, ...)")
     if x.dim() == 0 or x.shape[-1] != w.shape[1]:
         raise RuntimeError(f"Linear: the input's last dimension must be the local in_features="
                            f"{w.shape[1]}, got input shape {tuple(x.shape)}")
     qset = module.quantizers(frame, device=w.device)
+    if not compiling():
+        check_stateless(module, qset, frame.recipe)
     if not compiling() or dynamo().DERIVES_IN_GRAPH:
         check_alignment(module, kind, world, (qset.fwd[0], qset.fwd[1], qset.bwd[0]))
     grad = torch.is_grad_enabled()
-    wgrad, dgrad = grad and w.requires_grad, grad and x.requires_grad
-    transposed = frame.recipe.backward_override is None  # as Linear: no copy an override skips
-    input_q = qset.variant(qset.fwd[0], columnwise_usage=wgrad and transposed)
-    weight_q = qset.variant(qset.fwd[1], columnwise_usage=dgrad and transposed)
-    grad_q = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad)
+    override = frame.recipe.backward_override
+    # as Linear: no copy an override skips; an operand saved as is where the layer says so
+    operands = operand_quantizers(module, qset, override, wgrad=grad and w.requires_grad,
+                                  dgrad=grad and x.requires_grad, input_quantized=quantized_x)
     if quantized_x and not compiling():
         check_gathered_input(x, qset.fwd[0], module)
-    groups = operand_groups(kind, tp_group, frame.amax_reduction_group)
+    groups = operand_groups(kind, tp_group, frame.amax_reduction_group,
+                            amax_per_row(qset.fwd[0]))
     lead = x.shape[:-1]
     x2 = x if quantized_x or x.dim() == 2 else x.reshape(lead.numel(), x.shape[-1])
-    y = TensorParallelLinearFn.apply(x2, w, b, input_q, weight_q, grad_q, groups,
-                                     frame.recipe.backward_override)
+    y = TensorParallelLinearFn.apply(x2, w, b, operands, groups, override)
     return y if x.dim() == 2 else y.reshape(*lead, w.shape[0])

@@ -205,7 +205,7 @@ class PrepareQuantModuleInput(ParallelStyle):
                              columnwise=torch.is_grad_enabled())
         if isinstance(p, str):
             reason = p
-        elif x.shape[:dim].numel() > 1 and q.storage_format != "fp8":
+        elif x.shape[:dim].numel() > 1 and not p.rows_independent:
             reason = (f"the {q.storage_format} blocks of the gathered rows need the dimensions "
                       f"before the sequence dimension to be 1, got input shape "
                       f"{tuple(x.shape)}")

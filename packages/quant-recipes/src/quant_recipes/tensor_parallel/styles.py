@@ -27,7 +27,7 @@ from ..compiling import compiling
 from ..fsdp import QuantizedAllGatherWeight
 from ..linear import Linear
 from . import forward as tp_forward
-from .forward import COLWISE, ROWWISE, AddBias, check_alignment, layer_name
+from .forward import COLWISE, ROWWISE, AddBias, check_alignment, check_stateless, layer_name
 from .sequence import count_gather
 
 
@@ -52,8 +52,8 @@ def _tp_class(cls: type) -> type:
 
 
 def _prepare(style: str, module, mesh, kind: str, recipe) -> None:
-    """Refuse what the styles cannot shard, check the block alignment against ``recipe`` when
-    one is given, and make ``module`` a :class:`TensorParallelLinear`."""
+    """Refuse what the styles cannot shard, check ``recipe``'s quantizers (stateless, block
+    alignment) when one is given, and make ``module`` a :class:`TensorParallelLinear`."""
     if not isinstance(module, Linear):
         raise TypeError(f"{style} parallelizes quant_recipes.Linear layers, got "
                         f"{type(module).__name__}; use torch's ColwiseParallel/RowwiseParallel "
@@ -77,6 +77,7 @@ def _prepare(style: str, module, mesh, kind: str, recipe) -> None:
     module._quant_tp = (kind, mesh.get_group(), world)
     if recipe is not None:
         qset = module.quantizers(Frame(True, recipe, False, None), device=w.device)
+        check_stateless(module, qset, recipe)
         check_alignment(module, kind, world, (qset.fwd[0], qset.fwd[1], qset.bwd[0]))
     module.__class__ = _tp_class(type(module))
 
@@ -99,8 +100,20 @@ def _colwise_input(input_layouts, mod, inputs, mesh):
     return (_local_input(x, mesh, input_layouts, (Replicate(),), (Partial(),)), *inputs[1:])
 
 
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def _colwise_output(output_layouts, use_local_output, mod, y, mesh):
-    y = DTensor.from_local(y, mesh, (Shard(-1),), run_check=False)
+    # the global shape given: a shard of out_features may be uneven (DTensor's 50/49 of 99)
+    shape = (*y.shape[:-1], mod.out_features)
+    y = DTensor.from_local(y, mesh, (Shard(-1),), run_check=False, shape=shape,
+                           stride=_contiguous_stride(shape))
     if output_layouts != (Shard(-1),):
         y = y.redistribute(placements=output_layouts)
     return y.to_local() if use_local_output else y
@@ -142,6 +155,15 @@ class _QuantStyle:
         return distribute_module(
             module, device_mesh, self._partition_linear_fn, partial(input_fn, self.input_layouts),
             partial(output_fn, self.output_layouts, self.use_local_output))
+
+
+def parallel_style(module: torch.nn.Module) -> str | None:
+    """The name of the style that parallelized ``module`` (``"QuantColwiseParallel"`` or
+    ``"QuantRowwiseParallel"``), or None for a module that is not a
+    :class:`TensorParallelLinear`."""
+    if not isinstance(module, TensorParallelLinear):
+        return None
+    return {COLWISE: "QuantColwiseParallel", ROWWISE: "QuantRowwiseParallel"}[module._quant_tp[0]]
 
 
 class QuantColwiseParallel(_QuantStyle, ColwiseParallel):
