@@ -1,9 +1,18 @@
 """Sessions for the quant monorepo.
 
-`nox` runs the default list: lint, one isolation session per package (only that package and what
-it declares), the full suite on torch 2.13 with every package, and the torch-version matrix.
+`nox -s demo` trains a small model under every recipe. `nox` runs the default list, what CI
+runs: lint, one isolation session per package (only that package and what it declares), the
+full suite on torch 2.13 with every package, the Hugging Face and framework sessions, and the
+torch-version matrix (`compat`), which downloads five CUDA builds of torch (cold: 56 minutes on
+a loaded 2-core machine, 39 GB of virtualenvs). Without the matrix:
+`nox -s lint core kernels kernels_newest_triton dynamo recipes tests hf integrations`.
 
-Virtualenvs live outside the clone (``$QUANT_NOX_ENVDIR``, default ``~/.cache/quant-nox``) and are
+torch comes from PyPI, which serves its CUDA build on Linux (about 5 GB with its CUDA
+libraries). pip reads its options from the environment and nox passes them on, so on a machine
+without a GPU `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu nox ...` installs the
+CPU build instead (its version, `2.13.0+cpu`, satisfies `torch==2.13.0` and sorts above it).
+
+Virtualenvs live outside the clone (`$QUANT_NOX_ENVDIR`, default `~/.cache/quant-nox`) and are
 reused: third-party requirements are installed only when they change (a stamp file per venv), so a
 warm run does not reinstall six torch builds. The project's own packages are installed editable
 (the stamp records the clone's path), so a source change needs no reinstall and a new clone
@@ -17,6 +26,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 
 import nox
 
@@ -65,6 +75,10 @@ INTEGRATIONS = ["accelerate==1.15.0", "peft==0.21.2", "lightning==2.6.6"]
 #: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.
 INTERPRETER = ["numpy>=1.26,<2.4"]
 
+#: PyTorch's index of CPU-only builds, and the pip settings that choose where packages come from.
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+PIP_SOURCES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS")
+
 # The machine's pip config caps torch at 2.14.1 through a constraints file; pointing
 # PIP_CONSTRAINT at an empty file lifts the cap for one command (an empty value does not).
 UNCAPPED = {"PIP_CONSTRAINT": os.devnull, "PIP_NO_CACHE_DIR": "1"}
@@ -81,6 +95,18 @@ def _require_cxx(session: nox.Session) -> None:
         )
 
 
+def _cuda_torch_note(args: list[str]) -> str | None:
+    """What to set when ``pip install *args`` is about to take torch's CUDA build from PyPI on a
+    Linux machine without a GPU (no pip index or find-links set in the environment), or None."""
+    torch = next((a for a in args if a.startswith("torch==")), None)
+    if (torch is None or not sys.platform.startswith("linux") or shutil.which("nvidia-smi")
+            or any(os.environ.get(v) for v in PIP_SOURCES)):
+        return None
+    return (f"{torch}: PyPI serves the CUDA build on Linux (about 5 GB with its CUDA libraries). "
+            f"No GPU here: for the CPU build, run nox with PIP_EXTRA_INDEX_URL={CPU_TORCH_INDEX} "
+            "(unless your pip configuration already names an index)")
+
+
 def _stamp_install(session: nox.Session, name: str, args: list[str], env=None) -> None:
     """Run ``pip install *args`` unless this venv's stamp ``name`` records exactly these args."""
     key = json.dumps(args)
@@ -94,6 +120,9 @@ def _stamp_install(session: nox.Session, name: str, args: list[str], env=None) -
     if stamp.is_file() and stamp.read_text() == key:
         session.log(f"{name}: requirements unchanged, not reinstalling")
         return
+    note = _cuda_torch_note(args)
+    if note is not None:
+        session.log(note)
     session.install(*args, env=env)
     stamp.write_text(key)
 
@@ -160,8 +189,9 @@ def kernels(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def kernels_newest_triton(session: nox.Session) -> None:
-    """The kernels session with the newest Triton (:data:`NEWEST_TRITON`) instead of the GPU
-    machine's."""
+    """The kernels session with the newest Triton, which pip picks where no CUDA torch pins one.
+
+    NEWEST_TRITON is that release; the kernels session has the GPU machine's (TRITON)."""
     _stamp_install(
         session, "deps",
         [f"torch=={TEST_TORCH}", f"triton=={NEWEST_TRITON}", *INTERPRETER, *TEST_TOOLS],
@@ -207,8 +237,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def hf(session: nox.Session) -> None:
-    """Hugging Face Llama and MoE models converted, trained eagerly and compiled (tests/hf;
-    transformers is a test dependency of this session only)."""
+    """Hugging Face Llama and MoE models converted, trained eagerly and compiled (tests/hf).
+
+    transformers is a test dependency of this session only."""
     _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", TRANSFORMERS, *TEST_TOOLS])
     _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
@@ -217,8 +248,9 @@ def hf(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def integrations(session: nox.Session) -> None:
-    """The frameworks people train with: Hugging Face Trainer (accelerate) and PEFT, Lightning
-    (tests/integrations, and the README's snippets for them); their packages are test
+    """Training frameworks: HF Trainer (accelerate), PEFT and Lightning, with the README snippets.
+
+    tests/integrations, and the README's snippets for them; the frameworks' packages are test
     dependencies of this session only."""
     _require_cxx(session)  # the README's first snippet compiles with Inductor
     _stamp_install(session, "deps",
@@ -230,7 +262,7 @@ def integrations(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", COMPAT_TORCH)
 def compat(session: nox.Session, torch: str) -> None:
-    """tests/dynamo, tests/recipes and tests/compat on one torch release (CUDA builds on CPU)."""
+    """tests/dynamo, tests/recipes and tests/compat on one torch release (PyPI's build)."""
     _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={torch}", *TEST_TOOLS], env=UNCAPPED)
     _stamp_install(
@@ -243,34 +275,50 @@ def compat(session: nox.Session, torch: str) -> None:
     )
 
 
+def _demo_option(args: list[str], flag: str) -> str | None:
+    """The value ``quant demo args`` gives ``flag`` (``--flag value`` or ``--flag=value``)."""
+    flat = " ".join(args).replace("=", " ").split()
+    return flat[flat.index(flag) + 1] if flag in flat[:-1] else None
+
+
+def _demo_on_gpu(args: list[str]) -> bool:
+    """Whether ``quant demo args`` runs on a GPU: ``--device cuda``, or ``auto`` (the default)
+    where ``nvidia-smi`` is on PATH."""
+    device = _demo_option(args, "--device") or "auto"
+    return device.startswith("cuda") or (device == "auto" and bool(shutil.which("nvidia-smi")))
+
+
 def _demo_uses_inductor(args: list[str]) -> bool:
     """Whether ``quant demo args`` compiles with Inductor (``--compile-backend inductor``, or
-    the default on a GPU: ``--device cuda``, or ``auto`` where ``nvidia-smi`` is on PATH), which
-    builds code with a compiler."""
-    flat = " ".join(args).replace("=", " ").split()
-    value = (lambda flag: flat[flat.index(flag) + 1] if flag in flat[:-1] else None)
-    if "--no-compile" in flat:
+    the default on a GPU), which builds code with a compiler."""
+    if "--no-compile" in " ".join(args).split():
         return False
-    backend = value("--compile-backend")
+    backend = _demo_option(args, "--compile-backend")
     if backend is not None:
         return backend == "inductor"
-    device = value("--device") or "auto"
-    return device.startswith("cuda") or (device == "auto" and bool(shutil.which("nvidia-smi")))
+    return _demo_on_gpu(args)
+
+
+def _demo_requirements(args: list[str]) -> tuple[list[str], list[str]]:
+    """``(third-party requirements, quant packages)`` of ``quant demo args``. The Triton kernels
+    (quant-kernels, Triton) run on CUDA only: on the CPU every recipe runs the pure-torch
+    reference, so neither is installed there."""
+    gpu = _demo_on_gpu(args)
+    deps = [f"torch=={TEST_TORCH}", *([f"triton=={TRITON}"] if gpu else []), "matplotlib>=3.7"]
+    local = ["quant-core", *(["quant-kernels"] if gpu else []), "quant-dynamo", "quant-recipes"]
+    return deps, local
 
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: `quant demo` with its defaults (a small model trained under every recipe).
-    It needs a C++ compiler only when the demo compiles with Inductor (``--compile-backend
-    inductor``, or the default on a GPU); on a CPU it compiles with aot_eager, which generates
-    no code."""
+
+    It needs a C++ compiler only when the demo compiles with Inductor (`--compile-backend
+    inductor`, or the default on a GPU); on a CPU it compiles with aot_eager, which generates
+    no code. Triton and quant-kernels are installed only for a GPU, where they run."""
     if _demo_uses_inductor(session.posargs):
         _require_cxx(session)
-    _stamp_install(
-        session, "deps", [f"torch=={TEST_TORCH}", f"triton=={TRITON}", "matplotlib>=3.7"]
-    )
-    _stamp_install(
-        session, "local",
-        _editable("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"),
-    )
+    deps, local = _demo_requirements(session.posargs)
+    _stamp_install(session, "deps", deps)
+    _stamp_install(session, "local", _editable(*local))
     session.run("quant", "demo", *session.posargs)

@@ -51,13 +51,21 @@ def _check_qnet(ns):
     assert ns["qnet"][0].weight.grad is None  # moved onto its master by the step
 
 
+def _check_loaded(ns):
+    import quant_recipes
+
+    layers = ns["loaded"].model.layers[0]
+    assert type(layers.self_attn.q_proj) is quant_recipes.Linear  # converted after loading
+    assert layers.self_attn.q_proj.bound_recipe is not None
+
+
 #: Packages of the integrations (their own nox session installs them): a block importing one
 #: is skipped where it is absent.
 _INTEGRATIONS = ("lightning", "transformers", "peft", "accelerate")
 
 #: What a block that defines each name must leave behind.
 CHECKS = {"q_rowwise": _check_q_rowwise, "model": _check_model, "net": _check_net,
-          "gathered": _check_gathered, "qnet": _check_qnet}
+          "gathered": _check_gathered, "qnet": _check_qnet, "loaded": _check_loaded}
 
 
 def test_readme_has_the_checked_examples():
@@ -105,7 +113,8 @@ def _load_noxfile(monkeypatch):
     fake = types.ModuleType("nox")
     fake.options = types.SimpleNamespace()
     fake.Session = object
-    fake.session = lambda *a, **k: (lambda f: f)
+    fake.sessions = []  # the functions @nox.session decorates, in order
+    fake.session = lambda *a, **k: (lambda f: fake.sessions.append(f) or f)
     fake.parametrize = lambda *a, **k: (lambda f: f)
     fake.virtualenv = types.ModuleType("nox.virtualenv")
     monkeypatch.setitem(sys.modules, "nox", fake)
@@ -163,3 +172,49 @@ def test_package_readme_names_every_module(package):
                    f.is_dir() and any(g.suffix == ".py" for g in f.iterdir())))
                and f"`{f.name}{'/' if f.is_dir() else ''}`" not in readme]
     assert not missing, f"{package}/README.md does not name {missing}"
+
+
+def test_nox_list_shows_a_whole_sentence_per_session(monkeypatch):
+    """``nox -l`` prints the first line of each session's docstring: a whole sentence, without
+    Sphinx roles or reST literals."""
+    noxfile = _load_noxfile(monkeypatch)
+    assert len(noxfile.nox.sessions) == len(noxfile.nox.options.sessions) + 1  # and demo
+    for session in noxfile.nox.sessions:
+        first = session.__doc__.strip().split("\n")[0]
+        assert first.endswith(".") and first.count("(") == first.count(")"), session.__name__
+        assert not re.search(r":\w+:`|``", first), session.__name__
+
+
+@pytest.mark.parametrize(("args", "gpu"), [([], False), ([], True), (["--device", "cpu"], True),
+                                           (["--device=cuda"], False)])
+def test_the_demo_installs_triton_and_the_kernels_only_for_a_gpu(monkeypatch, args, gpu):
+    """On the CPU the demo runs the pure-torch reference: no Triton kernel would run."""
+    import shutil
+
+    noxfile = _load_noxfile(monkeypatch)
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: ("/usr/bin/nvidia-smi" if gpu else None)
+                        if name == "nvidia-smi" else which(name))
+    deps, local = noxfile._demo_requirements(args)
+    on_gpu = args == ["--device=cuda"] or (gpu and not args)
+    assert any(d.startswith("triton==") for d in deps) is on_gpu
+    assert ("quant-kernels" in local) is on_gpu
+    assert {"quant-core", "quant-dynamo", "quant-recipes"} <= set(local)
+    assert any(d.startswith("torch==") for d in deps)
+
+
+def test_installing_torch_on_linux_without_a_gpu_names_the_cpu_index(monkeypatch):
+    import shutil
+
+    noxfile = _load_noxfile(monkeypatch)
+    monkeypatch.setattr(noxfile.sys, "platform", "linux")
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "nvidia-smi"
+                        else which(name))
+    for name in noxfile.PIP_SOURCES:
+        monkeypatch.delenv(name, raising=False)
+    note = noxfile._cuda_torch_note(["torch==2.13.0", "pytest>=8"])
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in note
+    assert noxfile._cuda_torch_note(["pytest>=8"]) is None  # no torch in this install
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", noxfile.CPU_TORCH_INDEX)
+    assert noxfile._cuda_torch_note(["torch==2.13.0"]) is None  # the user chose a source

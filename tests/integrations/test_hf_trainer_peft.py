@@ -93,3 +93,23 @@ def test_lora_trains_only_the_adapters_of_quantized_layers():
     for k, v in base.items():  # the quantized base layers did not move
         key = k if k in after else k.replace(".weight", ".base_layer.weight")
         assert torch.equal(after[key], v), k
+
+
+@pytest.mark.parametrize("recipe", [qr.Float8CurrentScaling, qr.MXFP8BlockScaling])
+def test_convert_after_get_peft_model_quantizes_the_base_layers_as_before(recipe, caplog):
+    """The order of ``convert`` and ``get_peft_model`` does not matter with the default filter:
+    either way the base layers are quantized and the LoRA adapters stay in high precision."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    first = peft.get_peft_model(qr.convert(_llama(), recipe=recipe(), always_quantize=True),
+                                config)
+    with caplog.at_level("WARNING", logger="quant_recipes"):
+        then = qr.convert(peft.get_peft_model(_llama(), config), recipe=recipe(),
+                          always_quantize=True)
+    kinds = [{n: type(m) for n, m in model.named_modules()} for model in (first, then)]
+    assert kinds[0] == kinds[1]
+    assert kinds[1]["base_model.model.model.layers.0.self_attn.q_proj.base_layer"] is qr.Linear
+    assert kinds[1]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default"] is (
+        torch.nn.Linear)
+    assert "8 layers left as they are: the default filter keeps LoRA adapters" in caplog.text
+    assert "cannot take their shapes" not in caplog.text

@@ -5,8 +5,10 @@ are used when installed (quant-dynamo is imported with the package: :mod:`.compi
 """
 
 from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
+from .accelerate_prepare import accelerate_prepare
 from .autocast import Frame, autocast, current_frame, default_recipe
 from .convert import convert, unconvert
+from .export import compressed_tensors_state_dict, save_compressed_tensors
 from .fsdp import all_gather_bytes, enable_fsdp_quantized_all_gather, reset_all_gather_bytes
 from .gemm import compiled_gemm_paths, gemm_paths, last_gemm_path, reset_gemm_paths
 from .identity import HighPrecisionStorage, IdentityQuantizer
@@ -41,6 +43,7 @@ from .recipes import (
     Recipe,
     quantizer_factory,
 )
+from .reuse import shared_activations
 from .role import QuantizerRole
 from .states import RecipeState
 from .tensor_parallel import (
@@ -50,7 +53,7 @@ from .tensor_parallel import (
     reset_tensor_parallel_gather_bytes,
     tensor_parallel_gather_bytes,
 )
-from .weight_cache import cached_weights
+from .weight_cache import cached_weights, invalidate_cached_weights
 
 __version__ = "0.1.0"
 
@@ -64,10 +67,13 @@ __all__ = [
     "HighPrecisionStorage", "autocast", "Frame", "current_frame", "default_recipe",
     "QuantizedModule", "Linear", "intern", "gemm_paths", "compiled_gemm_paths", "last_gemm_path",
     "reset_gemm_paths", "GroupedLinear", "grouped_gemm_paths", "reset_grouped_gemm_paths",
-    "convert", "unconvert", "enable_fsdp_quantized_all_gather", "all_gather_bytes",
+    "convert", "unconvert", "accelerate_prepare", "enable_fsdp_quantized_all_gather",
+    "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
     "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",
+    "invalidate_cached_weights", "shared_activations",
     "recipe", "RECIPE_NAMES", "QuantColwiseParallel", "QuantRowwiseParallel",
     "PrepareQuantModuleInput", "tensor_parallel_gather_bytes",
-    "reset_tensor_parallel_gather_bytes",
+    "reset_tensor_parallel_gather_bytes", "compressed_tensors_state_dict",
+    "save_compressed_tensors",
 ]
