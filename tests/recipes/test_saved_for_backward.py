@@ -186,3 +186,131 @@ def test_an_operand_requantized_in_backward_compiles_to_the_same_bits(name, swit
         y.float().pow(2).sum().backward()
         for a, b in zip((y.detach(), t.grad, m.weight.grad), want, strict=True):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ one table, every layer kind
+# The dense, tensor-parallel and grouped layers share one operand policy
+# (quant_recipes.operands). What each keeps for backward, per recipe, flag and override, as the
+# policy states it: "x"/"w" the input/weight tensor itself, "x.col"/"w.col" (".row") the
+# columnwise (rowwise) buffers of its quantization by the layer's quantizer, "offs" the groups.
+#: (save flags, which gradients, override) -> what a dense or tensor-parallel layer saves.
+DENSE = {
+    ("copies", "both", None): {"x.col", "w.col"},
+    ("copies", "input_only", None): {"w.col"},
+    ("copies", "weight_only", None): {"x.col"},
+    ("no weight copy", "both", None): {"x.col", "w"},
+    ("no weight copy", "weight_only", None): {"x.col"},
+    ("no input copy", "both", None): {"x", "w.col"},
+    ("no input copy", "input_only", None): {"w.col"},
+    ("no copies", "both", None): {"x", "w"},
+    ("copies", "both", "dequantized"): {"x.row", "w.row"},
+    ("no copies", "both", "dequantized"): {"x.row", "w.row"},
+    ("copies", "both", "high_precision"): {"x", "w"},
+}
+#: The same for a GroupedLinear: its per-group paths quantize both operands again in backward
+#: whatever the flags (the quantize-once FP8 path, tests/recipes/test_grouped_fp8.py, keeps
+#: transposed copies as the flags say).
+GROUPED = {
+    ("copies", "both", None): {"x", "offs", "w"},
+    ("copies", "input_only", None): {"offs", "w"},
+    ("copies", "weight_only", None): {"x", "offs"},
+    ("no copies", "both", None): {"x", "offs", "w"},
+    ("copies", "both", "dequantized"): {"x", "offs", "w"},
+    ("copies", "both", "high_precision"): {"x", "offs", "w"},
+}
+FLAGS = {"copies": {}, "no weight copy": {"save_weight_copy": False},
+         "no input copy": {"save_input_copy": False},
+         "no copies": {"save_weight_copy": False, "save_input_copy": False}}
+K, N, ROWS, EXPERTS = 128, 128, 64, 2
+
+
+def _buffers(q, t, names_of):
+    storage = q.quantize(t.detach())
+    return [getattr(storage, n) for n in names_of[type(storage).__name__]]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and (a.data_ptr() == b.data_ptr() or torch.equal(a, b)))
+
+
+def _matches(saved, expected) -> bool:
+    """Whether the non-empty saved tensors are exactly the expected ones (a multiset match)."""
+    left = [t for t in expected if t.numel()]
+    for t in (t for t in saved if t.numel()):
+        hit = next((i for i, e in enumerate(left) if _same(t, e)), None)
+        if hit is None:
+            return False
+        left.pop(hit)
+    return not left
+
+
+def _layer(kind, recipe, flags, mesh):
+    torch.manual_seed(0)
+    if kind == "grouped":
+        return qr.GroupedLinear(EXPERTS, K, N, dtype=torch.bfloat16, **flags)
+    m = qr.Linear(K, N, bias=False, dtype=torch.bfloat16, name="proj", **flags)
+    if kind == "dense":
+        return m
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = torch.nn.Sequential(m)
+    style = qr.QuantColwiseParallel() if kind == "colwise" else qr.QuantRowwiseParallel()
+    parallelize_module(model, mesh, {"0": style})
+    return m
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A one-rank device mesh: the tensor-parallel layers' policy runs as on many ranks."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'f'}",
+                            rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+CASES = [(kind, key) for kind in ("dense", "colwise", "rowwise") for key in DENSE] + [
+    ("grouped", key) for key in GROUPED]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(("kind", "key"), CASES, ids=lambda v: str(v))
+def test_what_every_layer_kind_saves_for_backward(kind, key, name, mesh):
+    flags, grads, override = key
+    recipe = RECIPES[name]()
+    if override is not None:
+        recipe = dataclasses.replace(recipe, backward_override=override)
+    m = _layer(kind, recipe, FLAGS[flags], mesh)
+    x = torch.randn(ROWS, K, dtype=torch.bfloat16)
+    x.requires_grad_(grads in ("both", "input_only"))
+    m.weight.requires_grad_(grads in ("both", "weight_only"))
+    counts = torch.tensor([ROWS // 4, ROWS - ROWS // 4])
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), qr.autocast(recipe=recipe):
+        y = m(x, counts=counts) if kind == "grouped" else m(x)
+    w = _local(m.weight)
+    fwd = m._qset.fwd
+    parts = {"x": lambda: [x], "w": lambda: [w], "offs": lambda: [counts.cumsum(0)],
+             "x.col": lambda: _buffers(fwd[0], x, COLUMNWISE),
+             "w.col": lambda: _buffers(fwd[1], w, COLUMNWISE),
+             "x.row": lambda: _buffers(fwd[0], x, ROWWISE),
+             "w.row": lambda: _buffers(fwd[1], w, ROWWISE)}
+    table = GROUPED if kind == "grouped" else DENSE
+    want = [t for part in sorted(table[key]) for t in parts[part]()]
+    assert _matches([_local(t) for t in saved], want), (
+        sorted(table[key]), [(tuple(t.shape), t.dtype) for t in saved])
+    y.float().sum().backward()  # backward runs on what was kept

@@ -2,7 +2,9 @@
 
 Forward quantizes the input (rowwise for fprop, columnwise for wgrad) and the weight (rowwise,
 columnwise for dgrad) with the forward quantizers; backward quantizes ``grad_output`` with the
-backward quantizer captured at *forward* time. GEMMs run through :mod:`quant_recipes.gemm`.
+backward quantizer captured at *forward* time. What is quantized with which usages, what is
+kept for backward and the GEMMs are the operand policy every quantized layer shares
+(:mod:`quant_recipes.operands`); GEMMs run through :mod:`quant_recipes.gemm`.
 Outside autocast, or with ``enabled=False``, it is a plain high-precision linear.
 
 The weight may already be quantized (a ``quant_core.tensor.QuantizedTensor``: a parameter made
@@ -23,161 +25,32 @@ quant-dynamo's ``quant`` custom ops with the quantizer as a baked constant, the 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from quant_core import Quantizer
-from quant_core.distributed import reduce_amax
 from quant_core.inputs import check_dense
-from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
+from quant_core.storage import QuantizedStorage, storage_class
 from quant_core.tensor import tags_of
 
 from .autocast import current_region
 from .compiling import compiling, dynamo
 from .delayed import update_registered
-from .fsdp_layout import base, columnwise_buffer_list
-from .gemm import HP, HP_META, for_transposed_use, qgemm, quantizer_meta
+from .fsdp_layout import base
+from .gemm import HP_META, quantizer_meta
 from .module import QuantizedModule, check_operands, intern, is_value, module_frame
-from .reuse import shared_quantization
+from .operands import (
+    Operand,
+    dgrad,
+    fprop,
+    plan_operands,
+    quantize_buffers,
+    save_operands,
+    saved_operands,
+    wgrad,
+)
 from .role import QuantizerRole
 from .states import RecipeState
-from .weight_cache import cached_quantization
-
-
-def amax_per_row(q: Quantizer) -> bool:
-    """Whether ``q`` scales each row by the row's own amax (row-scaled NVFP4): ranks that hold
-    other rows (autocast's ``amax_reduction_group``, data or sequence parallel) share nothing
-    with it. Read from the storage tags, as compiled code reads them (``quantizer_meta``)."""
-    return bool(q._storage_tags().get("_row_scaled_nvfp4", False))
-
-
-def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
-    """``q``'s storage buffers for ``x`` (an absent buffer is an empty uint8 tensor), the
-    tensor-wide amax all-reduced over ``group`` (a per-row amax is not: :func:`amax_per_row`)."""
-    if quantizer_meta(q)[0] == HP:
-        return [x]
-    if group is not None and amax_per_row(q):
-        group = None
-    if compiling():
-        ops = dynamo()
-        # with a group, Linear asks every quantizer for the reduction (with_amax_reduction), as
-        # eager code does; torch 2.10 cannot derive that variant in a graph, so it is not read
-        if group is not None and q.reduces_amax:
-            # the amax leaves the op, is all-reduced by a functional collective (it traces; the
-            # group is this call's, never part of the quantizer value), and comes back in
-            amax = reduce_amax(ops.amax(x, q), group)
-            return list(ops.quantize_with_amax(x, amax, q))
-        return list(ops.quantize(x, q))
-    def quantize():
-        return q.quantize(x, amax_reduction_group=group).buffer_list(x)
-
-    if isinstance(x, torch.nn.Parameter):
-        return cached_quantization(x, q, group, quantize)
-    return shared_quantization(x, q, group, quantize)
-
-
-def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
-    """What backward keeps of a forward operand: nothing when no backward GEMM reads it (x
-    without a weight gradient, the weight without an input gradient); the columnwise copy alone
-    when the backward GEMMs use it transposed (no override); all of it for the
-    "dequantized" override, whose backward GEMMs read the rowwise forms."""
-    if not needed:
-        return [absent_buffer(t) for t in bufs]
-    return for_transposed_use(bufs, meta) if override is None else bufs
-
-
-class OperandQuantizers(NamedTuple):
-    """The quantizers of one quantized linear call (:func:`operand_quantizers`)."""
-
-    input: Quantizer
-    weight: Quantizer
-    grad: Quantizer
-    #: The columnwise copy backward quantizes from the weight saved as is (None: the copy is
-    #: made in forward and saved, or no backward GEMM reads it).
-    weight_bwd: Quantizer | None
-    #: Likewise for the input.
-    input_bwd: Quantizer | None
-
-
-def operand_quantizers(layer, qset, override, *, wgrad: bool, dgrad: bool, group=None,
-                       weight_quantized: bool = False, input_quantized: bool = False
-                       ) -> OperandQuantizers:
-    """The usage variants of ``qset``'s quantizers that a call of ``layer`` (a ``Linear``)
-    quantizes with: each operand's columnwise copy only where a backward GEMM reads it (none
-    under a backward override), made in backward from the operand saved as is where the layer
-    says so (``save_weight_copy=False``, ``save_input_copy=False``) and requantizing gives the
-    same bytes (not for an operand that arrives quantized), and ``with_amax_reduction`` with a
-    ``group`` (not for a per-row amax: :func:`amax_per_row`)."""
-    def red(q):
-        return {} if group is None or amax_per_row(q) else {"with_amax_reduction": True}
-
-    transposed = override is None
-    fwd_in, fwd_w = qset.fwd[0], qset.fwd[1]
-    # save_weight_copy=False: backward quantizes the weight's columnwise copy itself, so
-    # forward makes only the rowwise form (a compiled graph would otherwise keep forward's
-    # copy for backward, the two quantizations being one expression)
-    requant_w = (not layer.save_weight_copy and not weight_quantized and dgrad and transposed
-                 and _requantizable(fwd_w))
-    requant_x = (not layer.save_input_copy and not input_quantized and wgrad and transposed
-                 and _requantizable(fwd_in))
-    return OperandQuantizers(
-        qset.variant(fwd_in, columnwise_usage=wgrad and transposed and not requant_x,
-                     **red(fwd_in)),
-        qset.variant(fwd_w, columnwise_usage=dgrad and transposed and not requant_w,
-                     **red(fwd_w)),
-        qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad,
-                     **red(qset.bwd[0])),
-        # what backward quantizes again: the columnwise copy alone
-        *(qset.variant(q, rowwise_usage=False, columnwise_usage=True, **red(q)) if again
-          else None for q, again in ((fwd_w, requant_w), (fwd_in, requant_x))))
-
-
-def save_operands(ctx, x, xb, xm, w, wb, wm, override, input_bwd_q, weight_bwd_q):
-    """Save for backward what its GEMMs read of the high-precision input ``x`` and weight
-    ``w`` (quantized: ``xb``, ``wb`` with metas ``xm``, ``wm``): the originals for the
-    "high_precision" override; else an operand with a backward quantizer (``input_bwd_q``,
-    ``weight_bwd_q``, :func:`operand_quantizers`) as is, the other as
-    :func:`kept_for_backward` says. Returns the metas backward reads the saved operands with;
-    :func:`saved_operands` gives them back."""
-    ctx.input_bwd_q = ctx.weight_bwd_q = None
-    if override == "high_precision":
-        ctx.save_for_backward(x, w)
-        ctx.nx = 1
-        return list(HP_META), list(HP_META)
-    if input_bwd_q is not None:
-        kept_x, ctx.input_bwd_q = [x], input_bwd_q
-    else:
-        kept_x = kept_for_backward(xb, xm, override, ctx.needs_input_grad[1])
-    if weight_bwd_q is not None and override is None and ctx.needs_input_grad[0]:
-        # the weight itself (a parameter: no new memory), quantized again in backward
-        ctx.save_for_backward(*kept_x, w)
-        ctx.weight_bwd_q = weight_bwd_q
-    else:
-        ctx.save_for_backward(*kept_x,
-                              *kept_for_backward(wb, wm, override, ctx.needs_input_grad[0]))
-    ctx.nx = len(kept_x)
-    return xm, wm
-
-
-def saved_operands(ctx, quantize) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(xb, wb)`` that :func:`save_operands` saved, an operand saved as is quantized again by
-    ``quantize(tensor, quantizer, i)`` (``i``: 0 the input, 1 the weight)."""
-    saved = ctx.saved_tensors
-    xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
-    if ctx.input_bwd_q is not None:  # the columnwise copy, from the input saved as is
-        xb = quantize(xb[0], ctx.input_bwd_q, 0)
-    if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
-        wb = quantize(wb[0], ctx.weight_bwd_q, 1)
-    return xb, wb
-
-
-def _requantizable(q: Quantizer) -> bool:
-    """Whether quantizing the weight again in backward gives the forward's bytes: a value
-    quantizer that says so (``is_requantization_safe``: not with stochastic rounding); a
-    delayed-scaling quantizer's scale changes when the region exits, between forward and
-    backward."""
-    return is_value(q) and q.is_requantization_safe()
 
 
 def _rowwise(w: QuantizedStorage, q: Quantizer) -> torch.Tensor | None:
@@ -285,65 +158,43 @@ def _high_precision(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _QLinearFn(torch.autograd.Function):
-    """Forward/backward of the quantized linear on 2D ``x``; quantizers are plain arguments."""
+    """Forward/backward of the quantized linear on 2D ``x``; the plan's quantizers are plain
+    arguments (:func:`~quant_recipes.operands.plan_operands`)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, input_q, weight_q, grad_q, group, override, region, weight_bwd_q,
-                input_bwd_q):
+    def forward(ctx, x, w, b, plan, group, region):
         m, k = x.shape
         n = w.shape[0]
-        xb = quantize_buffers(x, input_q, group)
-        ctx.weight_quantized = isinstance(w, QuantizedStorage)
-        wb = w.buffer_list(x) if ctx.weight_quantized else quantize_buffers(w, weight_q, group)
-        xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
-        y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
-        if ctx.weight_quantized:  # the weight tensor itself (FSDP2 refills its buffers)
-            ctx.weight_bwd_q, ctx.input_bwd_q = None, input_bwd_q
-            # x itself when backward quantizes it again, else what the wgrad GEMM reads of xb
-            saved = [x] if override == "high_precision" or input_bwd_q is not None else (
-                kept_for_backward(xb, xm, override, ctx.needs_input_grad[1]))
-            ctx.save_for_backward(*saved, w)
-            ctx.nx = len(saved)
-            if override == "high_precision":
-                xm = list(HP_META)
-        else:
-            xm, wm = save_operands(ctx, x, xb, xm, w, wb, wm, override, input_bwd_q,
-                                   weight_bwd_q)
-        ctx.meta = (xm, wm, (m, k), (n, k), x.dtype, w.dtype)
-        ctx.grad_q, ctx.group, ctx.override, ctx.region = grad_q, group, override, region
-        ctx.weight_q = weight_q
+        xop = Operand(quantize_buffers(x, plan.input, group), quantizer_meta(plan.input), (m, k))
+        wb = (w.buffer_list(x) if isinstance(w, QuantizedStorage)
+              else quantize_buffers(w, plan.weight, group))
+        wop = Operand(wb, quantizer_meta(plan.weight), (n, k))
+        y = fprop(xop, wop, b, x.dtype)
+        save_operands(ctx, x, xop, w, wop, plan)
+        ctx.grad_q, ctx.group, ctx.region = plan.grad, group, region
+        ctx.columnwise, ctx.dtypes = plan.columnwise, (x.dtype, w.dtype)
         ctx.has_bias = b is not None
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xb, wb = saved_operands(ctx, lambda t, q, _: quantize_buffers(t, q, ctx.group))
-        xm, wm, (m, k), (n, _), x_dtype, w_dtype = ctx.meta
-        if ctx.weight_quantized:
-            w = wb[0]
-            if ctx.override == "high_precision":
-                wb, wm = [w.dequantize(dtype=w_dtype)], list(HP_META)
-            elif ctx.override is None:
-                wb = for_transposed_use(columnwise_buffer_list(w, gy, ctx.weight_q), wm)
-            else:
-                wb = w.buffer_list(gy)
         gy = gy.contiguous()
-        if ctx.override is None:
-            gb, gm = quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q)
-            col = True
+        x, w = saved_operands(ctx, gy, lambda t, q, _: quantize_buffers(t, q, ctx.group))
+        if ctx.columnwise:
+            g = Operand(quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q),
+                        tuple(gy.shape))
         else:  # "high_precision" keeps the originals, "dequantized" uses the rowwise forms
-            gb, gm = [gy], list(HP_META)
-            col = False
-        dx = dw = db = None
+            g = Operand([gy], list(HP_META), tuple(gy.shape))
+        (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = qgemm(gb, gm, (m, n), False, False, wb, wm, (n, k), col, False, None, x_dtype)
+            dx = dgrad(g, w, ctx.columnwise, x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = qgemm(gb, gm, (m, n), col, True, xb, xm, (m, k), col, False, None, w_dtype)
+            dw = wgrad(g, x, ctx.columnwise, w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         if ctx.region is not None:
             update_registered(ctx.region.backward)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 class Linear(QuantizedModule, torch.nn.Linear):
@@ -439,9 +290,9 @@ class Linear(QuantizedModule, torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         frame = module_frame(self)
-        w = self.weight
+        w, b = self.weight, self.bias
         if frame is None:
-            return F.linear(x, _high_precision(w, x.dtype), self.bias)
+            return F.linear(x, _high_precision(w, x.dtype), b)
         check_dense(x, "Linear")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(
@@ -449,7 +300,6 @@ class Linear(QuantizedModule, torch.nn.Linear):
                 f"got input shape {tuple(x.shape)}"
             )
         quantized_w = isinstance(w, QuantizedStorage)
-        b = self.bias
         check_operands(self, x, w, b, quantized_w)
         qset = self.quantizers(frame, device=w.device)
         if not frame.enabled:  # calibration: high precision, delayed quantizers record amaxes
@@ -460,40 +310,43 @@ class Linear(QuantizedModule, torch.nn.Linear):
         if quantized_w:
             check_weight_quantizer(w, qset.fwd[1], self.name)
         grad = torch.is_grad_enabled()
-        wgrad = grad and w.requires_grad
-        dgrad = grad and x.requires_grad
         group = frame.amax_reduction_group
-        operands = operand_quantizers(self, qset, frame.recipe.backward_override, wgrad=wgrad,
-                                      dgrad=dgrad, group=group, weight_quantized=quantized_w)
+        plan = plan_operands(qset, frame.recipe.backward_override,
+                             wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
+                             keep_weight=self.save_weight_copy, keep_input=self.save_input_copy,
+                             group=group, weight_quantized=quantized_w)
         # a 2-D input goes in and comes out as it is: a reshaped output would be a view, which a
         # compiled function regenerates on every call (aten._unsafe_view, host time)
         flat = x.dim() == 2
         lead = x.shape[:-1]
         x2 = x if flat else x.reshape(lead.numel(), self.in_features)
         if not compiling() or dynamo().DERIVES_IN_GRAPH:  # torch 2.10 runs no quantizer method
-            backward = grad and (x.requires_grad or w.requires_grad
-                                 or (b is not None and b.requires_grad))
-            checked = [("input", q, x2) for q in (operands.input, operands.input_bwd)
-                       if q is not None]
-            if not quantized_w:  # a quantized weight was checked when it was quantized
-                checked += [("weight", q, w) for q in (operands.weight, operands.weight_bwd)
-                            if q is not None]
-            if backward and frame.recipe.backward_override is None:
-                checked.append(("grad_output", operands.grad, x2))
-            check_step_shapes(self.name, self.in_features, self.out_features, frame.recipe,
-                              checked)
-        region = None
-        if not compiling():
-            fwd_ds, bwd_ds = self.delayed_states(qset)
-            r = current_region()
-            if r is not None and (fwd_ds or bwd_ds):
-                if r.add(fwd_ds, bwd_ds, frame.recipe, group):
-                    region = r
-        y = _QLinearFn.apply(
-            x2, w, b, operands.input, operands.weight, operands.grad, group,
-            frame.recipe.backward_override, region, operands.weight_bwd, operands.input_bwd,
-        )
+            backward = grad and any(t is not None and t.requires_grad for t in (x, w, b))
+            self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
+        region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
+        y = _QLinearFn.apply(x2, w, b, plan, group, region)
         return y if flat else y.reshape(*lead, self.out_features)
+
+    def _check_step(self, recipe, plan, x2: torch.Tensor, w: torch.Tensor | None,
+                    backward: bool) -> None:
+        """:func:`check_step_shapes` for every quantize of this step: the input's, the weight's
+        (``w``; None for a quantized weight, checked when it was quantized) and, when a backward
+        follows, the output gradient's."""
+        checked = [("input", q, x2) for q in (plan.input, plan.input_bwd) if q is not None]
+        if w is not None:
+            checked += [("weight", q, w) for q in (plan.weight, plan.weight_bwd) if q is not None]
+        if backward and plan.columnwise:
+            checked.append(("grad_output", plan.grad, x2))
+        check_step_shapes(self.name, self.in_features, self.out_features, recipe, checked)
+
+    def _delayed_region(self, qset, recipe, group):
+        """The enclosing autocast region, registered to update this layer's delayed-scaling
+        states when it exits; None without delayed states or region."""
+        fwd_ds, bwd_ds = self.delayed_states(qset)
+        r = current_region()
+        if r is not None and (fwd_ds or bwd_ds) and r.add(fwd_ds, bwd_ds, recipe, group):
+            return r
+        return None
 
     def extra_repr(self) -> str:
         extra = "" if self.save_weight_copy else ", save_weight_copy=False"

@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from quant_core.shapes import roundup
 
+from .. import operands
 from ..gemm import HP, dequantize, qgemm_impl, quantizer_meta
+from ..operands import Operand
 from . import fp8, fp8_gemm
 from .paths import count_path
 
@@ -210,8 +212,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
     wbs = [quantized(w[g], qw) for g, *_ in work]
     for xb, wb, (g, s, m, mp) in zip(xbs, wbs, work, strict=True):
-        yg = qgemm_impl(xb, xm, (mp, k), False, False, wb, wm, (n, k), False, True,
-                        None if b is None else b[g], x.dtype)
+        yg = operands.fprop(Operand(xb, xm, (mp, k)), Operand(wb, wm, (n, k)),
+                            None if b is None else b[g], x.dtype, qgemm_impl)
         y[s:s + m] = yg[:m]
     count_path("per_group")
     return y
@@ -243,13 +245,13 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     if dgrad:
         wbs = [quantized(w[g], qw) for g, *_ in work]
         for gb, wb, (_, s, m, mp) in zip(gbs, wbs, work, strict=True):
-            dx[s:s + m] = qgemm_impl(gb, gm, (mp, n), False, False, wb, wm, (n, k), col,
-                                     False, None, x.dtype)[:m]
+            dx[s:s + m] = operands.dgrad(Operand(gb, gm, (mp, n)), Operand(wb, wm, (n, k)),
+                                         col, x.dtype, qgemm_impl)[:m]
         count_path("per_group")
     if wgrad:
         xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
         for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
-            dw[g] = qgemm_impl(gb, gm, (mp, n), col, True, xb, xm, (mp, k), col, False,
-                               None, w.dtype)
+            dw[g] = operands.wgrad(Operand(gb, gm, (mp, n)), Operand(xb, xm, (mp, k)), col,
+                                   w.dtype, qgemm_impl)
         count_path("per_group")
     return dx, dw, db

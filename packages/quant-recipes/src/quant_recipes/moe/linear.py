@@ -34,6 +34,7 @@ from quant_core.storage import QuantizedStorage
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
 from ..module import QuantizedModule, intern, is_value, module_frame
+from ..operands import plan_operands
 from ..role import QuantizerRole
 from . import fp8_gemm
 from .gemm import check_offsets, check_on_device, token_alignment
@@ -221,26 +222,19 @@ class GroupedProjection(QuantizedModule):
                     "same bytes when it quantizes again, which the backward does; use a value "
                     "quantizer without stochastic rounding for the input and weight")
         grad = torch.is_grad_enabled()
-        wgrad, dgrad = grad and w.requires_grad, grad and x.requires_grad
-        qx = qset.variant(qset.fwd[0], columnwise_usage=False)
-        qw = qset.variant(qset.fwd[1], columnwise_usage=False)
-        override = frame.recipe.backward_override
+        # both operands are quantized again in backward on the per-group paths, which keep
+        # nothing from forward; the quantize-once FP8 path keeps copies as the layer says
+        plan = plan_operands(qset, frame.recipe.backward_override,
+                             wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
+                             keep_weight=False, keep_input=False)
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        if (override is None and b is None and w.dtype == x.dtype and fp8_gemm.takes(
-                (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
-                self.out_features)):
-            return _GroupedFP8Fn.apply(x, offs, w, qx, qw, qset.bwd[0], align, traced,
-                                       self.save_input_copy, self.save_weight_copy)
-        if override is None:
-            qg = qset.variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad,
-                              columnwise_usage=wgrad)
-            qx_bwd, qw_bwd = (qset.variant(q, rowwise_usage=False, columnwise_usage=True)
-                              for q in qset.fwd[:2])
-        elif override == "dequantized":  # the rowwise forms, against the unquantized gradient
-            qg, qx_bwd, qw_bwd = _HIGH_PRECISION, qx, qw
-        else:  # "high_precision": the originals
-            qg = qx_bwd = qw_bwd = _HIGH_PRECISION
-        return _GroupedFn.apply(x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, override is None,
+        if (plan.columnwise and b is None and w.dtype == x.dtype and fp8_gemm.takes(
+                (plan.input, plan.weight, qset.bwd[0]), x.device, x.dtype, align,
+                self.in_features, self.out_features)):
+            return _GroupedFP8Fn.apply(x, offs, w, plan.input, plan.weight, qset.bwd[0], align,
+                                       traced, self.save_input_copy, self.save_weight_copy)
+        return _GroupedFn.apply(x, offs, w, b, plan.input, plan.weight,
+                                *plan.backward_quantizers(_HIGH_PRECISION), plan.columnwise,
                                 align, traced)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,

@@ -18,22 +18,26 @@ from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
 
 from ..compiling import compiling, dynamo
 from ..fsdp_layout import base, columnwise_buffer_list
-from ..gemm import HP, HP_META, qgemm, quantizer_meta
-from ..linear import (
+from ..gemm import HP, HP_META, quantizer_meta
+from ..module import is_value, module_frame
+from ..operands import (
+    Operand,
     amax_per_row,
-    operand_quantizers,
+    dgrad,
+    fprop,
+    plan_operands,
     quantize_buffers,
     save_operands,
     saved_operands,
+    wgrad,
 )
-from ..module import is_value, module_frame
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
 
 def quantize_over(x: torch.Tensor, q, groups: tuple) -> list[torch.Tensor]:
     """``q``'s buffers of ``x`` with the tensor amax all-reduced (MAX) over each group of
-    ``groups`` (``None`` entries skipped); no group: :func:`quant_recipes.linear.quantize_buffers`
+    ``groups`` (``None`` entries skipped); no group: :func:`quant_recipes.operands.quantize_buffers`
     (its eager sharing of one quantization between layers included)."""
     groups = tuple(g for g in groups if g is not None)
     if not groups or quantizer_meta(q)[0] == HP or not q.reduces_amax:
@@ -62,7 +66,7 @@ def operand_groups(kind: str, tp_group, frame_group, input_per_row: bool = False
     replicated output, whole on every rank (not reduced). ``frame_group`` (autocast's
     ``amax_reduction_group``) is added to every operand, as autocast does for plain layers,
     but to an input quantized with one amax per row (``input_per_row``,
-    :func:`~quant_recipes.linear.amax_per_row`): the ranks of that group hold other rows, the
+    :func:`~quant_recipes.operands.amax_per_row`): the ranks of that group hold other rows, the
     TP group of a row-parallel layer the other columns of this rank's rows (the per-row amaxes
     are reduced elementwise over it)."""
     sharded = (tp_group, frame_group)
@@ -74,51 +78,45 @@ def operand_groups(kind: str, tp_group, frame_group, input_per_row: bool = False
 
 class TensorParallelLinearFn(torch.autograd.Function):
     """``y = x Wᵀ (+ b)`` on local tensors with one amax group tuple per operand and the
-    quantizers of :func:`~quant_recipes.linear.operand_quantizers`. ``x`` is 2-D high precision,
+    quantizers of :func:`~quant_recipes.operands.plan_operands`. ``x`` is 2-D high precision,
     or a quantized storage (an input gathered quantized) of any rank."""
 
     @staticmethod
-    def forward(ctx, x, w, b, operands, groups, override):
-        input_q, weight_q = operands.input, operands.weight
-        gx, gw, gg = groups
-        quantized_x = isinstance(x, QuantizedStorage)
+    def forward(ctx, x, w, b, plan, groups):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         n = w.shape[0]
-        xm, wm = quantizer_meta(input_q), quantizer_meta(weight_q)
-        if quantized_x:  # every buffer, with the columnwise copy the wgrad GEMM reads
-            xb = (columnwise_buffer_list(x, w, input_q) if override is None
-                  and ctx.needs_input_grad[1] else _buffers(x, input_q, w))
+        if isinstance(x, QuantizedStorage):  # every buffer, with the wgrad GEMM's columnwise copy
+            xb = (columnwise_buffer_list(x, w, plan.input) if plan.columnwise
+                  and ctx.needs_input_grad[1] else _buffers(x, plan.input, w))
         else:
-            xb = quantize_over(x, input_q, gx)
-        wb = quantize_over(w, weight_q, gw)
-        y = qgemm(xb, xm, (m, k), False, False, wb, wm, (n, k), False, True, b, x.dtype)
-        xm, wm = save_operands(ctx, x, xb, xm, w, wb, wm, override, operands.input_bwd,
-                               operands.weight_bwd)
-        ctx.meta = (xm, wm, (m, k), n, x.dtype, w.dtype, tuple(x.shape))
-        ctx.grad_q, ctx.groups, ctx.override = operands.grad, groups, override
-        ctx.has_bias = b is not None
+            xb = quantize_over(x, plan.input, groups[0])
+        xop = Operand(xb, quantizer_meta(plan.input), (m, k))
+        wop = Operand(quantize_over(w, plan.weight, groups[1]), quantizer_meta(plan.weight),
+                      (n, k))
+        y = fprop(xop, wop, b, x.dtype)
+        save_operands(ctx, x, xop, w, wop, plan)
+        ctx.grad_q, ctx.groups, ctx.columnwise = plan.grad, groups, plan.columnwise
+        ctx.dtypes, ctx.x_shape, ctx.has_bias = (x.dtype, w.dtype), tuple(x.shape), b is not None
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xb, wb = saved_operands(ctx, lambda t, q, i: quantize_over(t, q, ctx.groups[i]))
-        xm, wm, (m, k), n, x_dtype, w_dtype, x_shape = ctx.meta
         gy = gy.contiguous()
-        if ctx.override is None:
-            gb, gm, col = (quantize_over(gy, ctx.grad_q, ctx.groups[2]),
-                           quantizer_meta(ctx.grad_q), True)
+        x, w = saved_operands(ctx, gy, lambda t, q, i: quantize_over(t, q, ctx.groups[i]))
+        if ctx.columnwise:
+            g = Operand(quantize_over(gy, ctx.grad_q, ctx.groups[2]), quantizer_meta(ctx.grad_q),
+                        tuple(gy.shape))
         else:
-            gb, gm, col = [gy], list(HP_META), False
-        dx = dw = db = None
+            g = Operand([gy], list(HP_META), tuple(gy.shape))
+        (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = qgemm(gb, gm, (m, n), False, False, wb, wm, (n, k), col, False, None, x_dtype)
-            dx = dx.reshape(x_shape)
+            dx = dgrad(g, w, ctx.columnwise, x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = qgemm(gb, gm, (m, n), col, True, xb, xm, (m, k), col, False, None, w_dtype)
+            dw = wgrad(g, x, ctx.columnwise, w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.to(torch.float32).sum(0).to(w_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 def _buffers(s: QuantizedStorage, q, like: torch.Tensor) -> list[torch.Tensor]:
@@ -252,13 +250,14 @@ def forward(module, x: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled()
     override = frame.recipe.backward_override
     # as Linear: no copy an override skips; an operand saved as is where the layer says so
-    operands = operand_quantizers(module, qset, override, wgrad=grad and w.requires_grad,
-                                  dgrad=grad and x.requires_grad, input_quantized=quantized_x)
+    plan = plan_operands(qset, override, wgrad=grad and w.requires_grad,
+                         dgrad=grad and x.requires_grad, keep_weight=module.save_weight_copy,
+                         keep_input=module.save_input_copy, input_quantized=quantized_x)
     if quantized_x and not compiling():
         check_gathered_input(x, qset.fwd[0], module)
     groups = operand_groups(kind, tp_group, frame.amax_reduction_group,
                             amax_per_row(qset.fwd[0]))
     lead = x.shape[:-1]
     x2 = x if quantized_x or x.dim() == 2 else x.reshape(lead.numel(), x.shape[-1])
-    y = TensorParallelLinearFn.apply(x2, w, b, operands, groups, override)
+    y = TensorParallelLinearFn.apply(x2, w, b, plan, groups)
     return y if x.dim() == 2 else y.reshape(*lead, w.shape[0])

@@ -1,0 +1,242 @@
+"""The operand policy of every quantized layer: dense :class:`~quant_recipes.Linear`, the
+tensor-parallel layers and :class:`~quant_recipes.GroupedLinear` ask it the same questions.
+
+A step of ``y = x Wᵀ`` runs three GEMMs on quantized operands: ``fprop(x, w)`` in forward,
+``dgrad(g, w)`` (the input gradient) and ``wgrad(g, x)`` (the weight gradient) in backward.
+:func:`plan_operands` turns a layer's recipe quantizers, which gradients are needed, the backward
+override and the layer's save flags into an :class:`OperandPlan`: each forward quantizer's
+usages (a columnwise copy only where a backward GEMM reads it), the gradient's quantizer, and
+which operand backward quantizes again from the tensor saved as is instead of keeping forward's
+copy. :func:`save_operands` saves for backward what that plan says and :func:`saved_operands`
+gives it back as :class:`Operand` records, which :func:`fprop`, :func:`dgrad` and :func:`wgrad`
+multiply. The layers differ only in how they quantize (amax groups, tensor-parallel reductions,
+one quantize per expert group), which they pass in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from quant_core import Quantizer
+from quant_core.distributed import reduce_amax
+from quant_core.storage import QuantizedStorage, absent_buffer
+
+from .compiling import compiling, dynamo
+from .fsdp_layout import columnwise_buffer_list
+from .gemm import HP, HP_META, for_transposed_use, qgemm, quantizer_meta
+from .module import is_value
+from .reuse import shared_quantization
+from .weight_cache import cached_quantization
+
+
+class Operand(NamedTuple):
+    """A GEMM operand: its buffer list (one high-precision tensor, or a storage's buffers with
+    absent ones empty), its :func:`~quant_recipes.gemm.quantizer_meta` and its logical 2D
+    shape ``[rows, cols]``."""
+
+    bufs: list[torch.Tensor]
+    meta: list[int]
+    shape: tuple
+
+
+#: A GEMM with ``qgemm``'s signature: the custom op, or its body inside another op.
+Gemm = Callable[..., torch.Tensor]
+
+
+def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm):
+    """``x Wᵀ (+ bias)`` from both operands' rowwise forms."""
+    return gemm(x.bufs, x.meta, x.shape, False, False, w.bufs, w.meta, w.shape, False, True,
+                bias, out_dtype)
+
+
+def dgrad(g: Operand, w: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm):
+    """``g W``: the input gradient, ``W`` from its columnwise copy when ``columnwise`` (no
+    backward override), else from its rowwise form or high-precision value."""
+    return gemm(g.bufs, g.meta, g.shape, False, False, w.bufs, w.meta, w.shape, columnwise, False,
+                None, out_dtype)
+
+
+def wgrad(g: Operand, x: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm):
+    """``gᵀ x``: the weight gradient, both from their columnwise copies when ``columnwise``."""
+    return gemm(g.bufs, g.meta, g.shape, columnwise, True, x.bufs, x.meta, x.shape, columnwise,
+                False, None, out_dtype)
+
+
+def amax_per_row(q: Quantizer) -> bool:
+    """Whether ``q`` scales each row by the row's own amax (row-scaled NVFP4): ranks that hold
+    other rows (autocast's ``amax_reduction_group``, data or sequence parallel) share nothing
+    with it. Read from the storage tags, as compiled code reads them (``quantizer_meta``)."""
+    return bool(q._storage_tags().get("_row_scaled_nvfp4", False))
+
+
+def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]:
+    """``q``'s storage buffers for ``x`` (an absent buffer is an empty uint8 tensor), the
+    tensor-wide amax all-reduced over ``group`` (a per-row amax is not: :func:`amax_per_row`).
+    Eagerly a parameter's quantization is cached per optimizer step (:mod:`.weight_cache`) and
+    an activation's may be shared between layers (:mod:`.reuse`)."""
+    if quantizer_meta(q)[0] == HP:
+        return [x]
+    if group is not None and amax_per_row(q):
+        group = None
+    if compiling():
+        ops = dynamo()
+        # with a group, the layer asks every quantizer for the reduction (with_amax_reduction),
+        # as eager code does; torch 2.10 cannot derive that variant in a graph, so it is not read
+        if group is not None and q.reduces_amax:
+            # the amax leaves the op, is all-reduced by a functional collective (it traces; the
+            # group is this call's, never part of the quantizer value), and comes back in
+            amax = reduce_amax(ops.amax(x, q), group)
+            return list(ops.quantize_with_amax(x, amax, q))
+        return list(ops.quantize(x, q))
+
+    def quantize():
+        return q.quantize(x, amax_reduction_group=group).buffer_list(x)
+
+    if isinstance(x, torch.nn.Parameter):
+        return cached_quantization(x, q, group, quantize)
+    return shared_quantization(x, q, group, quantize)
+
+
+class OperandPlan(NamedTuple):
+    """What one call of a quantized layer quantizes with (:func:`plan_operands`)."""
+
+    input: Quantizer
+    weight: Quantizer
+    grad: Quantizer
+    #: The columnwise copy backward quantizes from the weight saved as is (None: the copy is
+    #: made in forward and saved, or no backward GEMM reads it).
+    weight_bwd: Quantizer | None
+    #: Likewise for the input.
+    input_bwd: Quantizer | None
+    #: The backward override (None, "dequantized" or "high_precision").
+    override: str | None
+    #: The input's and the weight's columnwise copies as backward quantizes them again.
+    input_again: Quantizer
+    weight_again: Quantizer
+
+    @property
+    def columnwise(self) -> bool:
+        """Whether backward's GEMMs read the operands' columnwise copies (no override)."""
+        return self.override is None
+
+    def backward_quantizers(self, high_precision: Quantizer):
+        """``(grad, input, weight)``: what a layer that quantizes both operands again in
+        backward (a grouped layer's per-group paths) quantizes with: the columnwise copies
+        without an override; the rowwise forms against the unquantized gradient under
+        "dequantized"; the originals (``high_precision``) under "high_precision"."""
+        if self.override is None:
+            return self.grad, self.input_again, self.weight_again
+        if self.override == "dequantized":
+            return high_precision, self.input, self.weight
+        return high_precision, high_precision, high_precision
+
+
+def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool = True,
+                  keep_input: bool = True, group=None, weight_quantized: bool = False,
+                  input_quantized: bool = False) -> OperandPlan:
+    """The plan of one layer call with the quantizers ``qset`` (a module's
+    ``RecipeQuantizers``): each operand's columnwise copy only where a backward GEMM reads it
+    (none under a backward ``override``), made in forward and kept (``keep_weight``,
+    ``keep_input``: a layer's ``save_weight_copy``, ``save_input_copy``) or else made in
+    backward from the operand saved as is where requantizing gives the same bytes (not for an
+    operand that arrives quantized), and ``with_amax_reduction`` with a ``group`` (not for a
+    per-row amax: :func:`amax_per_row`)."""
+    def variant(q, **fields):
+        if group is not None and not amax_per_row(q):
+            fields["with_amax_reduction"] = True
+        return qset.variant(q, **fields)
+
+    transposed = override is None
+    fwd_in, fwd_w = qset.fwd[0], qset.fwd[1]
+    # save_weight_copy=False: backward quantizes the weight's columnwise copy itself, so
+    # forward makes only the rowwise form (a compiled graph would otherwise keep forward's
+    # copy for backward, the two quantizations being one expression)
+    requant_w = (not keep_weight and not weight_quantized and dgrad and transposed
+                 and requantizable(fwd_w))
+    requant_x = (not keep_input and not input_quantized and wgrad and transposed
+                 and requantizable(fwd_in))
+    # what backward quantizes again: the columnwise copy alone
+    input_again, weight_again = (variant(q, rowwise_usage=False, columnwise_usage=True)
+                                 for q in (fwd_in, fwd_w))
+    return OperandPlan(
+        variant(fwd_in, columnwise_usage=wgrad and transposed and not requant_x),
+        variant(fwd_w, columnwise_usage=dgrad and transposed and not requant_w),
+        variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad),
+        weight_again if requant_w else None, input_again if requant_x else None, override,
+        input_again, weight_again)
+
+
+def requantizable(q: Quantizer) -> bool:
+    """Whether quantizing an operand again in backward gives the forward's bytes: a value
+    quantizer that says so (``is_requantization_safe``: not with stochastic rounding); a
+    delayed-scaling quantizer's scale changes when the region exits, between forward and
+    backward."""
+    return is_value(q) and q.is_requantization_safe()
+
+
+def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
+    """What backward keeps of a forward operand: nothing when no backward GEMM reads it (x
+    without a weight gradient, the weight without an input gradient); the columnwise copy alone
+    when the backward GEMMs use it transposed (no override); all of it for the
+    "dequantized" override, whose backward GEMMs read the rowwise forms."""
+    if not needed:
+        return [absent_buffer(t) for t in bufs]
+    return for_transposed_use(bufs, meta) if override is None else bufs
+
+
+def save_operands(ctx, x: torch.Tensor, xop: Operand, w: torch.Tensor, wop: Operand,
+                  plan: OperandPlan) -> None:
+    """Save for backward what its GEMMs read of the input ``x`` and the weight ``w`` (quantized
+    in forward as ``xop``, ``wop``): the originals under the "high_precision" override; else an
+    operand with a backward quantizer in ``plan`` as is, the other as
+    :func:`kept_for_backward` says. A weight that arrived quantized (a ``QuantizedStorage``:
+    FSDP2's all-gather, ``quantized_model_init``) is saved itself, no copy. Backward reads them
+    with :func:`saved_operands`."""
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    override = plan.override
+    ctx.input_bwd_q = ctx.weight_bwd_q = None
+    ctx.weight_stored = isinstance(w, QuantizedStorage)
+    xm, wm = xop.meta, wop.meta
+    if override == "high_precision":
+        kept_x, xm = [x], list(HP_META)
+    elif plan.input_bwd is not None:  # x itself, quantized again in backward
+        kept_x, ctx.input_bwd_q = [x], plan.input_bwd
+    else:
+        kept_x = kept_for_backward(xop.bufs, xm, override, needs_dw)
+    if ctx.weight_stored:  # the weight tensor itself (FSDP2 refills its buffers)
+        kept_w = [w]
+        ctx.weight_q = plan.weight
+    elif override == "high_precision":
+        kept_w, wm = [w], list(HP_META)
+    elif plan.weight_bwd is not None and override is None and needs_dx:
+        # the weight itself (a parameter: no new memory), quantized again in backward
+        kept_w, ctx.weight_bwd_q = [w], plan.weight_bwd
+    else:
+        kept_w = kept_for_backward(wop.bufs, wm, override, needs_dx)
+    ctx.save_for_backward(*kept_x, *kept_w)
+    ctx.nx = len(kept_x)
+    ctx.operands = (xm, xop.shape, x.dtype, wm, wop.shape, w.dtype, override)
+
+
+def saved_operands(ctx, like: torch.Tensor, quantize) -> tuple[Operand, Operand]:
+    """The input's and the weight's :class:`Operand` records that :func:`save_operands` saved,
+    an operand saved as is quantized again by ``quantize(tensor, quantizer, i)`` (``i``: 0 the
+    input, 1 the weight); ``like`` (the output gradient) places absent buffers."""
+    saved = ctx.saved_tensors
+    xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
+    xm, x_shape, _, wm, w_shape, w_dtype, override = ctx.operands
+    if ctx.input_bwd_q is not None:  # the columnwise copy, from the input saved as is
+        xb = quantize(xb[0], ctx.input_bwd_q, 0)
+    if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
+        wb = quantize(wb[0], ctx.weight_bwd_q, 1)
+    if ctx.weight_stored:
+        w = wb[0]
+        if override == "high_precision":
+            wb, wm = [w.dequantize(dtype=w_dtype)], list(HP_META)
+        elif override is None:
+            wb = for_transposed_use(columnwise_buffer_list(w, like, ctx.weight_q), wm)
+        else:
+            wb = w.buffer_list(like)
+    return Operand(xb, xm, x_shape), Operand(wb, wm, w_shape)
