@@ -127,8 +127,8 @@ def _load_noxfile(monkeypatch):
 
 @pytest.mark.parametrize("uv_on_path", [False, True])
 def test_nox_is_told_there_is_no_uv_instead_of_probing(monkeypatch, uv_on_path):
-    """Issue 16 item 7: every nox run logged "uv binary not found." (nox probes for uv even for
-    virtualenv sessions); without uv the noxfile now answers nox's lazy probe up front."""
+    """nox probes for uv even for virtualenv sessions and logs "uv binary not found." when it is
+    absent; without uv the noxfile answers nox's lazy probe up front, so nothing is logged."""
     import shutil
 
     which = shutil.which
@@ -143,7 +143,8 @@ def test_nox_is_told_there_is_no_uv_instead_of_probing(monkeypatch, uv_on_path):
 
 
 def test_sessions_that_compile_stop_with_one_line_without_a_cxx_compiler(monkeypatch, tmp_path):
-    """Issue 16 item 3: without g++ the compile tests failed one by one (InvalidCxxCompiler)."""
+    """Without a C++ compiler a session that compiles stops with one line naming the fix,
+    instead of failing each compile test on its own (InvalidCxxCompiler)."""
     noxfile = _load_noxfile(monkeypatch)
 
     class Session:

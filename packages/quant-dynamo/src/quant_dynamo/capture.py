@@ -1,8 +1,9 @@
 """Quantization inside the compiled graph: a ``quant`` op lowered to torch ops or to kernels.
 
 In a compiled graph ``quant::quantize`` is an opaque Python custom op: every call pays the backend
-lookup, the checks, the allocations and Triton's Python launcher (hundreds of microseconds per
-call on the H200, bench/RESULTS.md). Where the tensor's backend can record its launches
+lookup, the checks, the allocations and Triton's Python launcher, host time that small layers
+cannot hide (bench/RESULTS.md, section "Host overhead, CUDA graphs and the exact RHT", run H2).
+Where the tensor's backend can record its launches
 (``capturable = True``: Triton, through ``torch.library.wrap_triton``), functionalization
 (AOTAutograd, under Inductor and aot_eager alike) runs the op's Python body instead, inside
 :func:`quant_core.kernel_capture.capture`: allocations become graph ops and every kernel launch a
@@ -20,11 +21,12 @@ keeps, recomputing a quantization there when that saves memory. The reference's 
 written to compile to its bytes (``reference/_rounding.py``), on the devices of
 :data:`OPS_DEVICES`.
 
-The two forms trade speed for memory. On the H200, a Llama trained with the traced ops held
-about 1.1 GiB less between forward and backward at Llama-3-8B widths, and ran 5% slower: Inductor
-fuses the recomputed casts, with their transposed (columnwise) stores, into the norms'
-backward reductions, where those stores are uncoalesced (bench/RESULTS.md). So the kernels come
-first by default.
+The two forms trade speed for memory: the traced ops let the partitioner keep less between
+forward and backward, and the recorded kernels train faster, since Inductor fuses the
+recomputed casts, with their transposed (columnwise) stores, into the norms' backward
+reductions, where those stores are uncoalesced. So the kernels come first by default; the
+Llama measurement that chose this order is bench/RESULTS.md, section "Quantization the compiler
+can see: a Llama trained end to end" (figures in docs/performance.md).
 
 ``QUANT_LOWERING`` (read when a graph is traced, so one process can compare the forms) picks:
 unset or ``1`` the kernels where they apply, else the ops; ``ops`` the ops where they apply,
@@ -68,8 +70,8 @@ def supported() -> bool:
 
 
 #: ``QUANT_LOWERING`` values -> the forms each allows, preferred first. The kernels lead by
-#: default: on the H200 they trained a Llama faster than the traced ops, which use less memory
-#: (bench/RESULTS.md, "Quantization the compiler can see").
+#: default: they trained a Llama faster than the traced ops, which use less memory
+#: (bench/RESULTS.md, section "Quantization the compiler can see: a Llama trained end to end").
 _FORMS = {"1": ("kernels", "ops"), "kernels": ("kernels",), "ops": ("ops", "kernels"), "0": ()}
 
 

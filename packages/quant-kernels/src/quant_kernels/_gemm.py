@@ -29,8 +29,9 @@ IMPLEMENTATIONS = {
 
 
 def default_implementation() -> str:
-    """The implementation the backend's GEMMs run: ``"dequant"`` on GPUs (the fastest on the
-    H200, bench/RESULTS.md), ``"fused"`` under the interpreter."""
+    """The implementation the backend's GEMMs run: ``"dequant"`` on GPUs (the faster one,
+    bench/RESULTS.md, section "GEMMs and the training step"), ``"fused"`` under the
+    interpreter."""
     return "fused" if interpreting() else "dequant"
 
 

@@ -1,9 +1,11 @@
 """Direct launches of already compiled kernels: the eager host path.
 
-``kernel[grid](*args)`` spends 14-21 us on the H200's hosts in Triton's Python (its binder, a
-cache key built with ``str(options)``, ``driver.active`` lookups, the used-globals check, launch
+``kernel[grid](*args)`` spends host time in Triton's Python on every call (its binder, a cache
+key built with ``str(options)``, ``driver.active`` lookups, the used-globals check, launch
 metadata). After the first launch of a kernel for an *argument key*, :func:`launch` calls that
-compiled kernel's launcher itself, as ``JITFunction.run`` ends, and skips the rest.
+compiled kernel's launcher itself, as ``JITFunction.run`` ends, and skips the rest: the same
+launch, with less host time per call (bench/RESULTS.md, section "The eager launch path and the
+GPT demo").
 
 The argument key is at least as fine as Triton's specialisation, so one key never meets two
 compiled kernels:

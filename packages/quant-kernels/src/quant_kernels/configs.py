@@ -28,8 +28,9 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "amax": {"gpu": {"BLOCK": 2048, "num_warps": 4, "per_sm": 16},
              "interp": {"BLOCK": 4096, "per_sm": 1}},
     # current scaling's amax: fewer programs, whose partial maxima every cast program reads.
-    # amax_partials and fp8_cast: the winners of a tile sweep (bench/speed.py kernels, H200, 4096^2
-    # and 8192^2): 29.8 us for both launches at 4096^2
+    # amax_partials and fp8_cast: the winners of a tile sweep (bench/speed.py kernels, 4096^2 and
+    # 8192^2; bench/RESULTS.md, section "Host cost of the compiled step, interleaved timing
+    # rounds", its current-scaling kernels)
     "amax_partials": {"gpu": {"BLOCK": 4096, "num_warps": 8, "per_sm": 4},
                       "interp": {"BLOCK": 4096, "per_sm": 1}},
     # fp8_tensor.py
@@ -47,7 +48,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "interp": {"BM_ROW": 128},
     },
     # 128x128 tiles (columnwise or 2D), processed in SLAB-row slabs
-    # (winners of the H200 sweep in bench/RESULTS.md: 1D row+col SLAB 32 / 4 warps, 2D SLAB 128 /
+    # (winners of the GPU sweep in bench/RESULTS.md: 1D row+col SLAB 32 / 4 warps, 2D SLAB 128 /
     # 8 warps)
     "fp8_block_col": {"gpu": {"SLAB": 32, "num_warps": 4}, "interp": {"SLAB": 64}},
     "fp8_block_2d": {"gpu": {"SLAB": 128, "num_warps": 8}, "interp": {"SLAB": 64}},
@@ -56,17 +57,17 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "interp": {"BM": 128, "BK": 128},
     },
     # mxfp8.py
-    # Tile configs (winners of the H200 sweeps at 16384^2): rowwise-only, and columnwise
+    # Tile configs (winners of the GPU sweeps at 16384^2): rowwise-only, and columnwise
     # (alone or 2D). One warp per 32x128 slab keeps every 32-row column block inside a thread pair:
     # no shared-memory reduction (ncu: 60M bank conflicts with four warps).
     "mxfp8": {"gpu": {"BM": 32, "BK": 256, "num_warps": 8}, "interp": {"BM": 64, "BK": 64}},
     "mxfp8_col": {"gpu": {"BM": 32, "BK": 128, "num_warps": 1}, "interp": {"BM": 64, "BK": 64}},
     # rowwise + columnwise 1D from one read: two warps (fewer registers per thread than one, worth
-    # the cross-warp column reduction; 79.7% vs 76% of copy in the H200 sweep)
+    # the cross-warp column reduction: bench/RESULTS.md, section "Runs 4-6 (ncu-guided
+    # instruction cuts)")
     "mxfp8_fused": {"gpu": {"BM": 32, "BK": 128, "num_warps": 2}, "interp": {"BM": 64, "BK": 64}},
-    # dequantization: 16x256 tiles, 4 warps (the H200 sweep through the dequant
-    # GEMM: 3.52 / 3.47 / 3.35 ms for fprop / dgrad / wgrad at 16384x8192x8192, against
-    # 3.95 / 3.63 / 3.21)
+    # dequantization: 16x256 tiles, 4 warps (the winner of the sweep through the dequant GEMM at
+    # 16384x8192x8192: bench/RESULTS.md, section "GEMMs and the training step")
     "mxfp8_dequant": {"gpu": {"BM": 16, "BK": 256, "num_warps": 4}, "interp": {"BM": 32, "BK": 64}},
     # nvfp4.py
     "nvfp4_row": {"gpu": {"BM": 32, "BK": 256, "num_warps": 4}, "interp": {"BM": 64, "BK": 64}},
@@ -80,7 +81,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                          "interp": {"BM": 16, "BK": 128}},
     "nvfp4_4over6_col": {"gpu": {"G": 2, "BK": 64, "num_warps": 4}, "interp": {"G": 2, "BK": 64}},
     # mxfp8_gemm.py
-    # Tile configs of the fused mainloops (winners of the H200 sweep, bench/RESULTS.md).
+    # Tile configs of the fused mainloops (winners of the GPU sweep, bench/RESULTS.md).
     "mxfp8_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
         "interp": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 1},

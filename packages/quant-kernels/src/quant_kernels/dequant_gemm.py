@@ -1,6 +1,6 @@
 """Block-scaled GEMMs as exact bf16 dequantization plus the bf16 tensor-core GEMM of cuBLAS: the
-fastest MXFP8 / NVFP4 path measured on Hopper (bench/RESULTS.md), which has no
-block-scaled tensor cores.
+fastest MXFP8 / NVFP4 path measured on Hopper, which has no block-scaled tensor cores
+(bench/RESULTS.md, section "GEMMs and the training step").
 
 Every MXFP8 element ``fp8 * 2^(e - 127)`` and every NVFP4 element ``e2m1 * e4m3`` is a bf16 value
 (MXFP8: unless it falls below 2^-130, where bf16 runs out of subnormal bits), so one memory-bound
@@ -146,13 +146,15 @@ def _rows_per_block(m, n, direct: bool, recorded_blocks: bool = True) -> int | N
     shapes (a Python loop over the rows would specialise the graph on ``m``).
 
     While launches are recorded into a compiled graph, recorded blocks are never used: they hit
-    an illegal memory access in an Inductor copy kernel on the H200 (NVFP4 16384x8192x8192,
-    ``bench/RESULTS.md``). With ``recorded_blocks`` (NVFP4) a product that needs
-    blocks raises ``NotCapturable`` before anything is recorded, so the GEMM stays an opaque op
-    whose eager body runs the blocks: that layer's compiled step peaked at 1.02 GiB against 1.27
-    with the whole product recorded. Without it (MXFP8) the whole product is recorded: there the
-    opaque blocks peaked higher (1.51 against 1.38 GiB; eager mode 1.76), because the step's
-    other eager allocations cost more than the product saves (bench/RESULTS.md)."""
+    an illegal memory access in an Inductor copy kernel on the GPU (bench/RESULTS.md, section
+    "Step ratios with the direct launcher, and memory with the weight requantized"). With
+    ``recorded_blocks`` (NVFP4) a product that needs blocks raises ``NotCapturable`` before
+    anything is recorded, so the GEMM stays an opaque op whose eager body runs the blocks, which
+    lowers the compiled step's peak memory below that of the whole product recorded. Without it
+    (MXFP8) the whole product is recorded: there the opaque blocks peaked higher, because the
+    step's other eager allocations cost more than the product saves (bench/RESULTS.md, section
+    "Host cost of the compiled step, interleaved timing rounds", its compiled NVFP4 GEMMs in row
+    blocks)."""
     if (direct or not (isinstance(m, int) and isinstance(n, int))
             or m * n * 4 <= MAX_FP32_PRODUCT_BYTES):
         return None

@@ -191,8 +191,9 @@ def _mxfp8_dequant_kernel(
     COLWISE: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """One scale load per block, not per element (per-element byte gathers held the kernel at
-    30% of copy bandwidth, MIO-throttled, by ncu). Columnwise tiles have ``32 % BM == 0``
+    """One scale load per block, not per element (per-element byte gathers throttle the memory
+    pipeline: bench/RESULTS.md, section "GEMMs and the training step", its ncu of the GEMM
+    implementations). Columnwise tiles have ``32 % BM == 0``
     rows, all in one 32-row block: one scale row serves the tile.
 
     d_ptr: uint8 FP8 data ``[M, K]`` (rowwise or columnwise, neither transposed), contiguous.

@@ -5,8 +5,8 @@ Two implementations (``_gemm.IMPLEMENTATIONS``): :func:`mxfp8_gemm`, the backend
 device's (``_gemm.default_implementation``), :func:`mxfp8_gemm_using` the one it is given:
 
 - ``"dequant"`` (on GPUs): exact bf16 dequantization, then cuBLAS
-  (:mod:`quant_kernels.dequant_gemm`), the fastest on the H200 for every operand layout
-  (bench/RESULTS.md);
+  (:mod:`quant_kernels.dequant_gemm`), the faster of the two for every operand layout
+  (bench/RESULTS.md, section "GEMMs and the training step");
 - ``"fused"`` (under ``TRITON_INTERPRET=1``): a Triton mainloop dequantizes each tile exactly into
   bf16 (an FP8 value times ``2^e`` is a bf16 value unless it falls below 2^-133 or the scale is
   255/NaN) and multiplies on the bf16 tensor cores with fp32 accumulation; under the interpreter
