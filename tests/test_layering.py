@@ -6,7 +6,8 @@
 3. above quant-core (quant-dynamo, quant-recipes), no switch on a format's name: no comparison,
    ``match`` case or dict key of a name from quant-core's format registry; the layers ask the
    format's classes instead (contract 8);
-4. no module-level import cycle inside a package (a function may import late).
+4. no module-level import cycle inside a package (a function may import late); in quant-core
+   and quant-kernels none even counting the imports inside functions.
 
 Each violation is reported as ``file:line: rule: what``. The checkers run on synthetic sources
 too (the ``test_rule_catches_*`` tests), so a rule that stopped matching cannot pass silently.
@@ -54,6 +55,10 @@ FORMAT_NAME_EXCEPTION_PACKAGES = {
 
 #: the packages above quant-core, where rule 3 applies.
 ABOVE_CORE = ("quant_dynamo", "quant_recipes")
+
+#: the packages where rule 4 counts an import inside a function body as an edge too: a late
+#: import there would only hide a cycle between modules that should sit one below the other.
+NO_LATE_CYCLE = ("quant_core", "quant_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,15 +234,17 @@ def format_switch_violations(modules: list[Module], names: frozenset[str]) -> li
 
 
 # ---------------------------------------------------------------------- rule 4: cycles
-def cycle_violations(modules: list[Module]) -> list[str]:
-    """Module-level import cycles inside each package. An edge to one's own ancestor package is
-    left out: importing a submodule runs its package's ``__init__`` first anyway."""
+def cycle_violations(modules: list[Module], *, function_level: bool = False) -> list[str]:
+    """Module-level import cycles inside each package; with ``function_level``, import cycles
+    counting the imports inside functions too. An edge to one's own ancestor package is left
+    out: importing a submodule runs its package's ``__init__`` first anyway."""
     by_name = {m.name: m for m in modules}
     graph: dict[str, dict[str, int]] = {}
     for m in modules:
         edges: dict[str, int] = {}
         for imp in imports(m):
-            if not imp.module_level or imp.module.split(".")[0] != m.package:
+            if ((not imp.module_level and not function_level)
+                    or imp.module.split(".")[0] != m.package):
                 continue
             for target in (imp.module, *(f"{imp.module}.{n}" for n in imp.names)):
                 if (target in by_name and target != m.name
@@ -296,6 +303,11 @@ def test_no_format_switch_above_quant_core():
 
 def test_no_module_level_import_cycle():
     v = cycle_violations(MODULES)
+    assert not v, _report(v)
+
+
+def test_no_import_cycle_counting_function_level_imports():
+    v = cycle_violations([m for m in MODULES if m.package in NO_LATE_CYCLE], function_level=True)
     assert not v, _report(v)
 
 
@@ -421,3 +433,12 @@ def test_rule_admits_late_and_package_imports():
     c = _mod("quant_recipes.c", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                 "    from .a import f\n")
     assert cycle_violations([init, a, b, c]) == []
+
+
+def test_rule_catches_a_cycle_through_a_function_level_import():
+    a = _mod("quant_kernels.a", "from .b import g\n")
+    b = _mod("quant_kernels.b", "def g():\n    from .a import f\n")
+    assert cycle_violations([a, b]) == []
+    v = cycle_violations([a, b], function_level=True)
+    assert len(v) == 1 and "import cycle: quant_kernels.a -> quant_kernels.b -> " \
+        "quant_kernels.a" in v[0] and "b.py:2:" in v[0], v

@@ -23,6 +23,10 @@ NVFP4_GLOBAL_MAX = E2M1_MAX * E4M3_MAX
 NVFP4_4OVER6_E4M3_MAX = 256.0
 #: 4over6's map-to-4 block scale: ``1.5`` times the map-to-6 one, mapping the block amax to 4.
 NVFP4_4OVER6_MAP4 = 1.5
+#: The global E4M3 bounds 4over6 takes (its own 256, or the standard 448) and its error metrics
+#: (absolute or squared error per element, §7.9).
+NVFP4_4OVER6_E4M3_BOUNDS = (256, 448)
+NVFP4_4OVER6_ERROR_MODES = ("MAE", "MSE")
 #: The fp32 bit pattern of 2^-127 (a subnormal): E8M0 byte 0 decoded (§5).
 POW2_MINUS_127_BITS = 0x00400000
 #: The RHT's fixed sign vector as a 16-bit mask, bit i set where s_i == -1 (§7.6): 55272.

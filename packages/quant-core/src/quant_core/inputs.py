@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .constants import FLT_MAX
+from .constants import FLT_MAX, NVFP4_4OVER6_E4M3_BOUNDS, NVFP4_4OVER6_ERROR_MODES
 from .dtypes import INPUT_DTYPES
 
 
@@ -104,10 +104,39 @@ def check_rht_input(x: torch.Tensor) -> None:
             "(NVFP4BlockScaling(disable_rht=True))")
 
 
-def check_nvfp4_modes(with_rht: bool, with_2d_quantization: bool, stochastic_rounding: bool,
-                      rng_seed: torch.Tensor | None) -> None:
-    """``ValueError`` for NVFP4 mode combinations no backend takes: RHT with 2D blocks, or
-    stochastic rounding without a seed."""
+def check_nvfp4_variant(*, columnwise: bool, with_rht: bool, with_2d_quantization: bool = False,
+                        stochastic_rounding: bool = False, rng_seed: torch.Tensor | None = None,
+                        four_over_six: bool = False, e4m3_max: int = 448, err_mode: str = "MAE",
+                        row_scaled: bool = False) -> None:
+    """``ValueError`` for a combination of NVFP4's mode and variant flags that no backend takes,
+    the one rule set of ``nvfp4_quantize`` (and of ``nvfp4_amax``, which passes its flags):
+
+    - row-scaled (§7.9) is rowwise only, with 1x16 blocks rounded to nearest: no columnwise
+      direction, RHT, 2D blocks or stochastic rounding;
+    - 4over6 (§7.9) takes no RHT and no stochastic rounding, a global bound ``e4m3_max`` of
+      :data:`~quant_core.constants.NVFP4_4OVER6_E4M3_BOUNDS` and an ``err_mode`` of
+      :data:`~quant_core.constants.NVFP4_4OVER6_ERROR_MODES`; without 4over6 the bound is 448
+      (``err_mode`` is not read);
+    - RHT and 2D blocks are exclusive, and stochastic rounding needs a seed.
+    """
+    if row_scaled:
+        refused = [name for name, on in (("columnwise", columnwise), ("with_rht", with_rht),
+                                         ("with_2d_quantization", with_2d_quantization),
+                                         ("stochastic_rounding", stochastic_rounding)) if on]
+        if refused:
+            raise ValueError(f"row-scaled NVFP4 is rowwise only, with 1x16 blocks rounded to "
+                             f"nearest; it takes no {', '.join(refused)}")
+    if four_over_six:
+        if with_rht or stochastic_rounding:
+            raise ValueError("NVFP4 4over6 takes neither with_rht nor stochastic_rounding")
+        if e4m3_max not in NVFP4_4OVER6_E4M3_BOUNDS:
+            raise ValueError(f"nvfp4_e4m3_max must be one of {NVFP4_4OVER6_E4M3_BOUNDS}, "
+                             f"got {e4m3_max!r}")
+        if err_mode not in NVFP4_4OVER6_ERROR_MODES:
+            raise ValueError(f"nvfp4_4over6_err_mode must be one of {NVFP4_4OVER6_ERROR_MODES}, "
+                             f"got {err_mode!r}")
+    elif e4m3_max != 448:
+        raise ValueError(f"nvfp4_quantize: e4m3_max must be 448 without 4over6, got {e4m3_max}")
     if with_rht and with_2d_quantization:
         raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
     if stochastic_rounding and rng_seed is None:

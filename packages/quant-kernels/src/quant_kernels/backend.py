@@ -13,6 +13,7 @@ import os
 
 import torch
 from quant_core import reference
+from quant_core.reference.nvfp4_dispatch import nvfp4_dispatcher
 
 from . import (
     _amax,
@@ -24,6 +25,7 @@ from . import (
     mxfp8,
     mxfp8_gemm,
     nvfp4,
+    nvfp4_4over6,
     nvfp4_gemm,
 )
 from ._common import interpreting
@@ -70,7 +72,9 @@ class TritonBackend:
     fp8_block_quantize = staticmethod(fp8_block.fp8_block_quantize)
     fp8_block_dequantize = staticmethod(fp8_block.fp8_block_dequantize)
     nvfp4_amax = staticmethod(nvfp4.nvfp4_amax)
-    nvfp4_quantize = staticmethod(nvfp4.nvfp4_quantize)
+    #: the variant flags checked once, then the TE-default kernels or 4over6's
+    nvfp4_quantize = staticmethod(nvfp4_dispatcher(nvfp4.nvfp4_base_quantize,
+                                                   nvfp4_4over6.nvfp4_4over6_quantize))
     nvfp4_dequantize = staticmethod(nvfp4.nvfp4_dequantize)
     swizzle_scales = staticmethod(reference.swizzle_scales)
     unswizzle_scales = staticmethod(reference.unswizzle_scales)

@@ -9,7 +9,8 @@ are the stored data. The error's division by ``6E`` runs as FMAs (``_rounding.di
 unless an amax is so small that a dividend could leave that helper's exact range. Both kernels
 hold a block's 16 elements as 16 elementwise tensors, so every per-block sum is a plain chain of
 fp32 adds in element order.
-Round-to-nearest only (no RHT, no stochastic rounding).
+Round-to-nearest only (no RHT, no stochastic rounding). These kernels sit beside the TE-default
+ones of :mod:`.nvfp4`; both build on :mod:`.nvfp4_common`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quant_core.inputs import check_input_dtype, check_k_multiple
-from quant_core.reference.nvfp4_4over6 import check_4over6
+from quant_core.inputs import check_input_dtype, check_k_multiple, check_nvfp4_variant
+from quant_core.reference.nvfp4_common import row_amax
 
 from ._common import launch
 from ._rounding import div_rn_by, e2m1_rne_with_value, fp8_decode, mul_rn, widen
 from .configs import launch_config
-from .nvfp4 import (
+from .nvfp4_common import (
     _amax16,
     _block_scales,
     _col_values,
@@ -294,8 +295,12 @@ def nvfp4_4over6_quantize(
     """The buffers of ``reference.nvfp4_quantize(..., four_over_six=True)`` (same shapes,
     layout and bytes, padding 0, a direction not asked for ``None``); ``row_scaled``: the
     rowwise amax is ``(M,)``, one per row (rowwise only)."""
+    check_nvfp4_variant(columnwise=columnwise, with_rht=False,
+                        with_2d_quantization=with_2d_quantization, four_over_six=True,
+                        e4m3_max=e4m3_max, err_mode=err_mode, row_scaled=row_scaled)
+    if row_scaled:
+        amax_rowwise = row_amax(amax_rowwise, x.shape[0], x.shape[0]).reshape(-1)
     check_input_dtype(x, "nvfp4_quantize")
-    check_4over6(e4m3_max, err_mode)
     m, k = x.shape
     check_k_multiple(k, 16, "NVFP4")
     dev = x.device

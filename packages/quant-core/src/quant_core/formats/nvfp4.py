@@ -6,13 +6,17 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from ..constants import DEFAULT_RHT_SIGN_MASK
+from ..constants import (
+    DEFAULT_RHT_SIGN_MASK,
+    NVFP4_4OVER6_E4M3_BOUNDS,
+    NVFP4_4OVER6_ERROR_MODES,
+)
 from ..distributed import reduce_amax
 from ..dtypes import DType
 from ..inputs import as_2d, check_rht_input
 from ..operand import GemmOperand
 from ..quantizer import Quantizer, value_quantizer, warn_deprecated_group
-from ..reference.nvfp4 import pack_e2m1, unpack_e2m1
+from ..reference.nvfp4_common import pack_e2m1, unpack_e2m1
 from ..reference.pad import zero_pad
 from ..shapes import (
     NVFP4_BLOCK,
@@ -218,7 +222,7 @@ class NVFP4Quantizer(Quantizer):
                     "nvfp4_use_4over6=True takes neither with_rht=True nor "
                     "stochastic_rounding=True (4over6 rounds to nearest, without the transform)"
                 )
-            if self.nvfp4_e4m3_max not in (256, 448):
+            if self.nvfp4_e4m3_max not in NVFP4_4OVER6_E4M3_BOUNDS:
                 raise ValueError(
                     f"nvfp4_e4m3_max must be 256 or 448 with 4over6, got {self.nvfp4_e4m3_max}"
                 )
@@ -226,7 +230,7 @@ class NVFP4Quantizer(Quantizer):
             raise ValueError(
                 f"nvfp4_e4m3_max must be 448 without 4over6, got {self.nvfp4_e4m3_max}"
             )
-        if self.nvfp4_4over6_err_mode not in ("MAE", "MSE"):
+        if self.nvfp4_4over6_err_mode not in NVFP4_4OVER6_ERROR_MODES:
             raise ValueError(
                 f"nvfp4_4over6_err_mode must be 'MAE' or 'MSE', got {self.nvfp4_4over6_err_mode!r}"
             )

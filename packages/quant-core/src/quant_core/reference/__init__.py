@@ -7,8 +7,9 @@ one documented method each in :class:`quant_core.backend_contract.Backend`; a ba
 the same bytes (GEMMs: the same products and fp32 sums, in any order). The rounding rules
 (stochastic rounding and its random bytes included) are :mod:`._rounding`'s; the block tiling
 :mod:`._blocks`'s; the GEMM definitions :mod:`.gemm`'s and, grouped, :mod:`.grouped_gemm`'s; the
-RHT :mod:`.rht`'s; the scale swizzle :mod:`.swizzle`'s. ``nvfp4_4over6_quantize``
-(:mod:`.nvfp4_4over6`) is NVFP4's 4over6 block scaling, which backends take as
+RHT :mod:`.rht`'s; the scale swizzle :mod:`.swizzle`'s. ``nvfp4_quantize``
+(:mod:`.nvfp4_dispatch`) runs NVFP4's variant: the TE-default block scaling (:mod:`.nvfp4`) or
+4over6's, ``nvfp4_4over6_quantize`` (:mod:`.nvfp4_4over6`), which backends take as
 ``nvfp4_quantize(four_over_six=True)``.
 """
 
@@ -26,8 +27,9 @@ from .fp8_tensor import (
 from .gemm import mxfp8_gemm, nvfp4_gemm
 from .grouped_gemm import fp8_grouped_rows_gemm, fp8_grouped_tokens_gemm
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
-from .nvfp4 import nvfp4_amax, nvfp4_dequantize, nvfp4_quantize
+from .nvfp4 import nvfp4_amax, nvfp4_dequantize
 from .nvfp4_4over6 import nvfp4_4over6_quantize
+from .nvfp4_dispatch import nvfp4_quantize
 from .rht import rht_matrix
 from .swizzle import swizzle_scales, unswizzle_scales
 

@@ -21,7 +21,7 @@ import torch
 from ..constants import RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ._rounding import e2m1_decode, e8m0_to_scale, fp8_decode
-from .nvfp4 import unpack_e2m1
+from .nvfp4_common import unpack_e2m1
 from .swizzle import unswizzle_scales
 
 

@@ -1,7 +1,9 @@
 """NVFP4 reference: two-level scaled E2M1 with E4M3 block scales (`numerics.md` §7, §8, §10).
 
-This module is the TE-default core (``nvfp4_e4m3_max = 448``); 4over6's block-scale selection
-is :mod:`.nvfp4_4over6`. Row-scaled NVFP4 (§7.9) takes one amax per row, so ``S_enc`` and
+This module is the TE-default core (``nvfp4_e4m3_max = 448``) with the amaxes and the
+dequantization every variant shares; 4over6's block-scale selection is :mod:`.nvfp4_4over6`,
+beside it, both built on :mod:`.nvfp4_common`, and ``nvfp4_quantize`` (:mod:`.nvfp4_dispatch`)
+picks the variant. Row-scaled NVFP4 (§7.9) takes one amax per row, so ``S_enc`` and
 everything derived from it is per row; it is rowwise only. Blocks are 1x16
 along K (rowwise) or along M (columnwise, the quantization of ``xᵀ`` stored as
 ``[K, ceil(M/2)]``), or 16x16 tiles in 2D mode. Partial blocks along M take their amax over the
@@ -17,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..constants import E2M1_MAX, FLT_MAX, NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX, rcp_f32
+from ..constants import E2M1_MAX, FLT_MAX, RCP_NVFP4_GLOBAL_MAX, rcp_f32
 from ..dtypes import DType
-from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_modes
+from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_variant
 from ._rounding import (
     e2m1_decode,
     e2m1_encode,
@@ -29,35 +31,21 @@ from ._rounding import (
     sr_random_byte,
     sr_round_e2m1,
 )
+from .nvfp4_common import (
+    BLOCK,
+    Buffers,
+    blocks_amax,
+    columnwise_block_amax,
+    direction_buffers,
+    f32,
+    finish,
+    global_encode_scale,
+    row_amax,
+    unpack_e2m1,
+)
+from .nvfp4_common import pack_e2m1 as pack_e2m1  # still importable from here
 from .pad import zero_pad
 from .rht import rht_columnwise
-
-BLOCK = shapes.NVFP4_BLOCK
-
-
-def f32(value: float, device) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=device)
-
-
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes ``[R, 2C]`` into bytes ``[R, C]``: ``byte = code[2j] | code[2j+1] << 4``."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-
-
-def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
-    """Codes (int64) ``[R, 2C]`` of packed bytes ``[R, C]`` (low nibble first)."""
-    b = data.to(torch.int64)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(data.shape[0], 2 * data.shape[1])
-
-
-def global_encode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
-    """``S_enc`` (fp32 ``(1,)``) of §7.2: ``fminf(fp32(6 * e4m3_max / amax), FLT_MAX)`` (2688 for
-    the standard bound 448; 4over6 may bound by 256, §7.9), 1 if that is 0 or ``amax == 0``. Like
-    TE's ``fminf``, a NaN amax gives FLT_MAX."""
-    amax = amax.to(torch.float32)
-    top = NVFP4_GLOBAL_MAX if e4m3_max == 448 else E2M1_MAX * e4m3_max
-    s = torch.fmin(f32(top, amax.device) / amax, f32(FLT_MAX, amax.device))
-    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
 def block_scales(
@@ -72,15 +60,6 @@ def block_scales(
     e4m3 = fp8_encode(torch.fmin(sdec_b, f32(FLT_MAX, dev)), DType.E4M3)
     enc_b = torch.fmin(one / (fp8_decode(e4m3, DType.E4M3) * s_dec), f32(FLT_MAX, dev))
     return e4m3, enc_b
-
-
-def blocks_amax(v: torch.Tensor, rows_per_block: int) -> torch.Tensor:
-    """NaN-dropping amax of ``v`` ``[R, C]`` (C % 16 == 0, R % rows_per_block == 0) per block of
-    ``rows_per_block x 16``, repeated back to one value per row: ``[R, C/16]``."""
-    r, c = v.shape
-    a = nan_to_zero_abs(v).reshape(r // rows_per_block, rows_per_block, c // BLOCK, BLOCK)
-    a = a.amax(dim=(1, 3))
-    return a.repeat_interleave(rows_per_block, dim=0)
 
 
 def _quantize_direction(
@@ -104,32 +83,7 @@ def _quantize_direction(
         cols = torch.arange(c, device=v.device, dtype=torch.int64)[None, :]
         rbyte = sr_random_byte(rng_seed, sr_offset + rows * valid_cols + cols)
         scaled = sr_round_e2m1(scaled, rbyte)
-    codes = e2m1_encode(scaled)[:valid_rows, :valid_cols]
-    codes = zero_pad(codes, codes.shape[0], codes.shape[1] + valid_cols % 2)  # last nibble 0
-    data = pack_e2m1(codes)
-    e4m3 = e4m3[:valid_rows, : c // BLOCK]
-    return data, zero_pad(e4m3, scale_shape[0], scale_shape[1])
-
-
-def check_row_scaled(*, columnwise: bool, with_rht: bool, with_2d_quantization: bool = False,
-                     stochastic_rounding: bool = False) -> None:
-    """``ValueError`` for what row-scaled NVFP4 does not take: a columnwise direction, RHT, 2D
-    blocks or stochastic rounding."""
-    refused = [name for name, on in (("columnwise", columnwise), ("with_rht", with_rht),
-                                     ("with_2d_quantization", with_2d_quantization),
-                                     ("stochastic_rounding", stochastic_rounding)) if on]
-    if refused:
-        raise ValueError(f"row-scaled NVFP4 is rowwise only, with 1x16 blocks rounded to "
-                         f"nearest; it takes no {', '.join(refused)}")
-
-
-def row_amax(amax: torch.Tensor, rows: int, padded_rows: int) -> torch.Tensor:
-    """A row-scaled amax ``(rows,)`` as fp32 ``[padded_rows, 1]`` (zero past ``rows``), to
-    broadcast over the rows of a block-padded tensor."""
-    if amax.shape != (rows,):
-        raise ValueError(f"row-scaled NVFP4: the rowwise amax must hold one value per row, "
-                         f"shape ({rows},), got {tuple(amax.shape)}")
-    return zero_pad(amax.to(torch.float32).reshape(rows, 1), padded_rows, 1)
+    return direction_buffers(e2m1_encode(scaled), e4m3, valid_rows, valid_cols, scale_shape)
 
 
 def nvfp4_amax(
@@ -144,8 +98,8 @@ def nvfp4_amax(
     """
     check_input_dtype(x, "nvfp4_amax")
     check_k_multiple(x.shape[1], BLOCK, "NVFP4")
+    check_nvfp4_variant(columnwise=columnwise, with_rht=with_rht, row_scaled=row_scaled)
     if row_scaled:
-        check_row_scaled(columnwise=columnwise, with_rht=with_rht)
         if x.shape[1] == 0:
             return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device), None
         return nan_to_zero_abs(x).amax(dim=1).to(torch.float32), None
@@ -162,7 +116,7 @@ def nvfp4_amax(
     return (row if rowwise else None), col
 
 
-def nvfp4_quantize(
+def nvfp4_base_quantize(
     x: torch.Tensor,
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
@@ -175,45 +129,29 @@ def nvfp4_quantize(
     stochastic_rounding: bool,
     rng_seed: torch.Tensor | None,
     swizzle: bool,
-    four_over_six: bool = False,
-    e4m3_max: int = 448,
-    err_mode: str = "MAE",
     row_scaled: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Quantize ``x`` ``[M, K]`` to NVFP4 with the given per-direction amaxes (§7.2–§7.8).
+) -> Buffers:
+    """Quantize ``x`` ``[M, K]`` to NVFP4 with the given per-direction amaxes (§7.2–§7.8), the
+    TE-default block scaling (global bound 448).
 
     Returns ``(row_data [M, K/2], row_scale, col_data [K, ceil(M/2)], col_scale)`` (uint8; scales
     E4M3 bytes in ``quant_core.shapes``' padded shapes, padding 0; a direction not asked for is
     ``None``). With RHT (bf16 ``x``, ``M % 16 == 0``) the columnwise direction quantizes the RHT of
     ``xᵀ``. 2D mode uses one block scale per 16x16 tile for both directions (exclusive with RHT).
     With ``swizzle`` the scale buffers hold the GEMM-swizzled bytes (same shapes).
-    ``four_over_six``: 4over6 block scaling with the global bound ``e4m3_max`` and the error
-    metric ``err_mode`` (§7.9, :mod:`.nvfp4_4over6`; no RHT, no stochastic rounding).
     ``row_scaled``: ``amax_rowwise`` holds one value per row (``(M,)``) and each row has its own
     ``S_enc`` (§7.9); rowwise only, 1x16 blocks, round to nearest.
     """
-    if row_scaled:
-        check_row_scaled(columnwise=columnwise, with_rht=with_rht,
-                         with_2d_quantization=with_2d_quantization,
-                         stochastic_rounding=stochastic_rounding)
-        amax_rowwise = row_amax(amax_rowwise, x.shape[0], shapes.roundup(x.shape[0], BLOCK))
-    if four_over_six:
-        from .nvfp4_4over6 import nvfp4_4over6_quantize
-
-        if with_rht or stochastic_rounding:
-            raise ValueError("NVFP4 4over6 takes neither with_rht nor stochastic_rounding")
-        return nvfp4_4over6_quantize(
-            x, amax_rowwise, amax_columnwise, rowwise=rowwise, columnwise=columnwise,
-            with_2d_quantization=with_2d_quantization, e4m3_max=e4m3_max, err_mode=err_mode,
-            swizzle=swizzle,
-        )
-    if e4m3_max != 448:
-        raise ValueError(f"nvfp4_quantize: e4m3_max must be 448 without 4over6, got {e4m3_max}")
+    check_nvfp4_variant(columnwise=columnwise, with_rht=with_rht,
+                        with_2d_quantization=with_2d_quantization,
+                        stochastic_rounding=stochastic_rounding, rng_seed=rng_seed,
+                        row_scaled=row_scaled)
     check_input_dtype(x, "nvfp4_quantize")
     m, k = x.shape
     check_k_multiple(k, BLOCK, "NVFP4")
-    check_nvfp4_modes(with_rht, with_2d_quantization, stochastic_rounding, rng_seed)
     mp = shapes.roundup(m, BLOCK)
+    if row_scaled:
+        amax_rowwise = row_amax(amax_rowwise, m, mp)
     xf = zero_pad(x.to(torch.float32), mp, k)  # [Mp, K], zero rows past M
     tile_amax = blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
     row_data = row_scale = col_data = col_scale = None
@@ -228,23 +166,12 @@ def nvfp4_quantize(
             vt = rht_columnwise(x, rht_sign_mask).to(torch.float32)  # [K, M], M % 16 == 0
         else:
             vt = xf.t()  # [K, Mp]
-        if with_2d_quantization:
-            blk = tile_amax[::BLOCK].t().repeat_interleave(BLOCK, dim=0)  # [K, Mp/16]
-        else:
-            blk = blocks_amax(vt, 1)
         col_data, col_scale = _quantize_direction(
-            vt, k, m, amax_columnwise, blk, shapes.nvfp4_columnwise_scale_shape(m, k),
+            vt, k, m, amax_columnwise, columnwise_block_amax(vt, tile_amax),
+            shapes.nvfp4_columnwise_scale_shape(m, k),
             m * k if stochastic_rounding else None, rng_seed,
         )
-    if swizzle:
-        from .swizzle import swizzle_scales
-
-        row_scale = None if row_scale is None else swizzle_scales(row_scale)
-        col_scale = None if col_scale is None else swizzle_scales(col_scale)
-    # storages hold contiguous buffers (custom ops and checkpoints rely on the layout)
-    return tuple(
-        None if t is None else t.contiguous() for t in (row_data, row_scale, col_data, col_scale)
-    )
+    return finish(row_data, row_scale, col_data, col_scale, swizzle=swizzle)
 
 
 def nvfp4_dequantize(

@@ -10,7 +10,9 @@ The error of one element is ``fp32(fp32(fp32(e2m1 * e4m3_b) * amax) / (6 * E)) -
 absolute value (``"MAE"``) or its square (``"MSE"``), summed in fp32 over the block's 16 elements
 in order. A 16x16 tile sums its 16 row errors as a tree: rows ``r`` and ``r + 8``, then ``r`` and
 ``r + 4``, ``r + 2``, ``r + 1``. The columnwise direction quantizes ``xᵀ`` the same way, so its
-tile errors sum the other way round. Round-to-nearest only (no RHT, no stochastic rounding).
+tile errors sum the other way round. Round-to-nearest only (no RHT, no stochastic rounding). A
+row-scaled tensor (one amax, so one ``S_enc``, per row) selects the same way under its rows' own
+scales. This module sits beside the TE-default :mod:`.nvfp4`; both build on :mod:`.nvfp4_common`.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import torch
 from .. import shapes
 from ..constants import E2M1_MAX, E4M3_MAX, FLT_MAX, NVFP4_4OVER6_MAP4
 from ..dtypes import DType
-from ..inputs import check_input_dtype, check_k_multiple
+from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_variant
 from ._rounding import e2m1_decode, e2m1_encode, fp8_decode, fp8_encode
-from .nvfp4 import blocks_amax, f32, global_encode_scale, pack_e2m1
+from .nvfp4_common import (
+    BLOCK,
+    Buffers,
+    blocks_amax,
+    columnwise_block_amax,
+    direction_buffers,
+    f32,
+    finish,
+    global_encode_scale,
+    row_amax,
+)
 from .pad import zero_pad
-
-BLOCK = shapes.NVFP4_BLOCK
-#: The global E4M3 bounds 4over6 takes.
-E4M3_BOUNDS = (256, 448)
-ERROR_MODES = ("MAE", "MSE")
 
 
 def _candidate(v: torch.Tensor, base: torch.Tensor, s_dec: torch.Tensor, factor: float):
@@ -96,18 +103,7 @@ def _direction(v, valid_rows, valid_cols, amax, block_amax, scale_shape, *, e4m3
                tile_rows):
     codes, e4m3 = select_4over6(v, block_amax, amax, e4m3_max=e4m3_max, err_mode=err_mode,
                                 tile_rows=tile_rows)
-    codes = codes[:valid_rows, :valid_cols]
-    codes = zero_pad(codes, codes.shape[0], codes.shape[1] + valid_cols % 2)  # last nibble 0
-    e4m3 = e4m3[:valid_rows, : v.shape[1] // BLOCK]
-    return pack_e2m1(codes), zero_pad(e4m3, scale_shape[0], scale_shape[1])
-
-
-def check_4over6(e4m3_max: int, err_mode: str) -> None:
-    """``ValueError`` naming the argument for a bound or error mode 4over6 does not take."""
-    if e4m3_max not in E4M3_BOUNDS:
-        raise ValueError(f"nvfp4_e4m3_max must be one of {E4M3_BOUNDS}, got {e4m3_max!r}")
-    if err_mode not in ERROR_MODES:
-        raise ValueError(f"nvfp4_4over6_err_mode must be one of {ERROR_MODES}, got {err_mode!r}")
+    return direction_buffers(codes, e4m3, valid_rows, valid_cols, scale_shape)
 
 
 def nvfp4_4over6_quantize(
@@ -121,16 +117,22 @@ def nvfp4_4over6_quantize(
     e4m3_max: int,
     err_mode: str,
     swizzle: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    row_scaled: bool = False,
+) -> Buffers:
     """Quantize ``x`` ``[M, K]`` to NVFP4 with 4over6 block scaling: the buffers of
     :func:`quant_core.reference.nvfp4_quantize` (same shapes and layout, padding 0, a direction
     not asked for ``None``), whose value is ``e2m1 * fp32(fp32(e4m3_b * amax) / (6 * e4m3_max))``
-    elementwise (dequantization divides by the bound the quantization used)."""
+    elementwise (dequantization divides by the bound the quantization used). ``row_scaled``:
+    ``amax_rowwise`` holds one value per row (``(M,)``); rowwise only, 1x16 blocks."""
+    check_nvfp4_variant(columnwise=columnwise, with_rht=False,
+                        with_2d_quantization=with_2d_quantization, four_over_six=True,
+                        e4m3_max=e4m3_max, err_mode=err_mode, row_scaled=row_scaled)
     check_input_dtype(x, "nvfp4_4over6_quantize")
-    check_4over6(e4m3_max, err_mode)
     m, k = x.shape
     check_k_multiple(k, BLOCK, "NVFP4")
     mp = shapes.roundup(m, BLOCK)
+    if row_scaled:
+        amax_rowwise = row_amax(amax_rowwise, m, mp)
     xf = zero_pad(x.to(torch.float32), mp, k)  # [Mp, K], zero rows past M
     tile_amax = blocks_amax(xf, BLOCK) if with_2d_quantization else None  # [Mp, K/16]
     tile_rows = BLOCK if with_2d_quantization else 1
@@ -142,17 +144,7 @@ def nvfp4_4over6_quantize(
                                          shapes.nvfp4_rowwise_scale_shape(m, k), **opts)
     if columnwise:
         vt = xf.t().contiguous()  # [K, Mp]
-        if with_2d_quantization:
-            blk = tile_amax[::BLOCK].t().repeat_interleave(BLOCK, dim=0)  # [K, Mp/16]
-        else:
-            blk = blocks_amax(vt, 1)
-        col_data, col_scale = _direction(vt, k, m, amax_columnwise, blk,
+        col_data, col_scale = _direction(vt, k, m, amax_columnwise,
+                                         columnwise_block_amax(vt, tile_amax),
                                          shapes.nvfp4_columnwise_scale_shape(m, k), **opts)
-    if swizzle:
-        from .swizzle import swizzle_scales
-
-        row_scale = None if row_scale is None else swizzle_scales(row_scale)
-        col_scale = None if col_scale is None else swizzle_scales(col_scale)
-    return tuple(
-        None if t is None else t.contiguous() for t in (row_data, row_scale, col_data, col_scale)
-    )
+    return finish(row_data, row_scale, col_data, col_scale, swizzle=swizzle)
