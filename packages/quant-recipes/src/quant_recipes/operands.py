@@ -112,25 +112,11 @@ class OperandPlan(NamedTuple):
     input_bwd: Quantizer | None
     #: The backward override (None, "dequantized" or "high_precision").
     override: str | None
-    #: The input's and the weight's columnwise copies as backward quantizes them again.
-    input_again: Quantizer
-    weight_again: Quantizer
 
     @property
     def columnwise(self) -> bool:
         """Whether backward's GEMMs read the operands' columnwise copies (no override)."""
         return self.override is None
-
-    def backward_quantizers(self, high_precision: Quantizer):
-        """``(grad, input, weight)``: what a layer that quantizes both operands again in
-        backward (a grouped layer's per-group paths) quantizes with: the columnwise copies
-        without an override; the rowwise forms against the unquantized gradient under
-        "dequantized"; the originals (``high_precision``) under "high_precision"."""
-        if self.override is None:
-            return self.grad, self.input_again, self.weight_again
-        if self.override == "dequantized":
-            return high_precision, self.input, self.weight
-        return high_precision, high_precision, high_precision
 
 
 def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool = True,
@@ -157,15 +143,28 @@ def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool
                  and requantizable(fwd_w))
     requant_x = (not keep_input and not input_quantized and wgrad and transposed
                  and requantizable(fwd_in))
-    # what backward quantizes again: the columnwise copy alone
-    input_again, weight_again = (variant(q, rowwise_usage=False, columnwise_usage=True)
-                                 for q in (fwd_in, fwd_w))
     return OperandPlan(
         variant(fwd_in, columnwise_usage=wgrad and transposed and not requant_x),
         variant(fwd_w, columnwise_usage=dgrad and transposed and not requant_w),
         variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad),
-        weight_again if requant_w else None, input_again if requant_x else None, override,
-        input_again, weight_again)
+        # what backward quantizes again: the columnwise copy alone
+        *(variant(q, rowwise_usage=False, columnwise_usage=True) if again else None
+          for q, again in ((fwd_w, requant_w), (fwd_in, requant_x))),
+        override)
+
+
+def requantizing_backward(plan: OperandPlan, qset, high_precision: Quantizer):
+    """``(grad, input, weight)``: what a layer that keeps no quantized copy and quantizes both
+    operands again in backward (a grouped layer's per-group paths; no amax group) quantizes
+    with under ``plan``: the columnwise copies without an override; the rowwise forms against
+    the unquantized gradient under "dequantized"; the originals (``high_precision``) under
+    "high_precision"."""
+    if plan.override is None:
+        return (plan.grad, *(qset.variant(q, rowwise_usage=False, columnwise_usage=True)
+                             for q in qset.fwd[:2]))
+    if plan.override == "dequantized":
+        return high_precision, plan.input, plan.weight
+    return high_precision, high_precision, high_precision
 
 
 def requantizable(q: Quantizer) -> bool:

@@ -34,7 +34,7 @@ from quant_core.storage import QuantizedStorage
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
 from ..module import QuantizedModule, intern, is_value, module_frame
-from ..operands import plan_operands
+from ..operands import plan_operands, requantizing_backward
 from ..role import QuantizerRole
 from . import fp8_gemm
 from .gemm import check_offsets, check_on_device, token_alignment
@@ -233,8 +233,8 @@ class GroupedProjection(QuantizedModule):
                 self.in_features, self.out_features)):
             return _GroupedFP8Fn.apply(x, offs, w, plan.input, plan.weight, qset.bwd[0], align,
                                        traced, self.save_input_copy, self.save_weight_copy)
-        return _GroupedFn.apply(x, offs, w, b, plan.input, plan.weight,
-                                *plan.backward_quantizers(_HIGH_PRECISION), plan.columnwise,
+        again = requantizing_backward(plan, qset, _HIGH_PRECISION)
+        return _GroupedFn.apply(x, offs, w, b, plan.input, plan.weight, *again, plan.columnwise,
                                 align, traced)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
