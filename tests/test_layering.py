@@ -176,6 +176,25 @@ def private_violations(modules: list[Module]) -> list[str]:
     return out
 
 
+def sibling_private_violations(modules: list[Module]) -> list[str]:
+    """Above quant-core a module imports no underscore name from another module of its own
+    package either: what a module shares is public (a private module may hold public names and
+    be imported itself)."""
+    known = {m.name for m in (*modules, *MODULES)}
+    out = []
+    for m in modules:
+        if m.package not in ABOVE_CORE:
+            continue
+        for imp in imports(m):
+            if imp.module.split(".")[0] != m.package:
+                continue
+            hidden = [n for n in imp.names if _private(n) and f"{imp.module}.{n}" not in known]
+            if hidden:
+                out.append(f"{m.path}:{imp.line}: private import: {m.name} imports "
+                           f"{', '.join(hidden)} from {imp.module}")
+    return out
+
+
 # ---------------------------------------------------------------------- rule 3: format names
 def format_names(modules: list[Module]) -> frozenset[str]:
     """The names quant-core's formats register (``format = "..."`` on a storage class in
@@ -292,6 +311,11 @@ def test_no_package_imports_another_packages_private_names():
     assert not v, _report(v)
 
 
+def test_no_module_above_core_imports_a_siblings_private_names():
+    v = sibling_private_violations(MODULES)
+    assert not v, _report(v)
+
+
 def test_format_names_are_read_from_the_registry():
     assert {"fp8", "fp8_block", "mxfp8", "nvfp4"} <= format_names(MODULES)
 
@@ -378,6 +402,26 @@ def test_rule_catches_a_private_import(name, source, hidden):
 ])
 def test_rule_admits_private_imports_inside_a_package(name, source):
     assert private_violations([_mod(name, source)]) == []
+
+
+@pytest.mark.parametrize("name, source, hidden", [
+    ("quant_recipes.recipes.mxfp8", "from ..states import RecipeState, _dtype\n", "_dtype"),
+    ("quant_recipes.moe.fp8_gemm", "from quant_recipes.gemm_fast import _helper\n", "_helper"),
+    ("quant_dynamo.x", "def f():\n    from .ops import _impl\n", "_impl"),
+])
+def test_rule_catches_a_siblings_private_name(name, source, hidden):
+    v = sibling_private_violations([_mod(name, source)])
+    assert len(v) == 1 and hidden in v[0], v
+
+
+@pytest.mark.parametrize("name, source", [
+    ("quant_recipes.x", "from ._impl import helper\nfrom . import _impl\n"),
+    ("quant_dynamo.x", "from ._api import probe as _probe\n"),
+    ("quant_kernels.nvfp4", "from .nvfp4_common import _tile_amax\n"),
+])
+def test_rule_admits_private_modules_and_kernel_helpers(name, source):
+    private_module = _mod("quant_recipes._impl", "helper = 1\n")
+    assert sibling_private_violations([_mod(name, source), private_module]) == []
 
 
 def test_format_names_come_from_storage_classes():

@@ -92,8 +92,8 @@ class MMParams:
 
 #: The default GEMM parameters, module-level so that a recipe built inside a compiled region
 #: reads them through a global (Dynamo cannot wrap a dataclass default that has no source).
-_SPLIT = MMParams(use_split_accumulator=True)
-_NO_SPLIT = MMParams(use_split_accumulator=False)
+SPLIT = MMParams(use_split_accumulator=True)
+NO_SPLIT = MMParams(use_split_accumulator=False)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class QParams:
 _FALSE_SPELLINGS = ("", "0", "false", "off", "no", "n", "f")
 
 
-def _env_flag(name: str, default: str = "0") -> Callable[[], bool]:
+def env_flag(name: str, default: str = "0") -> Callable[[], bool]:
     """A ``default_factory`` reading the boolean env var ``name`` at construction time:
     ``0``/``false``/``off``/``no`` in any case (or empty) is False, anything else True."""
 
@@ -125,14 +125,14 @@ def _env_flag(name: str, default: str = "0") -> Callable[[], bool]:
     return read
 
 
-def _env_backward_override() -> str | None:
+def env_backward_override() -> str | None:
     return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
 
 
-_FP8_QPARAM_FIELDS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+FP8_QPARAM_FIELDS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
-def _fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
+def fill_unset(recipe: Recipe, defaults: dict[str, QParams]) -> None:
     """Give each field named in ``defaults`` that is still ``None`` its default (frozen-safe)."""
     for name, value in defaults.items():
         if getattr(recipe, name) is None:
@@ -163,7 +163,7 @@ def _convertible_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
     return found
 
 
-def _convert_config_values(obj: Any) -> None:
+def convert_config_values(obj: Any) -> None:
     """Turn the values a config file or command line gives into the field types, in place
     (frozen-safe): an Enum field takes a member's name in any case (``"hybrid"``), a dataclass
     field (:class:`QParams`, :class:`MMParams`) a dict of its fields. Anything else that is not
@@ -197,8 +197,8 @@ def _convert_config_values(obj: Any) -> None:
                         f"({', '.join(keys)}){none}, got {value!r}")
 
 
-def _check_common(recipe: Recipe) -> None:
-    _convert_config_values(recipe)
+def check_common(recipe: Recipe) -> None:
+    convert_config_values(recipe)
     _check_field_types(recipe)
     margin = getattr(recipe, "margin", 0)
     if not 0 <= margin <= MAX_MARGIN:

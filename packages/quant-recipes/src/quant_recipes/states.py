@@ -109,11 +109,11 @@ class RecipeState:
         return []
 
 
-def _dtype(fmt: Format, forward: bool) -> DType:
+def element_dtype(fmt: Format, forward: bool) -> DType:
     return fmt.fwd_dtype if forward else fmt.bwd_dtype
 
 
-def _default_device(device):
+def default_device(device):
     return torch.device(device) if device is not None else torch.device("cpu")
 
 

@@ -10,7 +10,7 @@ import torch
 from quant_core import Quantizer
 
 from ..compiling import compiling, dynamo, is_compiled_value, raise_error
-from ..recipe import Format, Recipe, _check_common, _env_backward_override
+from ..recipe import Format, Recipe, check_common, env_backward_override
 from ..role import QuantizerRole
 from ..states import RecipeState
 from .delayed import DelayedScalingRecipeState, DelayedScalingRequest
@@ -158,12 +158,12 @@ class CustomRecipe(Recipe):
     fp8_format: Format = Format.HYBRID
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
     #: Padding multiple for grouped GEMMs (> 0).
     quantization_alignment: int = 128
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if not callable(self.qfactory):
             raise TypeError(
                 f"CustomRecipe.qfactory must be a callable role -> quantizer, got {self.qfactory!r}"

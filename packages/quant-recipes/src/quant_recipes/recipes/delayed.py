@@ -11,11 +11,11 @@ from quant_core import Float8Quantizer, Quantizer
 from ..recipe import (
     Format,
     Recipe,
-    _check_common,
-    _convert_config_values,
-    _env_backward_override,
+    check_common,
+    convert_config_values,
+    env_backward_override,
 )
-from ..states import RecipeState, _default_device, _dtype
+from ..states import RecipeState, default_device, element_dtype
 
 
 class DelayedScalingRecipeState(RecipeState):
@@ -26,8 +26,8 @@ class DelayedScalingRecipeState(RecipeState):
 
     def __init__(self, recipe, **kwargs) -> None:
         super().__init__(recipe, **kwargs)
-        dev = _default_device(self.device)
-        self.dtype = _dtype(recipe.fp8_format, self.forward)
+        dev = default_device(self.device)
+        self.dtype = element_dtype(recipe.fp8_format, self.forward)
         self.scale = torch.ones(self.num_quantizers, dtype=torch.float32, device=dev)
         self.amax_history = torch.zeros(
             recipe.amax_history_len, self.num_quantizers, dtype=torch.float32, device=dev
@@ -69,10 +69,10 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if self.fp8_format is Format.E5M2:
             raise ValueError("DelayedScaling.fp8_format: pure E5M2 training is not supported")
         if self.fp8_format is Format.E2M1:
@@ -120,7 +120,7 @@ class DelayedScalingRequest:
     reduce_amax: bool = True
 
     def __post_init__(self) -> None:
-        _convert_config_values(self)
+        convert_config_values(self)
 
     def to_recipe(self) -> DelayedScaling:
         """The :class:`DelayedScaling` recipe with these parameters."""

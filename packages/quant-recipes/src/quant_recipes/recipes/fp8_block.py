@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 from quant_core import Float8BlockQuantizer, Quantizer
 
 from ..recipe import (
-    _FP8_QPARAM_FIELDS,
-    _SPLIT,
+    FP8_QPARAM_FIELDS,
+    SPLIT,
     Format,
     MMParams,
     QParams,
     Recipe,
-    _check_common,
-    _env_backward_override,
-    _env_flag,
-    _fill_unset,
+    check_common,
+    env_backward_override,
+    env_flag,
+    fill_unset,
 )
-from ..states import RecipeState, _dtype
+from ..states import RecipeState, element_dtype
 
 
 class Float8BlockScalingRecipeState(RecipeState):
@@ -35,7 +35,7 @@ class Float8BlockScalingRecipeState(RecipeState):
         else:
             qp, dim, fwd = r.fp8_quant_fwd_inp, r.x_block_scaling_dim, True
         return Float8BlockQuantizer(
-            _dtype(r.fp8_format, fwd), block_scaling_dim=dim, amax_epsilon=qp.amax_epsilon,
+            element_dtype(r.fp8_format, fwd), block_scaling_dim=dim, amax_epsilon=qp.amax_epsilon,
             force_pow_2_scales=qp.power_2_scale, internal=True,
         )
 
@@ -48,7 +48,7 @@ class Float8BlockScaling(Recipe):
     """
 
     #: Keep fp32 scales instead of powers of two (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``).
-    use_f32_scales: bool = field(default_factory=_env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
+    use_f32_scales: bool = field(default_factory=env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
     fp8_format: Format = Format.E4M3
     fp8_quant_fwd_inp: QParams | None = None
     fp8_quant_fwd_weight: QParams | None = None
@@ -57,15 +57,15 @@ class Float8BlockScaling(Recipe):
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
-    fp8_gemm_fprop: MMParams = field(default_factory=lambda: _SPLIT)
-    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: _SPLIT)
-    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: _SPLIT)
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: SPLIT)
+    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: SPLIT)
+    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: SPLIT)
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if self.fp8_format is Format.E2M1:
             raise ValueError("Float8BlockScaling.fp8_format must be an FP8 format, got E2M1")
         dims = {
@@ -88,7 +88,7 @@ class Float8BlockScaling(Recipe):
             if not getattr(self, name).use_split_accumulator:
                 raise ValueError(f"Float8BlockScaling.{name}: split accumulator is required")
         pow2 = not self.use_f32_scales
-        _fill_unset(self, {name: QParams(power_2_scale=pow2) for name in _FP8_QPARAM_FIELDS})
+        fill_unset(self, {name: QParams(power_2_scale=pow2) for name in FP8_QPARAM_FIELDS})
 
     state_class = Float8BlockScalingRecipeState
 

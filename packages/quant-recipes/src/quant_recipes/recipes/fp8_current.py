@@ -7,19 +7,19 @@ from dataclasses import dataclass, field
 from quant_core import Float8CurrentScalingQuantizer, Quantizer
 
 from ..recipe import (
-    _FP8_QPARAM_FIELDS,
-    _NO_SPLIT,
-    _SPLIT,
+    FP8_QPARAM_FIELDS,
+    NO_SPLIT,
+    SPLIT,
     Format,
     MMParams,
     QParams,
     Recipe,
-    _check_common,
-    _env_backward_override,
-    _env_flag,
-    _fill_unset,
+    check_common,
+    env_backward_override,
+    env_flag,
+    fill_unset,
 )
-from ..states import RecipeState, _dtype
+from ..states import RecipeState, element_dtype
 
 
 class Float8CurrentScalingRecipeState(RecipeState):
@@ -32,7 +32,7 @@ class Float8CurrentScalingRecipeState(RecipeState):
         if not self.forward:
             qp = r.fp8_quant_bwd_grad
         return Float8CurrentScalingQuantizer(
-            _dtype(r.fp8_format, self.forward), force_pow_2_scales=qp.power_2_scale,
+            element_dtype(r.fp8_format, self.forward), force_pow_2_scales=qp.power_2_scale,
             amax_epsilon=qp.amax_epsilon, internal=True,
         )
 
@@ -48,25 +48,25 @@ class Float8CurrentScaling(Recipe):
 
     #: Round every scale down to a power of two (``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``).
     use_power_2_scales: bool = field(
-        default_factory=_env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
+        default_factory=env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
     )
     fp8_format: Format = Format.HYBRID
     fp8_quant_fwd_inp: QParams | None = None
     fp8_quant_fwd_weight: QParams | None = None
     fp8_quant_bwd_grad: QParams | None = None
-    fp8_gemm_fprop: MMParams = field(default_factory=lambda: _NO_SPLIT)
-    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: _SPLIT)
-    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: _SPLIT)
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: NO_SPLIT)
+    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: SPLIT)
+    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: SPLIT)
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if self.fp8_format is Format.E2M1:
             raise ValueError("Float8CurrentScaling.fp8_format must be an FP8 format, got E2M1")
         pow2 = self.use_power_2_scales
-        _fill_unset(self, {name: QParams(power_2_scale=pow2) for name in _FP8_QPARAM_FIELDS})
+        fill_unset(self, {name: QParams(power_2_scale=pow2) for name in FP8_QPARAM_FIELDS})
 
     state_class = Float8CurrentScalingRecipeState
 

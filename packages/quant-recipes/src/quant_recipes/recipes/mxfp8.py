@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from quant_core import MXFP8Quantizer, Quantizer
 
-from ..recipe import Format, Recipe, _check_common, _env_backward_override
-from ..states import RecipeState, _dtype
+from ..recipe import Format, Recipe, check_common, env_backward_override
+from ..states import RecipeState, element_dtype
 
 
 class MXFP8BlockScalingRecipeState(RecipeState):
@@ -22,7 +22,7 @@ class MXFP8BlockScalingRecipeState(RecipeState):
             and role.module_type in ("linear", "grouped_linear")
             and role.tensor_type == "weight"
         )
-        return MXFP8Quantizer(_dtype(r.fp8_format, self.forward), with_2d_quantization=two_d,
+        return MXFP8Quantizer(element_dtype(r.fp8_format, self.forward), with_2d_quantization=two_d,
                               internal=True)
 
 
@@ -34,12 +34,12 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
     #: 32x32 blocks for linear weights (one scale per tile, shared by both directions).
     enable_2d_quantization: bool = False
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if self.fp8_format not in (Format.E4M3, Format.HYBRID):
             raise ValueError(
                 f"MXFP8BlockScaling.fp8_format must be E4M3 or HYBRID, got {self.fp8_format}"

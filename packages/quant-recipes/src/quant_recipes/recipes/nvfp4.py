@@ -10,10 +10,10 @@ from ..recipe import (
     Format,
     QParams,
     Recipe,
-    _check_common,
-    _env_backward_override,
-    _env_flag,
-    _fill_unset,
+    check_common,
+    env_backward_override,
+    env_flag,
+    fill_unset,
 )
 from ..states import RecipeState
 
@@ -71,21 +71,21 @@ class NVFP4BlockScaling(Recipe):
     """
 
     #: No Random Hadamard Transform on the columnwise input and gradient.
-    disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_rht: bool = field(default_factory=env_flag("NVTE_NVFP4_DISABLE_RHT"))
     #: Round gradients to nearest instead of stochastically.
     disable_stochastic_rounding: bool = field(
-        default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+        default_factory=env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
     )
     #: 1x16 instead of 16x16 blocks for weights.
     disable_2d_quantization: bool = field(
-        default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
+        default_factory=env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
     )
     #: Row-scaled NVFP4 for the forward non-weight tensors (`numerics.md` §7.9): one amax per
     #: row, rowwise only, so it needs a ``backward_override`` (the backward GEMMs read the
     #: rowwise forms or the originals) and an input QParams without RHT, 2D blocks or
     #: stochastic rounding (``disable_rht=True``).
     row_scaled_activation: bool = field(
-        default_factory=_env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
+        default_factory=env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
     #: 4over6 block scaling (`numerics.md` §7.9) for the forward tensors of a scope: ``"none"``,
     #: ``"weights"``, ``"activations"`` or ``"all"`` (gradients never).
     nvfp4_4over6: str = "none"
@@ -99,10 +99,10 @@ class NVFP4BlockScaling(Recipe):
     fp4_quant_bwd_grad: QParams | None = None
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = field(default_factory=_env_backward_override)
+    backward_override: str | None = field(default_factory=env_backward_override)
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        check_common(self)
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"NVFP4BlockScaling.fp4_format must be E2M1, got {self.fp4_format}")
         for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
@@ -124,7 +124,7 @@ class NVFP4BlockScaling(Recipe):
                 stochastic_rounding=not self.disable_stochastic_rounding,
             ),
         }
-        _fill_unset(self, defaults)
+        fill_unset(self, defaults)
         if self.row_scaled_activation:
             self._check_row_scaled()
 
