@@ -216,7 +216,7 @@ def save_operands(ctx, x: torch.Tensor, xop: Operand, w: torch.Tensor, wop: Oper
         kept_w = kept_for_backward(wop.bufs, wm, override, needs_dx)
     ctx.save_for_backward(*kept_x, *kept_w)
     ctx.nx = len(kept_x)
-    ctx.operands = (xm, xop.shape, x.dtype, wm, wop.shape, w.dtype, override)
+    ctx.operands = (xm, xop.shape, wm, wop.shape, w.dtype, override)
 
 
 def saved_operands(ctx, like: torch.Tensor, quantize) -> tuple[Operand, Operand]:
@@ -225,7 +225,7 @@ def saved_operands(ctx, like: torch.Tensor, quantize) -> tuple[Operand, Operand]
     input, 1 the weight); ``like`` (the output gradient) places absent buffers."""
     saved = ctx.saved_tensors
     xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
-    xm, x_shape, _, wm, w_shape, w_dtype, override = ctx.operands
+    xm, x_shape, wm, w_shape, w_dtype, override = ctx.operands
     if ctx.input_bwd_q is not None:  # the columnwise copy, from the input saved as is
         xb = quantize(xb[0], ctx.input_bwd_q, 0)
     if ctx.weight_bwd_q is not None:  # the columnwise copy, from the weight saved as is
