@@ -68,8 +68,10 @@ COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
 #: Hugging Face Transformers for tests/hf only (never a runtime dependency).
 TRANSFORMERS = "transformers==5.24.0"
-#: The training frameworks of the integrations session (test dependencies only).
-INTEGRATIONS = ["accelerate==1.15.0", "peft==0.21.2", "lightning==2.6.6"]
+#: The training frameworks of the integrations session, and compressed-tensors, which loads the
+#: exported checkpoints there (test dependencies only).
+INTEGRATIONS = ["accelerate==1.15.0", "peft==0.21.2", "lightning==2.6.6",
+                "compressed-tensors==0.20.1"]
 #: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy. Triton
 #: 3.6's interpreter turns a loop bound into a Python int with ``int(array)``, which numpy 2.4
 #: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.

@@ -1,0 +1,84 @@
+"""A model quant exported (``quant_recipes.export``) loads through the consumers' own code:
+transformers' compressed-tensors integration reads ``config.json``'s ``quantization_config``
+and compressed-tensors decompresses the FP8 weights with their scales. The weights it gives
+back are the values quant's weight quantizer made in training, bit for bit, and every other
+tensor is the trained one."""
+
+from __future__ import annotations
+
+import pytest
+import quant_recipes as qr
+import torch
+
+pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(intermediate: int):
+    """A two-layer Llama from a config (no download); ``intermediate`` not a multiple of 128
+    leaves partial 128x128 weight blocks."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _train_step(model, recipe):
+    """One optimizer step under the recipe, so that the exported weights are trained ones."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with qr.autocast(recipe=qr.recipe(recipe)):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+
+
+def _load(directory):
+    """The checkpoint as a serving stack loads it, decompressed to bf16 weights."""
+    config = transformers.CompressedTensorsConfig(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe, intermediate", [("fp8_current", 384), ("fp8_block", 384),
+                                                  ("fp8_block", 320)])
+def test_transformers_loads_the_trained_weights_bit_for_bit(recipe, intermediate, tmp_path):
+    model = _llama(intermediate)
+    qr.convert(model, recipe=recipe)
+    _train_step(model, recipe)
+    config = qr.export.save_compressed_tensors(model, tmp_path, recipe)
+    loaded = _load(tmp_path).state_dict()
+
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, qr.Linear)}
+    assert len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer; lm_head left out
+    for name, layer in quantized.items():
+        q = layer.weight_quantizer(qr.recipe(recipe))
+        want = q.quantize(layer.weight.detach()).dequantize(dtype=torch.bfloat16)
+        assert torch.equal(loaded[f"{name}.weight"], want), name
+    for key, value in model.state_dict().items():
+        if key.rsplit(".", 1)[0] not in quantized:  # norms, embeddings, the head
+            assert torch.equal(loaded[key], value), key
+    assert config["ignore"] == ["lm_head", "model.embed_tokens", "model.layers.0.input_layernorm",
+                                "model.layers.0.post_attention_layernorm",
+                                "model.layers.1.input_layernorm",
+                                "model.layers.1.post_attention_layernorm", "model.norm"]
+
+
+def test_a_wrong_scale_is_seen(tmp_path):
+    """The comparison above can fail: a checkpoint whose scales are their reciprocals (the
+    quantize scale, not the dequantization multiplier) loads to other weights."""
+    from safetensors.torch import load_file, save_file
+
+    model = _llama(384)
+    qr.convert(model, recipe="fp8_current")
+    qr.export.save_compressed_tensors(model, tmp_path, "fp8_current")
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    state = {k: (1 / v if k.endswith("weight_scale") else v) for k, v in state.items()}
+    save_file(state, path, metadata={"format": "pt"})
+    layer = model.model.layers[0].self_attn.q_proj
+    want = layer.weight_quantizer(qr.recipe("fp8_current")).quantize(
+        layer.weight.detach()).dequantize(dtype=torch.bfloat16)
+    assert not torch.equal(_load(tmp_path).state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           want)
