@@ -82,3 +82,47 @@ def test_a_wrong_scale_is_seen(tmp_path):
         layer.weight.detach()).dequantize(dtype=torch.bfloat16)
     assert not torch.equal(_load(tmp_path).state_dict()["model.layers.0.self_attn.q_proj.weight"],
                            want)
+
+
+def test_quant_export_writes_a_servable_checkpoint_of_a_saved_model(tmp_path, capsys):
+    """``quant export SOURCE OUT --recipe fp8_block``: a checkpoint saved with
+    ``save_pretrained`` (bf16 weights, a generation config) becomes a compressed-tensors one
+    whose decompressed weights are the recipe's quantization of the saved weights; the other
+    files come along."""
+    from quant_recipes.cli import main
+
+    model = _llama(320)
+    model.save_pretrained(tmp_path / "trained")
+    assert (tmp_path / "trained" / "generation_config.json").exists()
+    assert main(["export", str(tmp_path / "trained"), str(tmp_path / "served"),
+                 "--recipe", "fp8_block"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "served" / "generation_config.json").exists()
+    loaded = _load(tmp_path / "served").state_dict()
+    q = qr.Linear(1, 1).weight_quantizer(qr.recipe("fp8_block"))
+    for key, value in model.state_dict().items():
+        layer = key.rsplit(".", 1)[0]
+        if key.endswith("proj.weight"):  # the converted layers: their quantized values
+            value = q.quantize(value).dequantize(dtype=torch.bfloat16)
+        assert torch.equal(loaded[key], value), (layer, key)
+    # a second export into the same directory is refused unless asked for
+    assert main(["export", str(tmp_path / "trained"), str(tmp_path / "served"),
+                 "--recipe", "fp8_block"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "{missing}", "{out}", "--recipe", "fp8_block"], "no config.json"),
+    (["export", "{src}", "{out}", "--recipe", "fp8_blocks"], "unknown name 'fp8_blocks'"),
+    (["export", "{src}", "{out}", "--recipe", "mxfp8"], "MXFP8"),
+])
+def test_quant_export_refuses_with_what_is_wrong(argv, message, tmp_path, capsys):
+    from quant_recipes.cli import main
+
+    _llama(256).save_pretrained(tmp_path / "src")
+    paths = {"missing": tmp_path / "nothing", "src": tmp_path / "src", "out": tmp_path / "out"}
+    capsys.readouterr()
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err  # after transformers' progress bars, where it loads
+    assert any(line.startswith("quant export: ") and message in line
+               for line in err.splitlines()), err

@@ -1,7 +1,8 @@
-"""The ``quant`` command: ``quant demo`` (the main job) and ``quant doctor``.
+"""The ``quant`` command: ``quant demo`` (the main job), ``quant doctor`` and ``quant export``.
 
 The package holds the command and what only it runs: :mod:`.demo` (with :mod:`.demo_gpt`, the
-``--model gpt`` task) and :mod:`.doctor`. ``python -m quant_recipes.cli`` runs it too."""
+``--model gpt`` task), :mod:`.doctor` and :mod:`.export`. ``python -m quant_recipes.cli`` runs
+it too."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quant", description="Low-precision training under torch.compile."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor,export}")
 
     demo = sub.add_parser(
         "demo", help="train a small model under every recipe and compare the loss curves",
@@ -80,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not write the PNG plot (e.g. on a machine without matplotlib)")
 
     sub.add_parser("doctor", help="what this machine supports: versions, backends, formats")
+
+    export = sub.add_parser(
+        "export", help="a trained Hugging Face checkpoint as a compressed-tensors FP8 checkpoint "
+        "(what vLLM serves)")
+    export.add_argument("source", help="the trained checkpoint's directory (save_pretrained)")
+    export.add_argument("out", help="the directory to write (e.g. ./model-fp8)")
+    export.add_argument("--recipe", required=True,
+                        help="the recipe the model trained under, by name: fp8_current "
+                        "(per-tensor E4M3) or fp8_block (128x128 weight blocks), e.g. "
+                        "--recipe fp8_block")
+    export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+                        default="auto", help="the dtype to load the checkpoint in, which the "
+                        "unquantized tensors keep (default: %(default)s, the checkpoint's)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace OUT's model.safetensors and config.json")
     return parser
 
 
@@ -89,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         from .doctor import run_doctor
 
         return run_doctor()
+    if args.command == "export":
+        from .export import run_export
+
+        return run_export(args)
     from .demo import run_demo
 
     return run_demo(args)
