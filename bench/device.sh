@@ -41,8 +41,8 @@
 #   multi        the multi-GPU run: tests/recipes' FSDP2, distributed and tensor-parallel tests
 #                on NCCL, then bench/multi_gpu.py (Llama 8b widths) under FSDP2 on 2 GPUs, and
 #                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
-#   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
-#                (args: moe.py's, e.g. --tokens 2048 --experts 64)
+#   moe          speed.py moe: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
+#                (args: speed.py moe's, e.g. --tokens 2048 --experts 64)
 #   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
 #   moe-check    the mixture-of-experts checks: the grouped FP8 GEMM kernels against the
 #                reference, tests/gpu/test_grouped_cuda.py (no host sync, CUDA-graph replay,
@@ -51,8 +51,9 @@
 #                tokens (args: speed.py layer's, e.g. --configs bf16,fp8_current)
 #   moe-model    speed.py model at Qwen3-MoE then Mixtral widths, 4 layers, 20 steps (args:
 #                speed.py model's)
-#   probe        bench/grouped_probe.py: which FP8 GEMM forms torch and Triton take here (E5M2
-#                operands, per-group slices, fp32 outputs), their errors and speed
+#   probe        speed.py probe: which grouped FP8 GEMM forms torch and Triton take here (E5M2
+#                operands, per-group slices, fp32 outputs, quant-kernels' grouped kernels), their
+#                errors and speed (args: speed.py probe's, e.g. --own --ragged)
 #   cmd          any command as one step (NAME, else "cmd"; limit LIMIT, else 300 s), with the
 #                same setup: e.g. NAME=sweep bash bench/device.sh cmd python3 -m pytest ...
 #
@@ -211,8 +212,8 @@ profile_moe-model() {
   done
 }
 profile_cmd() { step "${NAME:-cmd}" 300 "$@"; }
-profile_probe() { step probe 240 python3 bench/grouped_probe.py "$@"; }
-profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
+profile_probe() { step probe 240 python3 bench/speed.py probe "$@"; }
+profile_moe() { step moe 400 python3 bench/speed.py moe --json "$OUT/moe.json" "$@"; }
 profile_demo() {
   step doctor 30 python3 -m quant_recipes.cli doctor
   step demo 200 python3 -m quant_recipes.cli demo --device cuda --steps 150 --out "$OUT/demo"
