@@ -39,8 +39,8 @@
 #   parity-speed the NVFP4 kernels' bandwidth with the 4over6 and row-scaled variants
 #                (speed.py kernels --only NVFP4: their tile sweeps, the spilling tiles included)
 #   multi        the multi-GPU run: tests/recipes' FSDP2, distributed and tensor-parallel tests
-#                on NCCL, then bench/multi_gpu.py (Llama 8b widths) under FSDP2 on 2 GPUs, and
-#                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
+#                on NCCL, then speed.py multi-gpu (Llama 8b widths) under FSDP2 on 2 GPUs, and
+#                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to speed.py multi-gpu
 #   moe          speed.py moe: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
 #                (args: speed.py moe's, e.g. --tokens 2048 --experts 64)
 #   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
@@ -183,9 +183,10 @@ profile_parity-speed() {
 profile_multi() {
   QUANT_DIST_BACKEND=nccl step multi_tests 400 "${PYTEST[@]}" tests/recipes/test_fsdp2.py \
     tests/recipes/test_distributed.py tests/recipes/test_tensor_parallel.py
-  step multi_fsdp2 560 python3 bench/multi_gpu.py --nproc 2 --json "$OUT/multi_fsdp2.json" "$@"
+  step multi_fsdp2 560 python3 bench/speed.py multi-gpu --nproc 2 --json "$OUT/multi_fsdp2.json" \
+    "$@"
   if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-    step multi_tp 560 python3 bench/multi_gpu.py --nproc 4 --tp 2 \
+    step multi_tp 560 python3 bench/speed.py multi-gpu --nproc 4 --tp 2 \
       --json "$OUT/multi_tp.json" "$@"
   fi
 }

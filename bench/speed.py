@@ -22,7 +22,10 @@ Subcommands (``python bench/speed.py <command> --help`` for each one's options):
   quant's ``GroupedLinear`` per recipe: ms, speed-up over bf16, peak GiB, grouped GEMM paths;
 - ``probe``: which grouped FP8 GEMM forms torch and Triton take on this GPU (E5M2 operands,
   per-group slices, fp32 outputs, quant-kernels' grouped kernels over tile configs): error
-  against an fp32 product, ms, TFLOP/s.
+  against an fp32 product, ms, TFLOP/s;
+- ``multi-gpu``: a Llama training step on several GPUs under FSDP2, or FSDP2 x tensor
+  parallelism, bf16 against torchao's float8 and each quant recipe: ms/step, vs bf16, tokens/s
+  per GPU, peak GiB per GPU, all-gather MiB per step.
 
 The packages come from the environment (wheels; from source trees the Triton backend is
 registered by hand); torchao and transformers are imported from the path.
@@ -30,6 +33,7 @@ registered by hand); torchao and transformers are imported from the path.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -439,6 +443,17 @@ def cmd_probe(args, p) -> None:
     grouped_cases.main(args)
 
 
+def cmd_multi_gpu(args, p) -> None:
+    if args.tp < 1 or args.nproc % args.tp:
+        p.error(f"--tp must divide --nproc ({args.nproc}), got {args.tp}")
+    if args.steps < 2:
+        p.error(f"--steps must be at least 2, got {args.steps}")
+    import multi_gpu_cases
+
+    multi_gpu_cases.main(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                               if k != "cmd"}))
+
+
 def commands(sub) -> dict:
     """The subcommands, added to ``sub``."""
     s = sub.add_parser("step", help="the compiled Linear training step against bf16 and torchao",
@@ -588,9 +603,28 @@ def commands(sub) -> dict:
                    help="the own forms' groups skewed as a router makes them (--rows on average)")
     r.add_argument("--no-triton", action="store_true",
                    help="leave out the plain Triton tile kernels (torch's and the own forms)")
+    u = sub.add_parser("multi-gpu", help="Llama step on several GPUs: FSDP2, FSDP2 x TP",
+                       description="A Llama training step (the model command's Hugging Face "
+                       "Llama, eager unless --compile) on --nproc processes, one GPU each: each "
+                       "decoder layer and the model wrapped with fully_shard, with --tp T each "
+                       "layer's projections first split over a tensor-parallel mesh dimension "
+                       "(torch's, torchao's or quant's parallel styles). bf16, torchao's float8 "
+                       "tensorwise and rowwise, each recipe and <recipe>:fp8ag (the weight "
+                       "all-gathered quantized; FSDP2 only). Per config: ms/step and peak GiB, "
+                       "each also as a ratio to bf16's, tokens/s per GPU, all-gather MiB per "
+                       "step, last loss. --device cpu --size tiny: the same on gloo.")
+    u.add_argument("--nproc", type=int, default=2, help="processes, one GPU each")
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides nproc)")
+    u.add_argument("--size", choices=sorted(steps.SIZES), default="8b")
+    u.add_argument("--steps", type=int, default=8, help="steps per config (2 of them warm-up)")
+    u.add_argument("--configs", default=None, help="comma-separated; default: all")
+    u.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    u.add_argument("--compile", action="store_true", help="compile each decoder layer")
+    u.add_argument("--port", type=int, default=29513)
+    u.add_argument("--json", metavar="OUT")
     return {"step": cmd_step, "model": cmd_model, "layer": cmd_layer, "gemm": cmd_gemm,
             "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune, "moe": cmd_moe,
-            "probe": cmd_probe}
+            "probe": cmd_probe, "multi-gpu": cmd_multi_gpu}
 
 
 if __name__ == "__main__":
