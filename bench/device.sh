@@ -31,30 +31,23 @@
 #                the recipes (default fp8_current ao_fp8_tensorwise bf16)
 #   demo         quant doctor, then quant demo on the GPU (150 steps)
 #   gpt          quant demo --model gpt per recipe, one process each; args: the recipes
-#   parity       NVFP4's 4over6 and row-scaled variants on the GPU: the 2^32 sweep of the
-#                rounding helpers (their division and E2M1 value included), tests/gpu's kernel
-#                checks of the variants (the 4over6 reference is slow: ~30 s a case) and their
-#                compiled forms, verbose, a line per test
-#   parity-gemm  the NVFP4 GEMM tests, verbose, then their reference tests ten times over
-#   parity-speed the NVFP4 kernels' bandwidth with the 4over6 and row-scaled variants
-#                (speed.py kernels --only NVFP4: their tile sweeps, the spilling tiles included)
 #   multi        the multi-GPU run: tests/recipes' FSDP2, distributed and tensor-parallel tests
-#                on NCCL, then bench/multi_gpu.py (Llama 8b widths) under FSDP2 on 2 GPUs, and
-#                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to multi_gpu.py
-#   moe          bench/moe.py: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
-#                (args: moe.py's, e.g. --tokens 2048 --experts 64)
+#                on NCCL, then speed.py multi-gpu (Llama 8b widths) under FSDP2 on 2 GPUs, and
+#                under FSDP2 x TP (2 x 2) where 4 GPUs are present; args go to speed.py multi-gpu
+#   moe          speed.py moe: the MoE expert layer, bf16 / torchao / quant's GroupedLinear
+#                (args: speed.py moe's, e.g. --tokens 2048 --experts 64)
 #   grouped      GroupedLinear's tests on the GPU (tests/recipes/test_grouped_*.py; args: pytest's)
 #   moe-check    the mixture-of-experts checks: the grouped FP8 GEMM kernels against the
 #                reference, tests/gpu/test_grouped_cuda.py (no host sync, CUDA-graph replay,
 #                the per-group bound) and GroupedLinear's tests (args: pytest's)
-#   moe-layer    speed.py layer: one MoE decoder layer at Qwen3-MoE and Mixtral widths, 16k
-#                tokens (args: speed.py layer's, e.g. --configs bf16,fp8_current)
-#   moe-model    speed.py model at Qwen3-MoE then Mixtral widths, 4 layers, 20 steps (args:
-#                speed.py model's)
-#   probe        bench/grouped_probe.py: which FP8 GEMM forms torch and Triton take here (E5M2
-#                operands, per-group slices, fp32 outputs), their errors and speed
+#   probe        speed.py probe: which grouped FP8 GEMM forms torch and Triton take here (E5M2
+#                operands, per-group slices, fp32 outputs, quant-kernels' grouped kernels), their
+#                errors and speed (args: speed.py probe's, e.g. --own --ragged)
 #   cmd          any command as one step (NAME, else "cmd"; limit LIMIT, else 300 s), with the
 #                same setup: e.g. NAME=sweep bash bench/device.sh cmd python3 -m pytest ...
+#
+# A campaign's one-off device profiles go in its dated report (bench/results/), as cmd commands,
+# not in this runner.
 #
 # Environment: OUT (where results go; set by the GPU machine), LIMIT (seconds for each step,
 # instead of the step's own limit), SRC=1 (put this tree's packages/*/src before the wheels;
@@ -162,29 +155,13 @@ profile_spy() {
       --meta "$OUT/spy_$r.json"
   done
 }
-profile_parity() {
-  step parity_sweep 60 "${PYTEST[@]}" -v tests/gpu/test_kernels_vs_reference.py -k exhaustive
-  step parity_kernels 360 "${PYTEST[@]}" -v tests/gpu/test_kernels_vs_reference.py \
-    -k "nvfp4_4over6 or nvfp4_row_scaled" "$@"
-  step parity_compile 150 "${PYTEST[@]}" -v tests/gpu/test_compile_cuda.py \
-    -k "nvfp4 or 4over6 or row_scaled"
-}
-profile_parity-gemm() {
-  # the NVFP4 GEMM tests once verbose, then the reference tests ten times over (a result once
-  # moved between runs): every failure is kept with its traceback
-  step parity_gemm 150 bash -c '"$@" -v -k nvfp4 || rc=1; for i in 1 2 3 4 5 6 7 8 9 10; do
-    "$@" -k nvfp4_gemm_matches_reference || rc=1; done; exit ${rc:-0}' _ "${PYTEST[@]}" \
-    --tb=long tests/kernels/test_gemm.py
-}
-profile_parity-speed() {
-  step parity_speed 400 python3 bench/speed.py kernels --only NVFP4 --json "$OUT/parity.json" "$@"
-}
 profile_multi() {
   QUANT_DIST_BACKEND=nccl step multi_tests 400 "${PYTEST[@]}" tests/recipes/test_fsdp2.py \
     tests/recipes/test_distributed.py tests/recipes/test_tensor_parallel.py
-  step multi_fsdp2 560 python3 bench/multi_gpu.py --nproc 2 --json "$OUT/multi_fsdp2.json" "$@"
+  step multi_fsdp2 560 python3 bench/speed.py multi-gpu --nproc 2 --json "$OUT/multi_fsdp2.json" \
+    "$@"
   if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-    step multi_tp 560 python3 bench/multi_gpu.py --nproc 4 --tp 2 \
+    step multi_tp 560 python3 bench/speed.py multi-gpu --nproc 4 --tp 2 \
       --json "$OUT/multi_tp.json" "$@"
   fi
 }
@@ -196,23 +173,9 @@ profile_moe-check() {
     tests/gpu/test_grouped_cuda.py tests/recipes/test_grouped_fp8.py \
     tests/recipes/test_grouped_linear.py tests/recipes/test_grouped_host_reads.py "$@"
 }
-profile_moe-layer() {
-  local size
-  for size in qwen3-moe mixtral; do
-    step "layer_$size" 300 python3 bench/speed.py layer --size "$size" \
-      --json "$OUT/layer_$size.json" "$@"
-  done
-}
-profile_moe-model() {
-  local size
-  for size in qwen3-moe mixtral; do
-    step "model_$size" 540 python3 bench/speed.py model --size "$size" --steps 20 \
-      --configs bf16,fp8_current,fp8_block,mxfp8 --json "$OUT/model_$size.json" "$@"
-  done
-}
 profile_cmd() { step "${NAME:-cmd}" 300 "$@"; }
-profile_probe() { step probe 240 python3 bench/grouped_probe.py "$@"; }
-profile_moe() { step moe 400 python3 bench/moe.py --json "$OUT/moe.json" "$@"; }
+profile_probe() { step probe 240 python3 bench/speed.py probe "$@"; }
+profile_moe() { step moe 400 python3 bench/speed.py moe --json "$OUT/moe.json" "$@"; }
 profile_demo() {
   step doctor 30 python3 -m quant_recipes.cli doctor
   step demo 200 python3 -m quant_recipes.cli demo --device cuda --steps 150 --out "$OUT/demo"

@@ -16,7 +16,16 @@ Subcommands (``python bench/speed.py <command> --help`` for each one's options):
 - ``host``: host time of one eager quantize and one GEMM call against floors (an empty
   allocation, a bare Triton launch, a no-op custom op), with cProfile tables;
 - ``autotune``: MXFP8's dequantize + cuBLAS against Inductor's max-autotune with the
-  dequantization fused into the template's prologue, both against bf16 ``mm``.
+  dequantization fused into the template's prologue, both against bf16 ``mm``;
+- ``moe``: forward + backward of a mixture-of-experts expert layer (gate/up, then down grouped
+  GEMMs; DeepSeek-V3 widths), bf16 ``torch._grouped_mm`` against torchao's FP8 grouped GEMM and
+  quant's ``GroupedLinear`` per recipe: ms, speed-up over bf16, peak GiB, grouped GEMM paths;
+- ``probe``: which grouped FP8 GEMM forms torch and Triton take on this GPU (E5M2 operands,
+  per-group slices, fp32 outputs, quant-kernels' grouped kernels over tile configs): error
+  against an fp32 product, ms, TFLOP/s;
+- ``multi-gpu``: a Llama training step on several GPUs under FSDP2, or FSDP2 x tensor
+  parallelism, bf16 against torchao's float8 and each quant recipe: ms/step, vs bf16, tokens/s
+  per GPU, peak GiB per GPU, all-gather MiB per step.
 
 The packages come from the environment (wheels; from source trees the Triton backend is
 registered by hand); torchao and transformers are imported from the path.
@@ -24,6 +33,7 @@ registered by hand); torchao and transformers are imported from the path.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -32,6 +42,7 @@ import sys
 import time
 
 import measure
+import moe_cases
 import steps
 import torch
 
@@ -422,6 +433,27 @@ def cmd_autotune(args, p) -> None:
     gemm_cases.autotune([s for s in args.shapes.split(",") if s], args.json)
 
 
+def cmd_moe(args, p) -> None:
+    moe_cases.main(args)
+
+
+def cmd_probe(args, p) -> None:
+    import grouped_cases
+
+    grouped_cases.main(args)
+
+
+def cmd_multi_gpu(args, p) -> None:
+    if args.tp < 1 or args.nproc % args.tp:
+        p.error(f"--tp must divide --nproc ({args.nproc}), got {args.tp}")
+    if args.steps < 2:
+        p.error(f"--steps must be at least 2, got {args.steps}")
+    import multi_gpu_cases
+
+    multi_gpu_cases.main(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                               if k != "cmd"}))
+
+
 def commands(sub) -> dict:
     """The subcommands, added to ``sub``."""
     s = sub.add_parser("step", help="the compiled Linear training step against bf16 and torchao",
@@ -525,8 +557,74 @@ def commands(sub) -> dict:
                        "chosen; the two results' relative difference.")
     a.add_argument("--shapes", default="8192x4096x4096,8192x4096x14336,8192x14336x4096")
     a.add_argument("--json", metavar="OUT")
+    e = sub.add_parser("moe", help="MoE expert layer: bf16 / torchao / quant's GroupedLinear",
+                       description="Forward + backward of a mixture-of-experts expert layer "
+                       "(h = silu(x W_gate) * (x W_up), one grouped GEMM for gate and up, then "
+                       "y = h W_down; DeepSeek-V3's routed experts by default: 32 local experts, "
+                       "8192 tokens, top-8), balanced and skewed routing: bf16 "
+                       "torch._grouped_mm, torchao's FP8 rowwise grouped GEMM and quant's "
+                       "GroupedLinear per recipe (and variants: bench/moe_cases.py). Per config a "
+                       "JSON line (median ms, grouped GEMM paths), then a table of speed-ups over "
+                       "bf16 with the peak GiB.")
+    # 8192 tokens x top-8 over 32 local experts: 2048 rows per expert, the shape the issue's
+    # roofs were measured at (DeepSeek-V3's 256 experts over 8 expert-parallel ranks)
+    e.add_argument("--tokens", type=int, default=8192, help="tokens per step (before top-k)")
+    e.add_argument("--topk", type=int, default=8, help="experts per token")
+    e.add_argument("--experts", type=int, default=32, help="experts on this GPU")
+    e.add_argument("--hidden", type=int, default=7168)
+    e.add_argument("--inter", type=int, default=2048, help="expert intermediate width")
+    e.add_argument("--routing", default="balanced,skewed", help="balanced,skewed")
+    e.add_argument("--configs", default=",".join(moe_cases.CONFIGS),
+                   help=f"comma-separated subset of {','.join(moe_cases.CONFIGS)}")
+    e.add_argument("--iters", type=int, default=measure.ITERS, help="timed steps (median)")
+    e.add_argument("--warmup", type=int, default=measure.WARMUP)
+    e.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the layer")
+    e.add_argument("--trace", metavar="DIR", help="with --profile: Chrome traces of the steps")
+    e.add_argument("--profile", action="store_true",
+                   help="print one step's kernels by device time, per config")
+    e.add_argument("--device", default="cuda")
+    e.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in seconds")
+    e.add_argument("--json", metavar="OUT", help="also write the rows to this file")
+    r = sub.add_parser("probe", help="grouped FP8 GEMM forms of torch and Triton: error, speed",
+                       description="Which FP8 GEMM forms the running torch and Triton take on "
+                       "this GPU for GroupedLinear's grouped GEMMs (DeepSeek-V3 expert widths by "
+                       "default): torch._scaled_grouped_mm with E4M3 and E5M2 first operands, "
+                       "rows and contraction grouped; torch._scaled_mm per group on slices; bf16 "
+                       "torch._grouped_mm and its fp32 output; a plain Triton tile kernel with "
+                       "and without fast accumulation; quant-kernels' grouped FP8 GEMMs over tile "
+                       "configs and promotion intervals. A JSON line per form (ok, max relative "
+                       "error against the fp32 product, ms, TFLOP/s), then a table. CUDA only.")
+    r.add_argument("--experts", type=int, default=32)
+    r.add_argument("--rows", type=int, default=2048, help="rows per expert")
+    r.add_argument("--hidden", type=int, default=7168)
+    r.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
+    r.add_argument("--own", action="store_true", help="quant-kernels' forms only")
+    r.add_argument("--ragged", action="store_true",
+                   help="the own forms' groups skewed as a router makes them (--rows on average)")
+    r.add_argument("--no-triton", action="store_true",
+                   help="leave out the plain Triton tile kernels (torch's and the own forms)")
+    u = sub.add_parser("multi-gpu", help="Llama step on several GPUs: FSDP2, FSDP2 x TP",
+                       description="A Llama training step (the model command's Hugging Face "
+                       "Llama, eager unless --compile) on --nproc processes, one GPU each: each "
+                       "decoder layer and the model wrapped with fully_shard, with --tp T each "
+                       "layer's projections first split over a tensor-parallel mesh dimension "
+                       "(torch's, torchao's or quant's parallel styles). bf16, torchao's float8 "
+                       "tensorwise and rowwise, each recipe and <recipe>:fp8ag (the weight "
+                       "all-gathered quantized; FSDP2 only). Per config: ms/step and peak GiB, "
+                       "each also as a ratio to bf16's, tokens/s per GPU, all-gather MiB per "
+                       "step, last loss. --device cpu --size tiny: the same on gloo.")
+    u.add_argument("--nproc", type=int, default=2, help="processes, one GPU each")
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides nproc)")
+    u.add_argument("--size", choices=sorted(steps.SIZES), default="8b")
+    u.add_argument("--steps", type=int, default=8, help="steps per config (2 of them warm-up)")
+    u.add_argument("--configs", default=None, help="comma-separated; default: all")
+    u.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    u.add_argument("--compile", action="store_true", help="compile each decoder layer")
+    u.add_argument("--port", type=int, default=29513)
+    u.add_argument("--json", metavar="OUT")
     return {"step": cmd_step, "model": cmd_model, "layer": cmd_layer, "gemm": cmd_gemm,
-            "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune}
+            "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune, "moe": cmd_moe,
+            "probe": cmd_probe, "multi-gpu": cmd_multi_gpu}
 
 
 if __name__ == "__main__":

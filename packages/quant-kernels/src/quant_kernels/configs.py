@@ -94,7 +94,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     # fp8_grouped_gemm.py: grouped FP8 GEMMs; PROMOTE: the contraction elements the tensor core
     # sums before an fp32 add (0: after every MMA); COLS_FASTEST: the rows kernel's programs
     # that run together share a row tile; tma: tiles loaded by the tensor memory accelerator.
-    # The winners of bench/grouped_probe.py's sweep
+    # The winners of the sweep of bench/speed.py probe (bench/grouped_cases.py)
     "fp8_grouped_rows_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
                 "num_warps": 8, "num_stages": 4, "tma": 1},

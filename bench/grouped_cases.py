@@ -1,5 +1,5 @@
 """Which FP8 GEMM forms the running torch and Triton take on this GPU, for GroupedLinear's grouped
-GEMMs, with each form's error against an fp32 product and its speed.
+GEMMs, with each form's error against an fp32 product and its speed (``speed.py probe``).
 
 Forms (DeepSeek-V3 expert widths by default: 32 experts x 2048 rows, hidden 7168, expert MLP
 2048, so the gate/up GEMM is ``[2048, 7168] x [7168, 4096]`` per expert):
@@ -21,7 +21,6 @@ Prints one JSON line per form (``ok``, ``err`` = max |got - fp32| / max |fp32|, 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -269,18 +268,8 @@ def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--rows", type=int, default=2048, help="rows per expert")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
-    p.add_argument("--own", action="store_true", help="quant-kernels' forms only")
-    p.add_argument("--ragged", action="store_true",
-                   help="the own forms' groups skewed as a router makes them (--rows on average)")
-    p.add_argument("--no-triton", action="store_true",
-                   help="leave out the plain Triton tile kernels (torch's and the own forms)")
-    args = p.parse_args()
+def main(args) -> None:
+    """The forms ``speed.py probe``'s options select: a JSON line each, then the table."""
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
     rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
     rows += [] if args.own or args.no_triton else triton_forms(args.rows, args.hidden, args.out)
@@ -294,7 +283,3 @@ def main() -> None:
             print(f"| {r['form']} | yes | {r['err']:.2e} | {r['ms']:.3f} | {r['tflops']:.0f} |")
         else:
             print(f"| {r['form']} | no: {r['error'][:90]} | - | - | - |")
-
-
-if __name__ == "__main__":
-    main()

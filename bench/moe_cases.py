@@ -1,5 +1,6 @@
-"""MoE expert layer: forward + backward of gate/up then down grouped GEMMs, bf16 against
-torchao's FP8 grouped GEMM and each quant recipe, every figure a ratio to bf16 of the same run.
+"""MoE expert layer (``speed.py moe``): forward + backward of gate/up then down grouped GEMMs,
+bf16 against torchao's FP8 grouped GEMM and each quant recipe, every figure a ratio to bf16 of
+the same run.
 
 The layer is DeepSeek-V3's routed experts by default (hidden 7168, expert intermediate 2048,
 8 of 256 experts per token, 32 of them on this GPU as under 8-way expert parallelism, 8192
@@ -22,7 +23,6 @@ then a markdown table of speed-ups over bf16, with the peak memory of the timed 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -243,36 +243,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    # 8192 tokens x top-8 over 32 local experts: 2048 rows per expert, the shape the issue's
-    # roofs were measured at (DeepSeek-V3's 256 experts over 8 expert-parallel ranks)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per step (before top-k)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token")
-    p.add_argument("--experts", type=int, default=32, help="experts on this GPU")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--inter", type=int, default=2048, help="expert intermediate width")
-    p.add_argument("--routing", default="balanced,skewed", help="balanced,skewed")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of {','.join(CONFIGS)}")
-    p.add_argument("--iters", type=int, default=measure.ITERS, help="timed steps (median)")
-    p.add_argument("--warmup", type=int, default=measure.WARMUP)
-    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the layer")
-    p.add_argument("--trace", metavar="DIR", help="with --profile: Chrome traces of the steps")
-    p.add_argument("--profile", action="store_true",
-                   help="print one step's kernels by device time, per config")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, in seconds")
-    p.add_argument("--json", metavar="OUT", help="also write the rows to this file")
-    args = p.parse_args()
+def main(args) -> None:
+    """Every routing of ``args.routing``, every config of ``args.configs``: a JSON line each,
+    then the table (``speed.py moe``'s options)."""
     if args.smoke:
         args.tokens, args.topk, args.experts, args.hidden, args.inter = 24, 2, 4, 128, 64
         args.iters, args.warmup, args.device = 2, 1, "cpu"
-    import quant_dynamo  # noqa: F401  (compile support, before any quant module is traced)
-
-    steps.register_triton()
     device = torch.device(args.device)
     print(json.dumps(measure.env_line(device)), flush=True)
     if device.type == "cuda":
@@ -292,7 +268,3 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
-"""A Llama training step on several GPUs: FSDP2, or FSDP2 x tensor parallelism on a 2-D mesh,
-for bf16, torchao's float8 and quant's recipes in one run; ms/step, tokens/s per GPU, peak
-memory per GPU and bytes all-gathered per step, as ratios to bf16's.
+"""A Llama training step on several GPUs (``speed.py multi-gpu``): FSDP2, or FSDP2 x tensor
+parallelism on a 2-D mesh, for bf16, torchao's float8 and quant's recipes in one run; ms/step,
+tokens/s per GPU, peak memory per GPU and bytes all-gathered per step, as ratios to bf16's.
 
 The model is the model benchmark's Hugging Face Llama (``steps.SIZES``: ``8b`` is Llama-3-8B's
 widths with 8 layers), bf16, built on every rank from one seed. Each decoder layer, then the
@@ -19,14 +19,13 @@ own batch (tensor-parallel ranks share theirs); tokens/s per GPU counts every ra
 all GPUs. ``--compile`` compiles each decoder layer (the model benchmark's per-layer compile).
 The all-gather column is one rank's bytes received by FSDP2's all-gathers in one step.
 
-Run with ``python3 bench/multi_gpu.py --nproc 2`` (FSDP2 on 2 GPUs) or ``--nproc 4 --tp 2``;
-``--device cpu --size tiny`` runs the same on gloo (the check that the script works; torchao is
-skipped where it is not installed); ``--nproc 1`` is the one-GPU dry run.
+Run with ``python3 bench/speed.py multi-gpu --nproc 2`` (FSDP2 on 2 GPUs) or ``--nproc 4
+--tp 2``; ``--device cpu --size tiny`` runs the same on gloo (the check that the command works;
+torchao is skipped where it is not installed); ``--nproc 1`` is the one-GPU dry run.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import pathlib
@@ -210,26 +209,6 @@ def print_table(per_rank: list[list[dict]], args) -> None:
             json.dump({"args": vars(args), "ranks": per_rank}, f, indent=1)
 
 
-def main() -> None:
-    doc = __doc__
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="processes, one GPU each")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides nproc)")
-    p.add_argument("--size", choices=sorted(SIZES), default="8b")
-    p.add_argument("--steps", type=int, default=8, help="steps per config (2 of them warm-up)")
-    p.add_argument("--configs", default=None, help="comma-separated; default: all")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--compile", action="store_true", help="compile each decoder layer")
-    p.add_argument("--port", type=int, default=29513)
-    p.add_argument("--json", metavar="OUT")
-    args = p.parse_args()
-    if args.tp < 1 or args.nproc % args.tp:
-        p.error(f"--tp must divide --nproc ({args.nproc}), got {args.tp}")
-    if args.steps < 2:
-        p.error(f"--steps must be at least 2, got {args.steps}")
+def main(args) -> None:
+    """``args.nproc`` processes, each running every config (``speed.py multi-gpu``'s options)."""
     mp.spawn(worker, args=(args,), nprocs=args.nproc, join=True)
-
-
-if __name__ == "__main__":
-    main()
