@@ -33,8 +33,8 @@ from quant_core.storage import QuantizedStorage
 
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
-from ..module import QuantizedModule, intern, is_value, module_frame
-from ..operands import plan_operands, requantizing_backward
+from ..module import QuantizedModule, intern, module_frame
+from ..operands import plan_operands, requantizable, requantizing_backward
 from ..role import QuantizerRole
 from . import fp8_gemm
 from .gemm import check_offsets, check_on_device, token_alignment
@@ -216,26 +216,27 @@ class GroupedProjection(QuantizedModule):
                              "quantizers); use Float8CurrentScaling")
         qset = self.quantizers(frame, device=w.device)
         for q, what in ((qset.fwd[0], "input"), (qset.fwd[1], "weight")):
-            if not (is_value(q) and q.is_requantization_safe()):
+            if not requantizable(q):
                 raise ValueError(
                     f"GroupedLinear {self.name!r}: the {what} quantizer {q!r} does not give the "
                     "same bytes when it quantizes again, which the backward does; use a value "
                     "quantizer without stochastic rounding for the input and weight")
         grad = torch.is_grad_enabled()
-        # both operands are quantized again in backward on the per-group paths, which keep
-        # nothing from forward; the quantize-once FP8 path keeps copies as the layer says
         plan = plan_operands(qset, frame.recipe.backward_override,
                              wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
-                             keep_weight=False, keep_input=False)
+                             keep_weight=self.save_weight_copy, keep_input=self.save_input_copy)
+        # the grouped GEMMs quantize the forward operands rowwise; what backward reads, each
+        # path makes itself: the quantize-once FP8 path keeps transposed copies where the plan
+        # keeps one, the per-group paths quantize both operands again
+        qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
         if (plan.columnwise and b is None and w.dtype == x.dtype and fp8_gemm.takes(
-                (plan.input, plan.weight, qset.bwd[0]), x.device, x.dtype, align,
-                self.in_features, self.out_features)):
-            return _GroupedFP8Fn.apply(x, offs, w, plan.input, plan.weight, qset.bwd[0], align,
-                                       traced, self.save_input_copy, self.save_weight_copy)
+                (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
+                self.out_features)):
+            return _GroupedFP8Fn.apply(x, offs, w, qx, qw, qset.bwd[0], align, traced,
+                                       plan.input_bwd is None, plan.weight_bwd is None)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
-        return _GroupedFn.apply(x, offs, w, b, plan.input, plan.weight, *again, plan.columnwise,
-                                align, traced)
+        return _GroupedFn.apply(x, offs, w, b, qx, qw, *again, plan.columnwise, align, traced)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:
