@@ -454,6 +454,12 @@ def cmd_multi_gpu(args, p) -> None:
                                                if k != "cmd"}))
 
 
+def cmd_trace(args, p) -> None:
+    import trace_cases
+
+    trace_cases.main(args)
+
+
 def commands(sub) -> dict:
     """The subcommands, added to ``sub``."""
     s = sub.add_parser("step", help="the compiled Linear training step against bf16 and torchao",
@@ -622,9 +628,25 @@ def commands(sub) -> dict:
     u.add_argument("--compile", action="store_true", help="compile each decoder layer")
     u.add_argument("--port", type=int, default=29513)
     u.add_argument("--json", metavar="OUT")
+    t = sub.add_parser("trace", help="Dynamo + AOTAutograd trace time of a Llama, vs bf16",
+                       description="The device-independent part of compile time: a Hugging Face "
+                       "Llama from a config (small widths) compiled whole with the aot_eager "
+                       "backend on the CPU, one training step. Per config: first-step seconds "
+                       "and their ratio to bf16's, Dynamo's phase times, the bytecode "
+                       "instructions Dynamo traced (quant's in brackets), graphs "
+                       "(bench/trace_cases.py).")
+    t.add_argument("--configs", default="bf16,fp8_current,fp8_block,mxfp8,nvfp4",
+                   help="comma-separated: bf16 and recipe names")
+    t.add_argument("--layers", type=int, default=8, help="decoder layers")
+    t.add_argument("--repeat", type=int, default=1, help="runs per config")
+    t.add_argument("--regional", action="store_true",
+                   help="compile each decoder layer (layer.compile()) instead of the whole model")
+    t.add_argument("--no-count", action="store_true",
+                   help="do not count traced instructions (their counting costs time)")
+    t.add_argument("--json", metavar="OUT")
     return {"step": cmd_step, "model": cmd_model, "layer": cmd_layer, "gemm": cmd_gemm,
             "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune, "moe": cmd_moe,
-            "probe": cmd_probe, "multi-gpu": cmd_multi_gpu}
+            "probe": cmd_probe, "multi-gpu": cmd_multi_gpu, "trace": cmd_trace}
 
 
 if __name__ == "__main__":

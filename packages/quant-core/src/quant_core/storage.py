@@ -72,6 +72,9 @@ class QuantizedStorage:
                 raise TypeError(f"storage format {name!r} is already {known.__qualname__}; "
                                 f"{cls.__qualname__} must name another format")
             _FORMATS[name] = cls
+            if name not in _INDEX:
+                _INDEX[name] = len(_NAMES)
+                _NAMES.append(name)
 
     def __init__(self, *, shape, dtype: torch.dtype, quantizer, **kwargs: Any) -> None:
         self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
@@ -233,11 +236,25 @@ class QuantizedStorage:
 
 #: format name -> storage class, in definition order.
 _FORMATS: dict[str, type[QuantizedStorage]] = {}
+#: Each registered format's position in :func:`storage_formats` (registration order).
+_INDEX: dict[str, int] = {}
+_NAMES: list[str] = []
 
 
 def storage_formats() -> tuple[str, ...]:
     """The registered format names, in definition order."""
     return tuple(_FORMATS)
+
+
+def format_index(format: str) -> int | None:
+    """The position of ``format`` in :func:`storage_formats`, ``None`` if it is not registered:
+    one dictionary read (code that Dynamo traces calls it per quantize)."""
+    return _INDEX.get(format)
+
+
+def format_at(index: int) -> str:
+    """The registered format at ``index`` of :func:`storage_formats` (one list read)."""
+    return _NAMES[index]
 
 
 def storage_class(format: str) -> type[QuantizedStorage]:

@@ -29,9 +29,10 @@ NEEDS_DYNAMO = (
 )
 
 
-def compiling() -> bool:
-    """Whether Dynamo is tracing the caller (``torch.compiler.is_compiling()``)."""
-    return torch.compiler.is_compiling()
+#: ``compiling()``: whether Dynamo is tracing the caller. torch's own function, not a wrapper:
+#: Dynamo folds a call to it to a constant, where it would inline a wrapper's frame on each of
+#: the dozen calls a quantized layer makes while it is traced.
+compiling = torch.compiler.is_compiling
 
 
 def available() -> bool:

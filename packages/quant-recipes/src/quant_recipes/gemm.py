@@ -18,7 +18,7 @@ import collections
 
 import torch
 from quant_core.kernel_capture import NotCapturable
-from quant_core.storage import storage_class, storage_formats
+from quant_core.storage import format_at, format_index, storage_class, storage_formats
 
 from .compiling import available, dynamo
 from .gemm_fast import fast_gemm
@@ -70,21 +70,28 @@ def _record(path: str) -> None:
     _LAST[:] = [path]
 
 
+def is_high_precision(q) -> bool:
+    """Whether ``q`` leaves its tensor unquantized (its operands travel as ``[tensor]``)."""
+    # not isinstance: torch 2.11 traces quantizers as opaque wrappers
+    return q.storage_format == "high_precision"
+
+
 def quantizer_meta(q) -> list[int]:
     """``[format index, *storage tags as integers]`` of a quantizer's storages."""
-    fmt = q.storage_format  # not isinstance: torch 2.11 traces quantizers as opaque wrappers
+    fmt = q.storage_format
     if fmt == "high_precision":
         return list(HP_META)
-    if fmt not in storage_formats():
+    index = format_index(fmt)
+    if index is None:
         raise TypeError(
             f"{type(q).__name__}.storage_format is {fmt!r}; a quantizer used by quant_recipes "
             f"must produce one of high_precision, {', '.join(storage_formats())}"
         )
-    return [1 + storage_formats().index(fmt), *storage_class(fmt).wire_tags(q._storage_tags())]
+    return [1 + index, *storage_class(fmt).wire_tags(q._storage_tags())]
 
 
 def _storage_type(meta: list[int]):
-    return storage_class(storage_formats()[meta[0] - 1])
+    return storage_class(format_at(meta[0] - 1))
 
 
 def _storage(bufs: list[torch.Tensor], meta: list[int], shape):

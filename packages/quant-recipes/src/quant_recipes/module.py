@@ -84,8 +84,8 @@ class QuantizerSet:
         self.recipe = recipe  # keeps a keyed-by-id CustomRecipe alive
         self.fwd_state = fwd_state
         self.bwd_state = bwd_state
-        self.fwd = tuple(fwd)
-        self.bwd = tuple(bwd)
+        self.fwd = fwd if isinstance(fwd, LazySlots) else tuple(fwd)
+        self.bwd = bwd if isinstance(bwd, LazySlots) else tuple(bwd)
         self._variants: dict[Any, Quantizer] = {}
 
     def variant(self, q: Quantizer, **fields: Any) -> Quantizer:
@@ -96,7 +96,10 @@ class QuantizerSet:
                 # usage flags differ under compile, and the GEMMs read the same buffers of the
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 return q
-            return derive(q, **fields)
+            for k, v in fields.items():  # a plain loop: the cheapest form for Dynamo to trace
+                if getattr(q, k, v) != v:
+                    return derive(q, **fields)
+            return q
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
         if v is None:
@@ -113,6 +116,34 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
     if is_value(q):
         return q.replace(**fields)
     return q.derive(**fields)
+
+
+class LazySlots:
+    """A recipe state's quantizers, each made when first read (``slots[i]``, ``slots[a:b]``).
+    While tracing, a layer reads three of a state's five slots, and every quantizer made is
+    traced code: the others are never made."""
+
+    __slots__ = ("_state", "_made")
+
+    def __init__(self, state: RecipeState) -> None:
+        self._state = state
+        self._made: dict[int, Quantizer] = {}
+
+    def __len__(self) -> int:
+        return self._state.num_quantizers
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if i < 0:
+            i += len(self)
+        q = self._made.get(i)
+        if q is None:
+            q = self._made[i] = self._state._make(i)
+        return q
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def is_value(q: Quantizer) -> bool:
@@ -254,12 +285,16 @@ class QuantizedModule(torch.nn.Module):
                 )
             state = RecipeState.create(recipe, mode=mode, num_quantizers=n, device=device,
                                        roles=roles)
+            states.append(state)
+            if key is None and not recipe.custom():
+                # while tracing, a built-in recipe's slot is made when a layer first reads it
+                # (a CustomRecipe's factory answers for every slot at once, as eagerly)
+                quantizers.append(LazySlots(state))
+                continue
             if old is not None:
                 state.inherit_state_from(old.fwd_state if mode == "forward" else old.bwd_state)
-            states.append(state)
             quantizers.append([intern(q) for q in state.make_quantizers()])
-            if key is not None:  # eager: a delayed state loaded before it was built
-                delayed_checkpoint.apply_pending(self, mode, state)
+            delayed_checkpoint.apply_pending(self, mode, state)  # a delayed state loaded early
         return QuantizerSet(key, recipe, states[0], states[1], quantizers[0], quantizers[1])
 
     # -------------------------------------------------------------- state_dict

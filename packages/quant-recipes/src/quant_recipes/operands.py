@@ -25,7 +25,7 @@ from quant_core.storage import QuantizedStorage, absent_buffer
 
 from .compiling import compiling, dynamo
 from .fsdp_layout import columnwise_buffer_list
-from .gemm import HP, HP_META, for_transposed_use, qgemm, quantizer_meta
+from .gemm import HP_META, for_transposed_use, is_high_precision, qgemm
 from .module import is_value
 from .reuse import shared_quantization
 from .weight_cache import cached_quantization
@@ -76,7 +76,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     tensor-wide amax all-reduced over ``group`` (a per-row amax is not: :func:`amax_per_row`).
     Eagerly a parameter's quantization is cached per optimizer step (:mod:`.weight_cache`) and
     an activation's may be shared between layers (:mod:`.reuse`)."""
-    if quantizer_meta(q)[0] == HP:
+    if is_high_precision(q):
         return [x]
     if group is not None and amax_per_row(q):
         group = None

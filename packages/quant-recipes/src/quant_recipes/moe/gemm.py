@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from quant_core.shapes import roundup
 
 from .. import operands
-from ..gemm import HP, dequantize, qgemm_impl, quantizer_meta
+from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
 from . import fp8, fp8_gemm
 from .paths import count_path
@@ -93,7 +93,7 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def quantized(x: torch.Tensor, q) -> list[torch.Tensor]:
     """``q``'s buffers of ``x`` (``[x]`` for a high-precision quantizer)."""
-    return [x] if quantizer_meta(q)[0] == HP else q.quantize(x).buffer_list(x)
+    return [x] if is_high_precision(q) else q.quantize(x).buffer_list(x)
 
 
 # ----------------------------------------------------------------------- the grouped_mm path

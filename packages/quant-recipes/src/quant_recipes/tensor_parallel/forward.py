@@ -18,7 +18,7 @@ from quant_core.storage import QuantizedStorage, absent_buffer, storage_class
 
 from ..compiling import compiling, dynamo
 from ..fsdp_layout import base, columnwise_buffer_list
-from ..gemm import HP, HP_META, quantizer_meta
+from ..gemm import HP_META, is_high_precision, quantizer_meta
 from ..module import is_value, module_frame
 from ..operands import (
     Operand,
@@ -40,7 +40,7 @@ def quantize_over(x: torch.Tensor, q, groups: tuple) -> list[torch.Tensor]:
     ``groups`` (``None`` entries skipped); no group: :func:`quant_recipes.operands.quantize_buffers`
     (its eager sharing of one quantization between layers included)."""
     groups = tuple(g for g in groups if g is not None)
-    if not groups or quantizer_meta(q)[0] == HP or not q.reduces_amax:
+    if not groups or is_high_precision(q) or not q.reduces_amax:
         return quantize_buffers(x, q, None)
     if compiling():
         ops = dynamo()
@@ -152,7 +152,7 @@ class AddBias(torch.autograd.Function):
 def block_of(q) -> int:
     """The elements one scale covers along a sharded dimension of ``q``'s operands (1 for a
     per-tensor format)."""
-    if quantizer_meta(q)[0] == HP:
+    if is_high_precision(q):
         return 1
     # fields and registered members only: traced code (torch 2.11) reads nothing else
     if "block_len" in (q.value_fields() or ()):

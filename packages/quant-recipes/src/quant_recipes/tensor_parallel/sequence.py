@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .. import fsdp_layout
 from ..compiling import compiling
-from ..gemm import HP, quantizer_meta
+from ..gemm import is_high_precision
 from ..module import module_frame
 
 _BYTES: collections.Counter = collections.Counter()
@@ -197,7 +197,7 @@ class PrepareQuantModuleInput(ParallelStyle):
             # output itself: compiled code gathers the high-precision input
             return None
         q = layer.quantizers(frame, device=x.device).fwd[0]
-        if quantizer_meta(q)[0] == HP:
+        if is_high_precision(q):
             return None
         dim = src.dim % x.dim()
         tokens = x.shape[:-1].numel()
