@@ -70,7 +70,22 @@ def test_always_quantize_needs_a_stateless_recipe():
         qr.convert(model, recipe=qr.DelayedScaling(), always_quantize=True)
     assert type(model[0]) is torch.nn.Linear  # nothing converted half-way
     with pytest.raises(TypeError, match="bound_recipe must be a quant_recipes.Recipe"):
-        qr.Linear(8, 8).bound_recipe = "mxfp8"
+        qr.Linear(8, 8).bound_recipe = 8
+    with pytest.raises(ValueError, match="DelayedScaling updates its scales"):
+        qr.Linear(8, 8).bound_recipe = "delayed"
+    with pytest.raises(ValueError, match="unknown name 'mxfp9'"):
+        qr.Linear(8, 8).bound_recipe = "mxfp9"
+
+
+def test_a_recipe_is_bound_by_its_name_as_convert_and_autocast_take_it():
+    """``bound_recipe = "mxfp8"`` binds ``recipe("mxfp8")``: the layer quantizes outside autocast
+    with the bits of that recipe's autocast."""
+    bound, plain = (qr.convert(_model(), recipe="mxfp8") for _ in range(2))
+    for layer in (bound[0], bound[2]):
+        layer.bound_recipe = "mxfp8"
+    assert bound[0].bound_recipe == qr.MXFP8BlockScaling()
+    assert _equal(_step(bound, _x()), _step(plain, _x(), qr.autocast(recipe=qr.recipe("mxfp8"))))
+    assert not _equal(_step(bound, _x()), _step(plain, _x()))  # quantized, not high precision
 
 
 dynamo = pytest.importorskip("quant_dynamo", reason="compile tests need quant-dynamo")

@@ -23,6 +23,7 @@ from quant_core import Quantizer, is_value_quantizer
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
 from .compiling import compiling, dynamo, is_compiled_value, raise_error
+from .recipe_names import as_recipe
 from .recipes import Recipe
 from .role import QuantizerRole
 from .states import RecipeState, delayed_states
@@ -157,7 +158,8 @@ def check_bindable(recipe: Recipe) -> None:
     """``TypeError``/``ValueError`` unless ``recipe`` can be a module's bound recipe: a recipe
     without state that autocast's region exits update (not ``DelayedScaling``)."""
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"bound_recipe must be a quant_recipes.Recipe or None, got {recipe!r}")
+        raise TypeError(f"bound_recipe must be a quant_recipes.Recipe, a recipe name or None, got "
+                        f"{recipe!r}")
     if recipe.delayed():
         raise ValueError("bound_recipe: DelayedScaling updates its scales when an autocast "
                          "region exits, so it needs autocast; bind a stateless recipe "
@@ -213,7 +215,11 @@ class QuantizedModule(torch.nn.Module):
         return None if frame is None else frame.recipe
 
     @bound_recipe.setter
-    def bound_recipe(self, recipe: Recipe | None) -> None:
+    def bound_recipe(self, recipe: Recipe | str | None) -> None:
+        """A recipe, its name (``"fp8_block"``, as :func:`~quant_recipes.recipe` takes it) or
+        ``None``."""
+        if isinstance(recipe, str):
+            recipe = as_recipe(recipe, "bound_recipe")
         if recipe is not None:
             check_bindable(recipe)
         self._bound_frame = None if recipe is None else Frame(True, recipe, False, None)
