@@ -98,7 +98,7 @@ class QuantizerSet:
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 return q
             for k, v in fields.items():  # a plain loop: the cheapest form for Dynamo to trace
-                if getattr(q, k, v) != v:
+                if hasattr(q, k) and getattr(q, k) != v:  # derive's reads, in derive's order
                     return derive(q, **fields)
             return q
         key = (id(q), tuple(sorted(fields.items())))
