@@ -115,6 +115,7 @@ def test_quant_export_writes_a_servable_checkpoint_of_a_saved_model(tmp_path, ca
     (["export", "{missing}", "{out}", "--recipe", "fp8_block"], "no config.json"),
     (["export", "{src}", "{out}", "--recipe", "fp8_blocks"], "unknown name 'fp8_blocks'"),
     (["export", "{src}", "{out}", "--recipe", "mxfp8"], "MXFP8"),
+    (["export", "{src}", "{src}", "--recipe", "fp8_block", "--overwrite"], "another directory"),
 ])
 def test_quant_export_refuses_with_what_is_wrong(argv, message, tmp_path, capsys):
     from quant_recipes.cli import main

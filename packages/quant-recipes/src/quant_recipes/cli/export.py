@@ -50,10 +50,10 @@ def run_export(args) -> int:
     source, out = pathlib.Path(args.source), pathlib.Path(args.out)
     if not (source / "config.json").is_file():
         return _fail(f"{source} is not a Hugging Face checkpoint directory (no config.json)")
-    if (out / "model.safetensors").exists() and not args.overwrite:
-        return _fail(f"{out} already holds model.safetensors; pass --overwrite to replace it")
     if out.resolve() == source.resolve():
         return _fail("OUT must be another directory than SOURCE")
+    if (out / "model.safetensors").exists() and not args.overwrite:
+        return _fail(f"{out} already holds model.safetensors; pass --overwrite to replace it")
     try:
         chosen = recipe(args.recipe)
     except ValueError as e:
