@@ -287,3 +287,17 @@ def test_a_linear_pickled_without_the_copy_flags_loads_and_runs():
     with qr.autocast(recipe=qr.Float8CurrentScaling()):
         old(torch.randn(16, 64)).sum().backward()
     assert old.weight.grad is not None and "save_weight_copy" not in repr(old)
+
+
+@pytest.mark.parametrize("index", [0, 2, -1, slice(None, 2), slice(1, None), slice(-2, None),
+                                   slice(0, 9), slice(None, None, 2)])
+def test_lazy_slots_read_as_the_built_quantizers_do(index):
+    """While tracing, a recipe state's slots are made when read (``LazySlots``): each index and
+    slice gives what the eagerly built list gives."""
+    from quant_recipes.module import LazySlots
+    from quant_recipes.states import RecipeState
+
+    state = RecipeState.create(qr.MXFP8BlockScaling(), mode="forward", num_quantizers=3)
+    built = state.make_quantizers()
+    got = LazySlots(state)[index]
+    assert (tuple(got) == tuple(built[index])) if isinstance(index, slice) else got == built[index]

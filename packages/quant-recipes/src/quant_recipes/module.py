@@ -134,10 +134,13 @@ class LazySlots:
         return self._state.num_quantizers
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        if isinstance(i, slice):  # by hand: Dynamo before torch 2.13 cannot trace slice.indices
+            start = 0 if i.start is None else (i.start + n if i.start < 0 else i.start)
+            stop = n if i.stop is None else (i.stop + n if i.stop < 0 else min(i.stop, n))
+            return tuple(self[j] for j in range(start, stop, 1 if i.step is None else i.step))
         if i < 0:
-            i += len(self)
+            i += n
         q = self._made.get(i)
         if q is None:
             q = self._made[i] = self._state._make(i)
