@@ -209,6 +209,15 @@ def _compare(kind, name, ref, tp, x, g, rank, compiled):
     return out
 
 
+def _outcome(fn) -> str:
+    """``fn()``'s refusal as ``"<error type>: <message>"``, or "did not raise"."""
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "did not raise"
+
+
 def _refusals(mesh):
     """Each refusal's message, or a note that it did not raise."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -216,12 +225,7 @@ def _refusals(mesh):
     got = {}
 
     def attempt(key, fn):
-        try:
-            fn()
-        except (TypeError, ValueError) as e:
-            got[key] = f"{type(e).__name__}: {e}"
-        else:
-            got[key] = "did not raise"
+        got[key] = _outcome(fn)
 
     # FP8 128x128 weight blocks over 64 output rows per rank, checked at parallelize time
     attempt("colwise blocks", lambda: parallelize_module(
@@ -506,12 +510,7 @@ def _more_refusals(mesh):
     got = {}
 
     def attempt(key, fn):
-        try:
-            fn()
-        except (TypeError, ValueError) as e:
-            got[key] = f"{type(e).__name__}: {e}"
-        else:
-            got[key] = "did not raise"
+        got[key] = _outcome(fn)
 
     custom = qr.CustomRecipe(qfactory=lambda role: qr.DelayedScalingRequest())
 
