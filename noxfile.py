@@ -2,9 +2,9 @@
 
 `nox -s demo` trains a small model under every recipe. `nox` runs the default list, what CI
 runs: lint, one isolation session per package (only that package and what it declares), the
-full suite on torch 2.13 with every package, the Hugging Face and framework sessions, and the
-torch-version matrix (`compat`), which downloads five CUDA builds of torch (cold: 56 minutes on
-a loaded 2-core machine, 39 GB of virtualenvs). Without the matrix:
+rest of the suite on torch 2.13 with every package, the Hugging Face and framework sessions, and
+the torch-version matrix (`compat`), which downloads five CUDA builds of torch (39 GB of
+virtualenvs). Tests run on one pytest-xdist worker per CPU. Without the matrix:
 `nox -s lint core kernels kernels_newest_triton dynamo recipes tests hf integrations`.
 
 torch comes from PyPI, which serves its CUDA build on Linux (about 5 GB with its CUDA
@@ -64,8 +64,21 @@ TRITON = "3.6.0"
 #: one (a CPU-only machine): the kernels are tested through its interpreter too.
 NEWEST_TRITON = "3.9.0"
 #: Releases whose opaque-object API differs (docs/torch-versions.md).
-COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.13.0", "2.14.1", "2.15.0"]
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2"]
+#: TEST_TORCH is not among them: every other session runs it.
+COMPAT_TORCH = ["2.9.1", "2.10.0", "2.11.0", "2.14.1", "2.15.0"]
+#: What the compat sessions run on each release: the tests that touch the opaque-object API,
+#: compile a module, or shard with DTensor (tensor parallelism, one recipe there:
+#: ``QUANT_TEST_SCOPE=compat``); the rest of tests/recipes does not depend on the release.
+COMPAT_TESTS = [
+    "tests/compat", "tests/dynamo", "tests/recipes/test_compile.py",
+    "tests/recipes/test_te_compile_sanity.py", "tests/recipes/test_lowered_linear.py",
+    "tests/recipes/test_grouped_linear.py", "tests/recipes/test_grouped_fp8.py",
+    "tests/recipes/test_tensor_parallel.py",
+]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3"]
+#: pytest-xdist workers per session: one per CPU (``$QUANT_TEST_WORKERS`` overrides; 0 runs the
+#: tests in the session's own process). The suite is Python-bound (compiles, the interpreter).
+WORKERS = os.environ.get("QUANT_TEST_WORKERS", "auto")
 #: Hugging Face Transformers for tests/hf only (never a runtime dependency).
 TRANSFORMERS = "transformers==5.24.0"
 #: The training frameworks of the integrations session, and compressed-tensors, which loads the
@@ -147,7 +160,7 @@ QUIET = ["-W", "ignore:Failed to initialize NumPy"]
 
 def _pytest(session: nox.Session, *paths: str, env=None) -> None:
     session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *QUIET, *paths,
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", WORKERS, *QUIET, *paths,
         *session.posargs, env=env,
     )
 
@@ -223,7 +236,9 @@ def recipes(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The whole suite on torch 2.13 with all four packages; kernels through TRITON_INTERPRET=1."""
+    """The suite on torch 2.13 with all four packages (kernels through TRITON_INTERPRET=1), less
+    tests/core and tests/kernels: they import only quant-core and quant-kernels, whose sessions
+    run them with the same torch and Triton (installing the others changes nothing they run)."""
     _require_cxx(session)
     _stamp_install(
         session, "deps",
@@ -234,7 +249,8 @@ def tests(session: nox.Session) -> None:
         session, "local",
         _editable("quant-core", "quant-kernels", "quant-dynamo", "quant-recipes"),
     )
-    _pytest(session, "tests", env={"TRITON_INTERPRET": "1"})
+    _pytest(session, "tests", "--ignore=tests/core", "--ignore=tests/kernels",
+            env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python="3.11")
@@ -264,7 +280,7 @@ def integrations(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", COMPAT_TORCH)
 def compat(session: nox.Session, torch: str) -> None:
-    """tests/dynamo, tests/recipes and tests/compat on one torch release (PyPI's build)."""
+    """COMPAT_TESTS on one torch release (PyPI's build)."""
     _require_cxx(session)
     _stamp_install(session, "deps", [f"torch=={torch}", *TEST_TOOLS], env=UNCAPPED)
     _stamp_install(
@@ -272,7 +288,7 @@ def compat(session: nox.Session, torch: str) -> None:
     )
     session.run("python", *QUIET, "-c", "import torch; print('torch', torch.__version__)")
     _pytest(
-        session, "tests/dynamo", "tests/recipes", "tests/compat",
+        session, *COMPAT_TESTS,
         env={"QUANT_EXPECT_TORCH": torch, "QUANT_TEST_SCOPE": "compat"},
     )
 
