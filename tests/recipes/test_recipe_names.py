@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from quant_recipes.model_converter import QuantConverter
 
 
 @pytest.mark.parametrize(("name", "cls"), [
@@ -83,3 +84,13 @@ def test_options_take_qparams_and_mmparams_as_dicts():
 def test_unknown_names_and_keys_are_refused_with_what_is_allowed(options, error, message):
     with pytest.raises(error, match=message):
         qr.recipe("fp8_current", **options)
+
+
+@pytest.mark.parametrize("where, call", [
+    ("convert", lambda: qr.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe="fp9")),
+    ("QuantConverter", lambda: QuantConverter("fp9")),
+    ("bound_recipe", lambda: setattr(qr.Linear(32, 32), "bound_recipe", "fp9")),
+])
+def test_an_unknown_name_is_refused_naming_the_argument_that_took_it(where, call):
+    with pytest.raises(ValueError, match=rf"^{where}: unknown name 'fp9'; known: 'fp8_current'"):
+        call()

@@ -459,7 +459,7 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
         if recipe is None:
             raise ValueError("convert: always_quantize=True needs the recipe to quantize with "
                              "(recipe=...)")
-        check_bindable(recipe)
+        check_bindable(recipe, "convert")
     accepts = _asked(filter if filter is not None else default_filter(model))
     plan = _Plan(recipe, filter is None)
     _plan_linears(model, plan, accepts, always_quantize)

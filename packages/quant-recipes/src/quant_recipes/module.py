@@ -157,14 +157,14 @@ def is_value(q: Quantizer) -> bool:
     return is_value_quantizer(q)
 
 
-def check_bindable(recipe: Recipe) -> None:
-    """``TypeError``/``ValueError`` unless ``recipe`` can be a module's bound recipe: a recipe
-    without state that autocast's region exits update (not ``DelayedScaling``)."""
+def check_bindable(recipe: Recipe, who: str = "bound_recipe") -> None:
+    """``TypeError``/``ValueError`` naming ``who`` unless ``recipe`` can be a module's bound
+    recipe: a recipe without state that autocast's region exits update (not ``DelayedScaling``)."""
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"bound_recipe must be a quant_recipes.Recipe, a recipe name or None, got "
+        raise TypeError(f"{who} must be a quant_recipes.Recipe, a recipe name or None, got "
                         f"{recipe!r}")
     if recipe.delayed():
-        raise ValueError("bound_recipe: DelayedScaling updates its scales when an autocast "
+        raise ValueError(f"{who}: DelayedScaling updates its scales when an autocast "
                          "region exits, so it needs autocast; bind a stateless recipe "
                          "(Float8CurrentScaling, ...) or use autocast")
 

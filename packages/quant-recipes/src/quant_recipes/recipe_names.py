@@ -44,16 +44,21 @@ def recipe(name: str, **options) -> Recipe:
     """The recipe called ``name`` (see the module docstring), built with ``options`` as its
     fields: ``recipe("nvfp4", disable_rht=True)``. ``ValueError`` lists the names when ``name``
     is unknown, and a recipe's fields when an option is not one of them."""
+    return _named(name, "recipe", options)
+
+
+def _named(name: str, who: str, options: dict) -> Recipe:
+    """:func:`recipe`, its errors naming ``who``."""
     if not isinstance(name, str):
-        raise TypeError(f"recipe: name must be a str, got {type(name).__name__}")
+        raise TypeError(f"{who}: name must be a str, got {type(name).__name__}")
     cls = _BY_KEY.get(_key(name))
     if cls is None:
         known = ", ".join(f"{n!r} ({c.__name__})" for n, c in RECIPE_NAMES.items())
-        raise ValueError(f"recipe: unknown name {name!r}; known: {known}")
+        raise ValueError(f"{who}: unknown name {name!r}; known: {known}")
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise ValueError(f"recipe({name!r}): {cls.__name__} has no option "
+        raise ValueError(f"{who}({name!r}): {cls.__name__} has no option "
                          f"{', '.join(map(repr, unknown))}; its options: {', '.join(fields)}")
     return cls(**options)
 
@@ -62,7 +67,7 @@ def as_recipe(value: Recipe | str, who: str, **options) -> Recipe:
     """``value`` when it is a recipe, else :func:`recipe` of the name with ``options``; the
     errors name ``who`` (the caller taking a recipe or its name)."""
     if isinstance(value, str):
-        return recipe(value, **options)
+        return _named(value, who, options)
     if options:
         raise TypeError(f"{who}: options {sorted(options)} are for a recipe name, not a recipe "
                         "object")
