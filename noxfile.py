@@ -5,7 +5,7 @@ runs: lint, one isolation session per package (only that package and what it dec
 rest of the suite on torch 2.13 with every package, the Hugging Face and framework sessions, and
 the torch-version matrix (`compat`), which downloads five CUDA builds of torch (39 GB of
 virtualenvs). Tests run on one pytest-xdist worker per CPU. Without the matrix:
-`nox -s lint core kernels kernels_newest_triton dynamo recipes tests hf integrations`.
+`nox -s lint core kernels kernels_newest_triton dynamo recipes tests hf integrations torchtitan`.
 
 torch comes from PyPI, which serves its CUDA build on Linux (about 5 GB with its CUDA
 libraries). pip reads its options from the environment and nox passes them on, so on a machine
@@ -39,7 +39,7 @@ nox.options.envdir = os.environ.get(
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "core", "kernels", "kernels_newest_triton", "dynamo", "recipes",
-                        "tests", "hf", "integrations", "compat"]
+                        "tests", "hf", "integrations", "torchtitan", "compat"]
 
 
 def _skip_uv_probe() -> None:
@@ -85,6 +85,9 @@ TRANSFORMERS = "transformers==5.24.0"
 #: exported checkpoints there (test dependencies only).
 INTEGRATIONS = ["accelerate==1.15.0", "peft==0.21.2", "lightning==2.6.6",
                 "compressed-tensors==0.20.1"]
+#: torchtitan for its session only: its model-config converters (0.3 and later). It imports
+#: Triton (its expert-parallel kernels), which it does not declare.
+TORCHTITAN = ["torchtitan==0.3.0", f"triton=={TRITON}"]
 #: The Triton interpreter (TRITON_INTERPRET=1, how CI runs the kernels) imports numpy. Triton
 #: 3.6's interpreter turns a loop bound into a Python int with ``int(array)``, which numpy 2.4
 #: refuses for 1-element arrays: a runtime-bounded ``range`` (the GEMM K loops) needs numpy < 2.4.
@@ -236,9 +239,11 @@ def recipes(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The suite on torch 2.13 with all four packages (kernels through TRITON_INTERPRET=1), less
-    tests/core and tests/kernels: they import only quant-core and quant-kernels, whose sessions
-    run them with the same torch and Triton (installing the others changes nothing they run)."""
+    """The suite on torch 2.13 with all four packages, kernels through the Triton interpreter.
+
+    Less tests/core and tests/kernels: they import only quant-core and quant-kernels, whose
+    sessions run them with the same torch and Triton (installing the others changes nothing they
+    run)."""
     _require_cxx(session)
     _stamp_install(
         session, "deps",
@@ -275,6 +280,18 @@ def integrations(session: nox.Session) -> None:
                    [f"torch=={TEST_TORCH}", TRANSFORMERS, *INTEGRATIONS, *TEST_TOOLS])
     _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
     _pytest(session, "tests/integrations", "tests/test_readme.py")
+
+
+@nox.session(python="3.11")
+def torchtitan(session: nox.Session) -> None:
+    """torchtitan's Llama 3 debug model with quant's config converter, built and trained on the CPU.
+
+    torchtitan is a test dependency of this session only."""
+    _require_cxx(session)  # FlexAttention compiles with Inductor on the CPU
+    _stamp_install(session, "deps", [f"torch=={TEST_TORCH}", *TORCHTITAN, *TEST_TOOLS])
+    _stamp_install(session, "local", _editable("quant-core", "quant-dynamo", "quant-recipes"))
+    _pytest(session, "tests/integrations/test_torchtitan.py",
+            env={"QUANT_TORCHTITAN_SESSION": "1"})
 
 
 @nox.session(python="3.11")
