@@ -41,14 +41,19 @@ def _load(directory):
         directory, quantization_config=config, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe, intermediate", [("fp8_current", 384), ("fp8_block", 384),
-                                                  ("fp8_block", 320)])
-def test_transformers_loads_the_trained_weights_bit_for_bit(recipe, intermediate, tmp_path):
+@pytest.mark.parametrize("recipe, intermediate, per_channel", [
+    ("fp8_current", 384, False), ("fp8_current", 384, True), ("fp8_block", 384, False),
+    ("fp8_block", 320, False)])
+def test_transformers_loads_the_trained_weights_bit_for_bit(recipe, intermediate, per_channel,
+                                                            tmp_path):
     model = _llama(intermediate)
     qr.convert(model, recipe=recipe)
     _train_step(model, recipe)
-    config = qr.export.save_compressed_tensors(model, tmp_path, recipe)
+    config = qr.export.save_compressed_tensors(model, tmp_path, recipe, per_channel=per_channel)
     loaded = _load(tmp_path).state_dict()
+    if per_channel:
+        (group,) = config["config_groups"].values()
+        assert group["weights"]["strategy"] == "channel"
 
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, qr.Linear)}
     assert len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer; lm_head left out
@@ -63,6 +68,13 @@ def test_transformers_loads_the_trained_weights_bit_for_bit(recipe, intermediate
                                 "model.layers.0.post_attention_layernorm",
                                 "model.layers.1.input_layernorm",
                                 "model.layers.1.post_attention_layernorm", "model.norm"]
+
+
+def test_per_channel_is_refused_for_weights_with_other_scales():
+    model = _llama(384)
+    qr.convert(model, recipe="fp8_block")
+    with pytest.raises(ValueError, match="per_channel=True repeats a per-tensor scale"):
+        qr.export.compressed_tensors_state_dict(model, "fp8_block", per_channel=True)
 
 
 def test_a_wrong_scale_is_seen(tmp_path):

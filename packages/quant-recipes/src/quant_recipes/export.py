@@ -8,7 +8,10 @@ for that weight in training (the quantized weight itself, for a weight stored qu
 the served model multiplies by exactly the weights the trained one did:
 
 - ``Float8CurrentScaling``: per-tensor E4M3, ``weight_scale`` of shape ``[1]``; weights
-  ``strategy: "tensor"``, inputs ``strategy: "tensor", dynamic: true``.
+  ``strategy: "tensor"``, inputs ``strategy: "tensor", dynamic: true``. With
+  ``per_channel=True`` the same bytes in the per-channel layout, for engines whose kernels take
+  a scale per output channel: the tensor's scale repeated, ``weight_scale`` of shape ``[N, 1]``,
+  weights ``strategy: "channel"``.
 - ``Float8BlockScaling`` (128x128 weight blocks): ``weight_scale`` of shape
   ``[ceil(N/128), ceil(K/128)]``; weights ``strategy: "block", block_structure: [128, 128]``,
   inputs ``strategy: "group", group_size: 128, dynamic: true`` (its 1x128 input blocks).
@@ -65,9 +68,10 @@ def _fp8_args(strategy: str, dynamic: bool, **more) -> dict:
             "dynamic": dynamic, **more}
 
 
-def _weight_args(q: Quantizer, what: str) -> dict | None:
-    """compressed-tensors' ``weights`` entry for weight quantizer ``q`` (None: not quantized);
-    ``ValueError`` naming ``what`` (the recipe and the layer) where the layout has none."""
+def _weight_args(q: Quantizer, what: str, per_channel: bool) -> dict | None:
+    """compressed-tensors' ``weights`` entry for weight quantizer ``q`` (None: not quantized),
+    per output channel where ``per_channel`` asks for it; ``ValueError`` naming ``what`` (the
+    recipe and the layer) where the layout has none."""
     if isinstance(q, IdentityQuantizer):
         return None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8BlockQuantizer)) and (
@@ -75,7 +79,11 @@ def _weight_args(q: Quantizer, what: str) -> dict | None:
         raise ValueError(f"{_WHO}: {what} quantizes the weight as {q.dtype.name}; "
                          "compressed-tensors' 8-bit float weights are E4M3")
     if isinstance(q, Float8CurrentScalingQuantizer):
-        return _fp8_args("tensor", False)
+        return _fp8_args("channel" if per_channel else "tensor", False)
+    if per_channel:
+        raise ValueError(f"{_WHO}: {what}: per_channel=True repeats a per-tensor scale per "
+                         f"output channel; this weight has other scales ({q!r}): export it "
+                         "without per_channel")
     if isinstance(q, Float8BlockQuantizer) and q.block_scaling_dim == 2:
         return _fp8_args("block", False, block_structure=[FP8_BLOCK, FP8_BLOCK])
     if isinstance(q, Float8BlockQuantizer):
@@ -109,10 +117,11 @@ def _layer_quantizers(layer: Linear, recipe: Recipe) -> tuple[Quantizer, Quantiz
     return q[0], q[1]
 
 
-def _weight_and_scale(layer: Linear, q: Quantizer, what: str
+def _weight_and_scale(layer: Linear, q: Quantizer, what: str, per_channel: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer``'s weight as ``q`` quantizes it (or its quantized weight, checked against
-    ``q``): the E4M3 data ``[N, K]`` and the fp32 scale-inverse in compressed-tensors' shape."""
+    ``q``): the E4M3 data ``[N, K]`` and the fp32 scale-inverse in compressed-tensors' shape
+    (``[N, 1]``, the tensor's repeated, for ``per_channel``)."""
     w = layer.weight
     if isinstance(w, DTensor):
         raise ValueError(f"{_WHO}: {what}: the weight is a sharded DTensor; export from a model "
@@ -127,6 +136,8 @@ def _weight_and_scale(layer: Linear, q: Quantizer, what: str
         s = q.replace(columnwise_usage=False).quantize(w.detach())
     if isinstance(q, Float8CurrentScalingQuantizer):
         data, scale = s._data, s._scale_inv.reshape(1)
+        if per_channel:
+            scale = scale.expand(m_k(s.shape)[0], 1)
     else:
         n, k = m_k(s.shape)
         data = s._rowwise_data
@@ -138,6 +149,7 @@ def _weight_and_scale(layer: Linear, q: Quantizer, what: str
 
 
 def compressed_tensors_state_dict(model: torch.nn.Module, recipe: Recipe | str | None = None,
+                                  *, per_channel: bool = False,
                                   **options) -> tuple[dict[str, torch.Tensor], dict]:
     """``(state_dict, quantization_config)``: ``model``'s tensors in compressed-tensors'
     ``float-quantized`` layout and the ``quantization_config`` entry of a Hugging Face
@@ -149,7 +161,8 @@ def compressed_tensors_state_dict(model: torch.nn.Module, recipe: Recipe | str |
     autocast and ``autocast()`` do. Every :class:`~quant_recipes.Linear` is exported quantized
     unless the recipe keeps its weight in high precision (a ``CustomRecipe`` returning an
     ``IdentityQuantizer``); ``ValueError`` names the recipe and the layer that the layout cannot
-    carry, and a model with no quantized layer."""
+    carry, and a model with no quantized layer. ``per_channel``: per-tensor weights in the
+    per-channel layout (their scale repeated per output channel; the same bytes)."""
     if recipe is not None:
         recipe = as_recipe(recipe, _WHO, **options)
     elif options:
@@ -168,12 +181,12 @@ def compressed_tensors_state_dict(model: torch.nn.Module, recipe: Recipe | str |
                 raise ValueError(f"{_WHO}: {what}: delayed scaling keeps the weight's scale in "
                                  f"recipe state, not in the weight; the export writes {_LAYOUTS}")
             qi, qw = _layer_quantizers(module, r)
-            weights = _weight_args(qw, what)
+            weights = _weight_args(qw, what, per_channel)
             if weights is None:
                 continue
             scheme = {"weights": weights, "input_activations": _input_args(qi, what)}
             state[f"{name}.weight"], state[f"{name}.weight_scale"] = _weight_and_scale(
-                module, qw, what)
+                module, qw, what, per_channel)
             key = json.dumps(scheme, sort_keys=True)
             schemes[key] = scheme
             groups.setdefault(key, []).append(name)
@@ -218,7 +231,8 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_compressed_tensors(model: torch.nn.Module, directory: str | os.PathLike,
-                            recipe: Recipe | str | None = None, **options) -> dict:
+                            recipe: Recipe | str | None = None, *, per_channel: bool = False,
+                            **options) -> dict:
     """Write :func:`compressed_tensors_state_dict` of ``model`` to ``directory``:
     ``model.safetensors``, and the ``quantization_config`` merged into ``config.json`` (the
     file in ``directory`` when there is one; else, for a Hugging Face model, its
@@ -226,7 +240,8 @@ def save_compressed_tensors(model: torch.nn.Module, directory: str | os.PathLike
     ``safetensors`` package."""
     from safetensors.torch import save_file
 
-    state, config = compressed_tensors_state_dict(model, recipe, **options)
+    state, config = compressed_tensors_state_dict(model, recipe, per_channel=per_channel,
+                                                  **options)
     os.makedirs(directory, exist_ok=True)
     save_file({k: t.cpu() for k, t in state.items()},
               os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                         default="auto", help="the dtype to load the checkpoint in, which the "
                         "unquantized tensors keep (default: %(default)s, the checkpoint's)")
+    export.add_argument("--per-channel", action="store_true",
+                        help="with fp8_current: write each per-tensor scale repeated per output "
+                        "channel (compressed-tensors' channel strategy; the same bytes)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace OUT's model.safetensors and config.json")
     return parser

@@ -67,7 +67,7 @@ def run_export(args) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[args.dtype])
     convert(model, recipe=chosen)
     try:
-        config = save_compressed_tensors(model, out, chosen)
+        config = save_compressed_tensors(model, out, chosen, per_channel=args.per_channel)
     except ValueError as e:
         return _fail(str(e))
     copied = _copied(source, out)
