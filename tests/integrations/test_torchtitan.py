@@ -134,3 +134,17 @@ def test_the_built_model_trains_as_quant_convert_and_resumes_from_its_state_dict
     assert _losses(resumed, 1) == _losses(model, 1)
     assert not torch.equal(saved["layers.0.feed_forward.w1.weight"],
                            model.state_dict()["layers.0.feed_forward.w1.weight"])
+
+
+def test_a_converted_feed_forward_compiles_in_one_graph_with_eager_bytes():
+    """torchtitan compiles each block; quant's layers inside compile with ``fullgraph=True``
+    and give eager's output and input gradient bit for bit."""
+    pytest.importorskip("quant_dynamo")
+    ff = _one_layer_model([QuantLinearConverter.Config(recipe=RECIPE)]).layers["0"].feed_forward
+    x = torch.randn(2, SEQ, 256, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    eager = ff(x)
+    eager.sum().backward()
+    eager_grad, x.grad = x.grad, None
+    compiled = torch.compile(ff, backend="aot_eager", fullgraph=True)(x)
+    compiled.sum().backward()
+    assert torch.equal(compiled, eager) and torch.equal(x.grad, eager_grad)
