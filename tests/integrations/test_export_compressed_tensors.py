@@ -51,9 +51,13 @@ def test_transformers_loads_the_trained_weights_bit_for_bit(recipe, intermediate
     _train_step(model, recipe)
     config = qr.export.save_compressed_tensors(model, tmp_path, recipe, per_channel=per_channel)
     loaded = _load(tmp_path).state_dict()
-    if per_channel:
+    if per_channel:  # compressed-tensors' channel layout: a [N, 1] scale per weight
+        from safetensors.torch import load_file
+
         (group,) = config["config_groups"].values()
         assert group["weights"]["strategy"] == "channel"
+        scales = load_file(tmp_path / "model.safetensors")
+        assert scales["model.layers.0.mlp.gate_proj.weight_scale"].shape == (intermediate, 1)
 
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, qr.Linear)}
     assert len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer; lm_head left out

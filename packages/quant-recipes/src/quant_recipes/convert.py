@@ -88,6 +88,12 @@ def is_lora_adapter(fqn: str) -> bool:
     return not ADAPTER_NAMES.isdisjoint(fqn.split("."))
 
 
+def kept_by_name(fqn: str) -> bool:
+    """Whether the default filter keeps the layer named ``fqn`` in high precision by its name
+    alone: an output head (:data:`HEAD_NAMES`) or a LoRA adapter layer."""
+    return fqn.rsplit(".", 1)[-1] in HEAD_NAMES or is_lora_adapter(fqn)
+
+
 def _is_plain_linear(m: torch.nn.Module) -> bool:
     """An ``nn.Linear`` (or subclass) that computes ``nn.Linear.forward``, not quant's own."""
     return (isinstance(m, torch.nn.Linear) and not isinstance(m, Linear)
@@ -170,8 +176,7 @@ def default_filter(model: torch.nn.Module) -> Callable[[str, torch.nn.Module], b
     heads = _output_heads(model)
 
     def keep_quantized(fqn: str, module: torch.nn.Module) -> bool:
-        return (id(module) not in heads and fqn.rsplit(".", 1)[-1] not in HEAD_NAMES
-                and not is_lora_adapter(fqn))
+        return id(module) not in heads and not kept_by_name(fqn)
 
     return keep_quantized
 

@@ -39,7 +39,7 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear as TitanLinear
 from torchtitan.protocols.module import Module
 
-from .convert import HEAD_NAMES, is_lora_adapter, unsupported_shape
+from .convert import kept_by_name, unsupported_shape
 from .linear import Linear
 from .module import check_bindable
 from .recipe_names import as_recipe
@@ -92,7 +92,7 @@ class QuantLinearConverter(QuantizationConverter):
             return "already a QuantLinear"
         if type(linear) is not TitanLinear.Config:
             return f"a {type(linear).__qualname__} keeps its own forward"
-        if fqn.rsplit(".", 1)[-1] in HEAD_NAMES or is_lora_adapter(fqn):
+        if kept_by_name(fqn):
             return "an output head or LoRA adapter (quant's default filter)"
         if any(part in fqn for part in self.config.filter_fqns):
             return "named in filter_fqns"
