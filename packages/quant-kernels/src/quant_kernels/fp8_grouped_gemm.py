@@ -36,6 +36,11 @@ from ._common import launch, out_code
 from ._rounding import NATIVE_FP8, fp8_decode, to_out
 from .configs import launch_config
 
+#: The ``tma`` config value of the weight-gradient kernel that loads every chunk by TMA from
+#: descriptors bounded by the group (made on the device); 1 loads a group's last partial chunk
+#: by masked pointer loads instead, 0 every chunk.
+GROUP_DESCRIPTORS = 2
+
 
 @triton.jit
 def _fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, PROMOTE: tl.constexpr):
@@ -243,6 +248,56 @@ def _tokens_tma_kernel(a_desc, b_desc, a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c
     tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
+                             A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             PROMOTE: tl.constexpr):
+    """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
+    memory accelerator from descriptors made on the device over the group's own columns
+    (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
+    FP8-typed on a GPU): the hardware fills the columns past the group's end with zeros, so
+    no column of another group enters the sums. The same products and the same order of sums
+    as :func:`_tokens_kernel` (a zero column adds an exact 0)."""
+    g = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
+    start = tl.multiple_of(_start(ends_ptr, g), 16)
+    cols = tl.load(ends_ptr + g).to(tl.int32) - start.to(tl.int32)
+    width = tl.maximum(cols, 1)  # a descriptor's dimensions are positive; none is loaded then
+    a_desc = tl.make_tensor_descriptor(a_ptr + start, shape=[M, width], strides=[R, 1],
+                                       block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, width], strides=[R, 1],
+                                       block_shape=[BN, BK])
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, cols, BK):
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, to_out(acc, OUT), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors a kernel makes on the device (Triton's allocator
+    protocol; a CUDA-graph capture takes it from the graph's pool)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _device_descriptors_allowed() -> None:
+    """Let kernels make tensor descriptors on the device: Triton asks its allocator for their
+    memory, and has none unless one is set (set here only then, so that an allocator a program
+    chose stays)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
 def _tma_operands(tensors, dtypes, blocks, cfg):
     """``(views, descriptors)`` for the TMA kernels, or None where they don't apply: off
     (config ``tma`` 0), inside a kernel capture (a compiled graph records the pointer kernels),
@@ -352,6 +407,10 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
                                                      (cfg["BN"], cfg["BK"])), cfg)
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
+    elif cfg["tma"] == GROUP_DESCRIPTORS:
+        if a.is_cuda:
+            _device_descriptors_allowed()
+        _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
     else:
         _tokens_tma_kernel[grid](*tma[1], *tma[0], *rest, **flags)
     return out
