@@ -12,7 +12,7 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients), their ``:own_e5m2`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
+gradients), their ``:cublas`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
 (``save_weight_copy=False, save_input_copy=False``: the weight and input quantized again in
 backward)
 (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per
@@ -32,16 +32,19 @@ import torch
 import torch.nn.functional as F
 
 CONFIGS = ("bf16", "ao_fp8_rowwise", *steps.OURS, "fp8_current_e4m3", "fp8_current_lean",
-           "fp8_current:own_e5m2", "fp8_current_e4m3:own")
-#: FP8 current scaling's variants, for an A/B: ``<config>:own_e5m2`` runs the GEMMs of pairs
-#: torch's grouped kernel does not take on the backend's grouped kernels at any expert count
-#: (``OWN_KERNEL_MIN_EXPERTS`` 0); ``<config>:own`` runs every GEMM there, E4M3 x E4M3 too
-#: (``ROUTE``); no variant: the package's own route and threshold (``None``).
-VARIANTS = {":own_e5m2": ("scaled_grouped_mm", 0), ":own": ("fp8_grouped_gemm", 0), "": None}
+           "fp8_current:cublas", "fp8_current_e4m3:own")
+#: FP8 current scaling's variants, for an A/B: ``<config>:cublas`` runs the GEMMs of pairs
+#: torch's grouped kernel does not take on cuBLAS per group under 64 experts
+#: (``CUBLAS_PER_GROUP``: a host read per backward); ``<config>:own`` runs every GEMM on the
+#: backend's grouped kernels, E4M3 x E4M3 too (``ROUTE``, ``OWN_KERNEL_MIN_EXPERTS`` 0); no
+#: variant: the package's own routes (``None``). Values: (ROUTE, OWN_KERNEL_MIN_EXPERTS,
+#: CUBLAS_PER_GROUP).
+VARIANTS = {":cublas": ("auto", 64, True), ":own": ("fp8_grouped_gemm", 0, False), "": None}
 
 
-#: The package's (ROUTE, OWN_KERNEL_MIN_EXPERTS), read before a variant first sets them.
-_PACKAGE_ROUTE: dict[str, tuple[str, int]] = {}
+#: The package's (ROUTE, OWN_KERNEL_MIN_EXPERTS, CUBLAS_PER_GROUP), read before a variant
+#: first sets them.
+_PACKAGE_ROUTE: dict[str, tuple[str, int, bool]] = {}
 
 
 def _variant(name: str) -> str:
@@ -171,9 +174,10 @@ def run(name: str, args, counts: list[int], device) -> dict:
     from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 
     package = _PACKAGE_ROUTE.setdefault(
-        "fp8", (grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS))
-    grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS = (
-        VARIANTS[_variant(name)] or package)
+        "fp8", (grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS,
+                grouped_fp8_gemm.CUBLAS_PER_GROUP))
+    (grouped_fp8_gemm.ROUTE, grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS,
+     grouped_fp8_gemm.CUBLAS_PER_GROUP) = VARIANTS[_variant(name)] or package
 
     def step():
         layer.zero_grad(set_to_none=True)

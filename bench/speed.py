@@ -312,7 +312,8 @@ def cmd_model(args, p) -> None:
 # --- layer: one decoder layer of a mixture-of-experts model
 
 
-#: The package's (OWN_KERNEL_MIN_EXPERTS, ROUTE), read before a layer config first sets them.
+#: The package's (OWN_KERNEL_MIN_EXPERTS, ROUTE, CUBLAS_PER_GROUP), read before a layer config
+#: first sets them.
 _PACKAGE_ROUTES: dict[str, tuple[int, str]] = {}
 
 
@@ -324,14 +325,17 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
     torch._dynamo.reset()
     name = config
     config, _, own = config.partition("+")
-    if own not in ("", "own", "ownall"):
-        raise ValueError(f"{name!r}: unknown suffix +{own}; known: +own, +ownall")
+    if own not in ("", "own", "ownall", "cublas"):
+        raise ValueError(f"{name!r}: unknown suffix +{own}; known: +own, +ownall, +cublas")
     # +own: HYBRID's E5M2 GEMMs on the grouped kernels at any expert count, E4M3 x E4M3 on
-    # torch's; +ownall: every FP8 GEMM on the grouped kernels; neither: the package's routes
-    defaults = _PACKAGE_ROUTES.setdefault("fp8", (fp8_gemm.OWN_KERNEL_MIN_EXPERTS, fp8_gemm.ROUTE))
-    fp8_gemm.OWN_KERNEL_MIN_EXPERTS = 0 if own else defaults[0]
+    # torch's; +ownall: every FP8 GEMM on the grouped kernels; +cublas: the E5M2 GEMMs on cuBLAS
+    # per group under 64 experts (a host read); none: the package's routes
+    defaults = _PACKAGE_ROUTES.setdefault("fp8", (fp8_gemm.OWN_KERNEL_MIN_EXPERTS, fp8_gemm.ROUTE,
+                                                  fp8_gemm.CUBLAS_PER_GROUP))
+    fp8_gemm.OWN_KERNEL_MIN_EXPERTS = 0 if own in ("own", "ownall") else defaults[0]
     fp8_gemm.ROUTE = {"own": "scaled_grouped_mm", "ownall": "fp8_grouped_gemm"}.get(own,
                                                                                    defaults[1])
+    fp8_gemm.CUBLAS_PER_GROUP = own == "cublas" or defaults[2]
     model = steps.moe_model(size, device, layers=1)
     forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
     layer, rotary = model.model.layers[0], model.model.rotary_emb
@@ -516,7 +520,8 @@ def commands(sub) -> dict:
                    help="bf16 and ours, each with an optional :variant (" + ", ".join(
                        steps.LLAMA_VARIANTS) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
                    "the grouped kernels and E4M3 x E4M3 on torch's at any expert count; "
-                   "+ownall: every FP8 GEMM on the grouped kernels")
+                   "+ownall: every FP8 GEMM on the grouped kernels; +cublas: the E5M2 GEMMs "
+                   "on cuBLAS per group under 64 experts (a host read)")
     d.add_argument("--iters", type=int, default=measure.ITERS)
     d.add_argument("--device", default="cuda")
     d.add_argument("--json", metavar="OUT")

@@ -130,6 +130,10 @@ def test_doctor_names_the_grouped_fp8_routes(monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda d, dtype: dtype == torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
     assert grouped_fp8_gemm.describe("cpu") == (
+        "quantized once; under 64 experts torch._scaled_grouped_mm for E4M3 x E4M3 and "
+        f"{own} for the rest, else {own}")
+    monkeypatch.setattr(grouped_fp8_gemm, "CUBLAS_PER_GROUP", True)
+    assert grouped_fp8_gemm.describe("cpu") == (
         "quantized once; under 64 experts torch._scaled_grouped_mm for E4M3 x E4M3 and cuBLAS "
         f"per group for the rest, else {own}")
     monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")

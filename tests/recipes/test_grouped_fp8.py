@@ -239,14 +239,16 @@ def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("counts, e5m2_path", [(COUNTS, "scaled_mm_per_group"),
-                                               ([3, 0, 5, 16] * 16, "fp8_grouped_gemm")])
-def test_e5m2_gradients_route_by_expert_count(emulated, counts, e5m2_path):
-    """With the default ``OWN_KERNEL_MIN_EXPERTS`` (64) the GEMMs of an E5M2 x E4M3 pair run
-    cuBLAS per group below 64 experts (one host read of the bounds per backward) and the
-    backend's grouped kernel from 64 on; either within the accumulation bound of the per-group
-    path."""
+@pytest.mark.parametrize("counts, per_group, e5m2_path", [
+    (COUNTS, False, "fp8_grouped_gemm"), (COUNTS, True, "scaled_mm_per_group"),
+    ([3, 0, 5, 16] * 16, True, "fp8_grouped_gemm")])
+def test_e5m2_gradients_route_by_expert_count(emulated, counts, per_group, e5m2_path):
+    """The GEMMs of an E5M2 x E4M3 pair run the backend's grouped kernel (no host read); with
+    ``CUBLAS_PER_GROUP``, cuBLAS per group below ``OWN_KERNEL_MIN_EXPERTS`` (64) experts (one
+    host read of the bounds per backward) and the grouped kernel from 64 on; either within the
+    accumulation bound of the per-group path."""
     emulated.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 64)
+    emulated.setattr(grouped_fp8_gemm, "CUBLAS_PER_GROUP", per_group)
     recipe = qr.Float8CurrentScaling()
     got, paths = _step(counts, recipe)
     assert paths == {"scaled_grouped_mm": 1, e5m2_path: 2}
@@ -375,6 +377,7 @@ def test_cuda_grouped_gemms_within_the_bound(monkeypatch, route, fmt):
         monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS",
                         1 << 30 if route == "cublas" else 0)
+    monkeypatch.setattr(grouped_fp8_gemm, "CUBLAS_PER_GROUP", route == "cublas")
     monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")
     torch.manual_seed(0)
     m = qr.GroupedLinear(e, k, n, dtype=torch.bfloat16, device=dev)

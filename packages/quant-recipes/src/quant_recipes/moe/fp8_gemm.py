@@ -14,14 +14,16 @@ can be captured in a CUDA graph):
   any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
   to its fp32 product. The reference backend's definition reads the group bounds on the host.
 - ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
-  slices of the same batched bytes, after one host read of the group bounds per backward.
+  slices of the same batched bytes, after one host read of the group bounds per backward; only
+  where :data:`CUBLAS_PER_GROUP` asks for it.
 
 Layers of at least :data:`OWN_KERNEL_MIN_EXPERTS` experts run every GEMM on
 ``"fp8_grouped_gemm"``; smaller ones run E4M3 x E4M3 on ``"scaled_grouped_mm"`` and the pairs
-torch's grouped kernel does not take (HYBRID's E5M2 gradients) on ``"scaled_mm_per_group"``.
-With a few large experts torch's and cuBLAS's kernels are the faster; with many small ones the
-grouped kernels, which beat torch's grouped kernel there and need no per-group launches or host
-read (the measurements: bench/RESULTS.md).
+torch's grouped kernel does not take (HYBRID's E5M2 gradients) on ``"fp8_grouped_gemm"`` too
+(``"scaled_mm_per_group"`` with :data:`CUBLAS_PER_GROUP`). With many small experts the grouped
+kernels beat torch's grouped kernel; with a few large ones torch's is the faster, and cuBLAS
+per group beats the grouped kernels, at the price of a host read (the measurements:
+bench/RESULTS.md).
 
 :func:`forward` quantizes the input and each expert's weight once, in every layout the step
 needs (the rowwise bytes for the forward GEMM, the transposed bytes that backward's GEMMs read),
@@ -104,6 +106,13 @@ ROUTE = "auto"
 #: the former and torch's grouped kernel for the latter. 0: always the grouped kernels.
 OWN_KERNEL_MIN_EXPERTS = 64
 
+#: Layers of fewer than :data:`OWN_KERNEL_MIN_EXPERTS` experts run the pairs torch's grouped
+#: kernel does not take on cuBLAS per group (``"scaled_mm_per_group"``). That is faster with a
+#: few large experts, but backward then reads the group bounds on the host: the step waits for
+#: the GPU once per backward and cannot be captured in a CUDA graph. Off by default: no grouped
+#: GEMM reads anything on the host.
+CUBLAS_PER_GROUP = False
+
 
 def scaled_mm(a, b, scale_a, scale_b, out):
     """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation (tests replace
@@ -140,13 +149,15 @@ def describe(device: torch.device | str) -> str:
         return "one GEMM per group (no FP8 tensor cores here)"
     own = f"the {backends.get(None, device).name} backend's grouped FP8 GEMM"
     n = OWN_KERNEL_MIN_EXPERTS
-    rest = f"cuBLAS per group under {n} experts, else {own}" if n else own
+    per_group = CUBLAS_PER_GROUP and n
+    rest = f"cuBLAS per group under {n} experts, else {own}" if per_group else own
     torch_e4m3 = _runs(device.type, torch.float8_e4m3fn)
     if torch_e4m3 and ROUTE == "scaled_grouped_mm":
         return f"quantized once; torch._scaled_grouped_mm for E4M3 x E4M3, else {rest}"
     if torch_e4m3 and ROUTE == "auto" and n:
+        others = "cuBLAS per group" if per_group else own
         return (f"quantized once; under {n} experts torch._scaled_grouped_mm for E4M3 x E4M3 "
-                f"and cuBLAS per group for the rest, else {own}")
+                f"and {others} for the rest, else {own}")
     return f"quantized once; {rest}"
 
 
@@ -168,7 +179,9 @@ def _route(qa, qb, device: torch.device, experts: int) -> str:
     """The path of a GEMM of ``qa`` x ``qb`` operands (the module docstring's names)."""
     if grouped_takes(qa, qb, device, experts):
         return "scaled_grouped_mm"
-    return "fp8_grouped_gemm" if experts >= OWN_KERNEL_MIN_EXPERTS else "scaled_mm_per_group"
+    if CUBLAS_PER_GROUP and experts < OWN_KERNEL_MIN_EXPERTS:
+        return "scaled_mm_per_group"
+    return "fp8_grouped_gemm"
 
 
 def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
