@@ -47,6 +47,25 @@ def dynamo() -> Any:
     return _quant_dynamo
 
 
+#: Whether Dynamo hands a function marked by :func:`trace_time_constant` the registered value
+#: quantizers themselves, so that it can run at trace time: the ``opaque_value`` API (torch 2.12,
+#: 2.13). Torch 2.11 hands it a ``FakeScriptObject`` and 2.10 bakes quantizers through their
+#: repr; those, and releases not verified, trace such functions as before.
+FOLDS_CONSTANTS = _quant_dynamo is not None and _quant_dynamo.status()["mode"] == "opaque_value"
+
+
+def trace_time_constant(fn):
+    """``fn``, marked so that Dynamo calls it at trace time and bakes its result as a constant
+    (``torch.compiler.assume_constant_result``) instead of tracing its body: a call costs a few
+    traced instructions where the body costs tens to hundreds, at every call site of every
+    layer. For a pure function of values that traced code holds as constants (value quantizers
+    made in traced code, strings, numbers, None, tuples of these) returning plain data (ints,
+    bools, tuples or lists of them), which callers do not mutate. A result is computed afresh
+    per call, so nothing is shared. Eagerly, and where :data:`FOLDS_CONSTANTS` is False, ``fn``
+    runs (and is traced) as it is."""
+    return torch.compiler.assume_constant_result(fn) if FOLDS_CONSTANTS else fn
+
+
 def is_compiled_value(q: Any) -> bool:
     """While tracing: whether ``q`` is a registered value quantizer (the registry's test, which
     Dynamo folds; also true for torch 2.11's traced wrapper of one)."""

@@ -20,7 +20,7 @@ import torch
 from quant_core.kernel_capture import NotCapturable
 from quant_core.storage import format_at, format_index, storage_class, storage_formats
 
-from .compiling import available, dynamo
+from .compiling import available, dynamo, trace_time_constant
 from .gemm_fast import fast_gemm
 
 #: The format index of an unquantized operand (a quantized format's is 1 + its position in
@@ -76,8 +76,10 @@ def is_high_precision(q) -> bool:
     return q.storage_format == "high_precision"
 
 
+@trace_time_constant
 def quantizer_meta(q) -> list[int]:
-    """``[format index, *storage tags as integers]`` of a quantizer's storages."""
+    """``[format index, *storage tags as integers]`` of a quantizer's storages (a pure function
+    of the quantizer's value: compiled code bakes it, :func:`~.compiling.trace_time_constant`)."""
     fmt = q.storage_format
     if fmt == "high_precision":
         return list(HP_META)
