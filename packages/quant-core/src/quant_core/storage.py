@@ -58,6 +58,10 @@ class QuantizedStorage:
     columnwise_data_name: ClassVar[str | None] = None
     rowwise_only_names: ClassVar[tuple[str, ...]] = ()
     directions_interchangeable: ClassVar[bool] = False
+    #: Derived (``__init_subclass__``): the position of ``columnwise_data_name`` and of each of
+    #: ``rowwise_only_names`` in ``buffer_names``.
+    _columnwise_position: ClassVar[int | None] = None
+    _rowwise_only_positions: ClassVar[tuple[int, ...]] = ()
     #: The ``torch.Tensor`` subclass of this format (set when one is defined), or None.
     tensor_class: ClassVar[type | None] = None
 
@@ -65,6 +69,13 @@ class QuantizedStorage:
         super().__init_subclass__(**kwargs)
         if "tag_types" in cls.__dict__:
             cls.tag_names = tuple(cls.tag_types)
+        # for_transposed_use's positions in a buffer list, computed once: traced code reads
+        # them as class constants instead of searching the names on every call
+        names = cls.buffer_names
+        cls._columnwise_position = (names.index(cls.columnwise_data_name)
+                                    if cls.columnwise_data_name in names else None)
+        cls._rowwise_only_positions = tuple(i for i, n in enumerate(names)
+                                            if n in cls.rowwise_only_names)
         name = cls.__dict__.get("format")
         if name is not None:
             known = _FORMATS.get(name)
@@ -156,11 +167,15 @@ class QuantizedStorage:
         """``bufs`` as a use from the columnwise direction reads them: the rowwise-only buffers
         become empty when the columnwise data is present (the backward GEMMs of a Linear read
         only that copy, so saving the rest wastes memory); otherwise ``bufs`` as they are."""
-        names = cls.buffer_names
-        if not bufs[names.index(cls.columnwise_data_name)].numel():
+        if not bufs[cls._columnwise_position].numel():
             return bufs
-        return [absent_buffer(t) if n in cls.rowwise_only_names else t
-                for n, t in zip(names, bufs, strict=True)]
+        if len(bufs) != len(cls.buffer_names):
+            raise ValueError(f"{cls.__name__}: {len(bufs)} buffers, expected "
+                             f"{len(cls.buffer_names)} ({', '.join(cls.buffer_names)})")
+        kept = list(bufs)
+        for i in cls._rowwise_only_positions:
+            kept[i] = absent_buffer(kept[i])
+        return kept
 
     # ------------------------------------------------------------------ values
     def _backend(self):

@@ -92,6 +92,7 @@ def quantizer_meta(q) -> list[int]:
     return [1 + index, *storage_class(fmt).wire_tags(q._storage_tags())]
 
 
+@trace_time_constant
 def _storage_type(meta: list[int]):
     return storage_class(format_at(meta[0] - 1))
 
