@@ -22,7 +22,7 @@ from quant_core import Quantizer, is_value_quantizer
 
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
-from .compiling import compiling, dynamo, is_compiled_value, raise_error
+from .compiling import compiling, dynamo, is_compiled_value, raise_error, trace_time_constant
 from .recipe_names import as_recipe
 from .recipes import Recipe
 from .role import QuantizerRole
@@ -97,16 +97,24 @@ class QuantizerSet:
                 # usage flags differ under compile, and the GEMMs read the same buffers of the
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 return q
-            for k, v in fields.items():  # a plain loop: the cheapest form for Dynamo to trace
-                if hasattr(q, k) and getattr(q, k) != v:  # derive's reads, in derive's order
-                    return derive(q, **fields)
-            return q
+            return derive(q, **fields) if changes(q, tuple(fields.items())) else q
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
         if v is None:
             v = intern(derive(q, **fields))
             self._variants[key] = v
         return v
+
+
+@trace_time_constant
+def changes(q: Quantizer, fields: tuple) -> bool:
+    """Whether :func:`derive` of ``q`` with ``fields`` (``(name, value)`` pairs) gives another
+    quantizer: a field ``q`` has with another value. A pure function of values, which compiled
+    code bakes (:func:`~.compiling.trace_time_constant`)."""
+    for k, v in fields:  # a plain loop: the cheapest form for Dynamo to trace where it does
+        if hasattr(q, k) and getattr(q, k) != v:  # derive's reads, in derive's order
+            return True
+    return False
 
 
 def derive(q: Quantizer, **fields: Any) -> Quantizer:
