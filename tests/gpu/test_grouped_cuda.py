@@ -23,7 +23,7 @@ RECIPES = {
     "fp8_current": (lambda: qr.Float8CurrentScaling(), None),
     "fp8_current_e4m3": (lambda: qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3), None),
     "mxfp8": (lambda: qr.MXFP8BlockScaling(), {"grouped_mm": 3}),
-    "fp8_block": (lambda: qr.Float8BlockScaling(), {"grouped_mm": 3}),
+    "fp8_block": (lambda: qr.Float8BlockScaling(), {"fp8_block_grouped_gemm": 3}),
 }
 
 

@@ -174,6 +174,23 @@ class Backend(Protocol):
         (zeros for a group without columns); every group starts at a multiple of 16 columns
         (the padded layout of a grouped layer; a fast backend may read 16-byte vectors)."""
 
+    def fp8_block_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
+                                    b: torch.Tensor, b_scale_inv: torch.Tensor,
+                                    offs: torch.Tensor, a_ends: torch.Tensor, *, total: int,
+                                    a_dtype: DType, b_dtype: DType,
+                                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """As :meth:`fp8_grouped_rows_gemm` with FP8 block scales: ``a_scale_inv [R,
+        ceil(K/128)]`` (1x128 blocks), ``b_scale_inv [E, ceil(N/128), ceil(K/128)]`` (128x128
+        blocks), fp32, any strides."""
+
+    def fp8_block_grouped_tokens_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
+                                      b: torch.Tensor, b_scale_inv: torch.Tensor,
+                                      ends: torch.Tensor, *, a_dtype: DType, b_dtype: DType,
+                                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """As :meth:`fp8_grouped_tokens_gemm` with FP8 block scales of 128 columns:
+        ``a_scale_inv [M, ceil(R/128)]``, ``b_scale_inv [N, ceil(R/128)]``, fp32, any strides;
+        every group starts at a multiple of 128 columns."""
+
 
 #: The functions of the contract, in declaration order (``name``, ``priority`` and
 #: ``supports`` are checked apart).

@@ -19,6 +19,7 @@ from . import (
     _amax,
     _gemm,
     fp8_block,
+    fp8_block_grouped_gemm,
     fp8_grouped,
     fp8_grouped_gemm,
     fp8_tensor,
@@ -84,6 +85,10 @@ class TritonBackend:
     fp8_group_quantize_experts = staticmethod(fp8_grouped.fp8_group_quantize_experts)
     fp8_grouped_rows_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_rows_gemm)
     fp8_grouped_tokens_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_tokens_gemm)
+    fp8_block_grouped_rows_gemm = staticmethod(
+        fp8_block_grouped_gemm.fp8_block_grouped_rows_gemm)
+    fp8_block_grouped_tokens_gemm = staticmethod(
+        fp8_block_grouped_gemm.fp8_block_grouped_tokens_gemm)
 
 
 BACKEND = TritonBackend()

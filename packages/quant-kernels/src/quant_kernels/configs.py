@@ -107,6 +107,18 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_stages": 4, "tma": 2},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 2},
     },
+    # fp8_block_grouped_gemm.py: FP8 block-scaled grouped GEMMs; each BK slice (BK divides 128)
+    # is scaled into the fp32 accumulator, so a tile holds two fp32 [BM, BN] tiles
+    "fp8_block_grouped_rows_gemm": {
+        "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
+                "num_warps": 8, "num_stages": 4},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1},
+    },
+    "fp8_block_grouped_tokens_gemm": {
+        "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "num_warps": 8,
+                "num_stages": 4},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0},
+    },
     # dequant_gemm.py
     "gemm_epilogue": {"gpu": {"BLOCK": 4096, "num_warps": 8}, "interp": {"BLOCK": 4096}},
 }

@@ -288,7 +288,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _device_descriptors_allowed() -> None:
+def device_descriptors_allowed() -> None:
     """Let kernels make tensor descriptors on the device: Triton asks its allocator for their
     memory, and has none unless one is set (set here only then, so that an allocator a program
     chose stays)."""
@@ -304,10 +304,21 @@ def _tma_operands(tensors, dtypes, blocks, cfg):
     or an operand the tensor memory accelerator can't address (a base or row stride not a
     multiple of 16 bytes). On a GPU the views are the operands' FP8 dtypes, so that the tiles
     go to the tensor cores as loaded; the interpreter decodes the uint8 bytes itself."""
-    if not cfg.get("tma", 0) or capturing():
+    if not cfg.get("tma", 0) or capturing() or not tma_addressable(tensors):
         return None
-    if any(t.data_ptr() % 16 or t.stride(0) % 16 for t in tensors):
-        return None
+    return descriptor_operands(tensors, dtypes, blocks)
+
+
+def tma_addressable(tensors) -> bool:
+    """Every operand's base and row stride are multiples of 16 bytes (what the tensor memory
+    accelerator addresses)."""
+    return not any(t.data_ptr() % 16 or t.stride(0) % 16 for t in tensors)
+
+
+def descriptor_operands(tensors, dtypes, blocks):
+    """``(views, descriptors)`` of TMA-addressable operands: on a GPU the views are the
+    operands' FP8 dtypes, so that the tiles go to the tensor cores as loaded; the interpreter
+    decodes the uint8 bytes itself."""
     native = NATIVE_FP8.value and tensors[0].is_cuda
     views = [t.view(d.torch_dtype) if native else t
              for t, d in zip(tensors, dtypes, strict=True)]
@@ -315,9 +326,9 @@ def _tma_operands(tensors, dtypes, blocks, cfg):
                    for v, b in zip(views, blocks, strict=True)]
 
 
-def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: DType,
-           b_dtype: DType, out_dtype: torch.dtype) -> None:
-    """Clear errors for both wrappers: FP8 dtypes, contiguous uint8 operands, fp32 scales and
+def check_operands(name: str, a: torch.Tensor, b: torch.Tensor, ends, a_dtype: DType,
+                   b_dtype: DType, out_dtype: torch.dtype) -> None:
+    """Clear errors for a grouped GEMM's wrapper: FP8 dtypes, contiguous uint8 operands,
     integer ends on ``a``'s device."""
     check_fp8(a_dtype, "a_dtype")
     check_fp8(b_dtype, "b_dtype")
@@ -326,17 +337,25 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: D
         if t.dtype != torch.uint8 or not t.is_contiguous():
             raise TypeError(f"{name}: {arg} must be contiguous uint8 FP8 bytes, got {t.dtype}"
                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
-    for arg, t in (*scales, *ends):
+    for arg, t in ends:
+        if t.device != a.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but a on {a.device}")
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+            raise TypeError(f"{name}: {arg} must be a 1D int32/int64 tensor of cumulative "
+                            f"ends, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: DType,
+           b_dtype: DType, out_dtype: torch.dtype) -> None:
+    """:func:`check_operands`, and fp32 per-group scales on ``a``'s device."""
+    check_operands(name, a, b, ends, a_dtype, b_dtype, out_dtype)
+    for arg, t in scales:
         if t.device != a.device:
             raise ValueError(f"{name}: {arg} is on {t.device} but a on {a.device}")
     for arg, t in scales:
         if t.dtype != torch.float32 or t.dim() != 1:
             raise TypeError(f"{name}: {arg} must be a 1D fp32 tensor (one scale-inverse per "
                             f"group), got {t.dtype} {tuple(t.shape)}")
-    for arg, t in ends:
-        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
-            raise TypeError(f"{name}: {arg} must be a 1D int32/int64 tensor of cumulative "
-                            f"ends, got {t.dtype} {tuple(t.shape)}")
 
 
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
@@ -409,7 +428,7 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
     elif cfg["tma"] == GROUP_DESCRIPTORS:
         if a.is_cuda:
-            _device_descriptors_allowed()
+            device_descriptors_allowed()
         _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
     else:
         _tokens_tma_kernel[grid](*tma[1], *tma[0], *rest, **flags)

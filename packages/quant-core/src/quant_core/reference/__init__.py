@@ -25,7 +25,12 @@ from .fp8_tensor import (
     fp8_quantize,
 )
 from .gemm import mxfp8_gemm, nvfp4_gemm
-from .grouped_gemm import fp8_grouped_rows_gemm, fp8_grouped_tokens_gemm
+from .grouped_gemm import (
+    fp8_block_grouped_rows_gemm,
+    fp8_block_grouped_tokens_gemm,
+    fp8_grouped_rows_gemm,
+    fp8_grouped_tokens_gemm,
+)
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize
 from .nvfp4_4over6 import nvfp4_4over6_quantize
@@ -38,6 +43,7 @@ __all__ = [
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
     "fp8_group_quantize_rows", "fp8_group_quantize_experts", "fp8_grouped_rows_gemm",
-    "fp8_grouped_tokens_gemm", "rht_matrix",
+    "fp8_grouped_tokens_gemm", "fp8_block_grouped_rows_gemm", "fp8_block_grouped_tokens_gemm",
+    "rht_matrix",
     "swizzle_scales", "unswizzle_scales", "nvfp4_4over6_quantize",
 ]

@@ -1,5 +1,6 @@
-"""Reference grouped FP8 GEMMs with per-group tensor scales (mixture-of-experts layers): the
-definition the grouped kernels are held to, and the emulated path on every device.
+"""Reference grouped FP8 GEMMs (mixture-of-experts layers) with per-group tensor scales, or
+with FP8 block scales (``fp8_block_grouped_*``): the definition the grouped kernels are held
+to, and the emulated path on every device.
 
 Elements are decoded exactly to fp32 and multiplied in fp32; each group's scale-inverses are
 applied to its fp32 product, ``(P * a_scale_inv[g]) * b_scale_inv[g]``, as NVFP4's per-tensor
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import DType
+from ..shapes import FP8_BLOCK as BLOCK
 from ._rounding import fp8_decode
 
 
@@ -52,4 +54,49 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
     for g, (s, e) in enumerate(_bounds(ends)):
         p = fp8_decode(a[:, s:e], a_dtype) @ fp8_decode(b[:, s:e], b_dtype).t()
         out[g] = _scaled(p, a_scale_inv[g], b_scale_inv[g], out_dtype)
+    return out
+
+
+def _block_values(data: torch.Tensor, dtype: DType, scale_inv: torch.Tensor, rows_per_block: int
+                  ) -> torch.Tensor:
+    """fp32 values of FP8 ``data [rows, K]``: each element times its block's scale-inverse,
+    ``scale_inv [ceil(rows / rows_per_block), ceil(K / 128)]`` (blocks of 128 along K)."""
+    rows, k = data.shape
+    per_element = scale_inv.to(torch.float32).repeat_interleave(rows_per_block, 0)[:rows]
+    return fp8_decode(data, dtype) * per_element.repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def fp8_block_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                                b_scale_inv: torch.Tensor, offs: torch.Tensor,
+                                a_ends: torch.Tensor, *, total: int, a_dtype: DType,
+                                b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
+                                ) -> torch.Tensor:
+    """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are group ``g``'s rows of ``a [R, K]``
+    (from row ``a_ends[g-1]`` on) times ``b[g]ᵀ`` (``b [E, N, K]``), FP8 blocks of 128 along K:
+    ``a_scale_inv [R, ceil(K/128)]`` per row (1x128), ``b_scale_inv [E, ceil(N/128),
+    ceil(K/128)]`` per 128x128 block. Both operands decoded to fp32, multiplied in fp32, one RNE
+    cast (the dense FP8 block GEMM's definition, `numerics.md` GEMM contract)."""
+    out = torch.zeros((total, b.shape[1]), dtype=out_dtype, device=a.device)
+    for g, ((s, e), (a0, _)) in enumerate(zip(_bounds(offs), _bounds(a_ends), strict=True)):
+        if e > s:
+            av = _block_values(a[a0:a0 + e - s], a_dtype, a_scale_inv[a0:a0 + e - s], 1)
+            bv = _block_values(b[g], b_dtype, b_scale_inv[g], BLOCK)
+            out[s:e] = (av @ bv.t()).to(out_dtype)
+    return out
+
+
+def fp8_block_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                                  b_scale_inv: torch.Tensor, ends: torch.Tensor, *,
+                                  a_dtype: DType, b_dtype: DType,
+                                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [E, M, N]``: group ``g``'s ``a[:, s:e] @ b[:, s:e]ᵀ`` over its columns
+    ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]`` and ``b [N, R]`` (zeros for a group without
+    columns), FP8 blocks of 128 columns: ``a_scale_inv [M, ceil(R/128)]``, ``b_scale_inv [N,
+    ceil(R/128)]`` (the 128x1 columnwise blocks of the tokens, each group starting at a
+    multiple of 128). Decoded to fp32, multiplied in fp32, one RNE cast."""
+    av = _block_values(a, a_dtype, a_scale_inv, 1)
+    bv = _block_values(b, b_dtype, b_scale_inv, 1)
+    out = torch.zeros((ends.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    for g, (s, e) in enumerate(_bounds(ends)):
+        out[g] = (av[:, s:e] @ bv[:, s:e].t()).to(out_dtype)
     return out

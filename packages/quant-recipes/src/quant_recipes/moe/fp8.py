@@ -78,6 +78,11 @@ def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
                   offs.to(torch.int32), rows, offs.shape[0])
 
 
+def padded(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows)."""
+    return x.new_zeros((lay.rows, x.shape[1])).index_copy_(0, lay.dest, x)
+
+
 def padded_starts(bounds: list[int], align: int) -> list[int]:
     """The host-side starts of the padded groups of :func:`layout` (``bounds``: ``offs``)."""
     starts, at, last = [], 0, 0

@@ -22,6 +22,10 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
   in one call over every padded group (the same bytes as one call per padded group: no block
   crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``. It
   differs from ``"per_group"`` only in the order of the fp32 accumulation;
+- ``"fp8_block_grouped_gemm"``: FP8 blocks (1x128 inputs and gradients, 128x128 weights,
+  power-of-2 scales, widths multiples of 128) on FP8 tensor cores, the block scales applied in
+  the GEMMs' main loop, on devices in :data:`.fp8_block_gemm.DEVICES` (:mod:`.fp8_block_gemm`);
+  checked before ``"grouped_mm"``;
 - ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
   every group quantized at once (:mod:`.fp8_gemm`, which the layer calls directly when
   all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
@@ -38,7 +42,7 @@ from quant_core.shapes import roundup
 from .. import operands
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
-from . import fp8, fp8_gemm
+from . import fp8, fp8_block_gemm, fp8_gemm
 from .paths import count_path
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
@@ -151,11 +155,6 @@ def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool):
                  for c, want in ((False, row), (True, col)))
 
 
-def _padded_rows(x: torch.Tensor, lay) -> torch.Tensor:
-    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows)."""
-    return x.new_zeros((lay.rows, x.shape[1])).index_copy_(0, lay.dest, x)
-
-
 def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     """bf16 ``[E, N, K]`` values of every expert's weight ``w [E, N, K]``, quantized as one
     ``[E * N, K]`` tensor (one call; the caller checked that N closes ``q``'s row blocks)."""
@@ -166,7 +165,7 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
 def batched_fprop(x, offs, w, qx, qw, align: int) -> torch.Tensor:
     """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring)."""
     lay = fp8.layout(offs, x.shape[0], align)
-    xv = _decoded(_padded_rows(x, lay), qx, False)
+    xv = _decoded(fp8.padded(x, lay), qx, False)
     out = torch._grouped_mm(xv, _experts(w, qw, False).transpose(1, 2), offs=lay.ends)
     count_path("grouped_mm")
     return out[lay.dest]
@@ -176,15 +175,15 @@ def batched_bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool
                   wgrad: bool):
     """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
     lay = fp8.layout(offs, gy.shape[0], align)
-    g_row, g_col = _decoded_pair(_padded_rows(gy, lay), qg, dgrad, wgrad and col)
+    g_row, g_col = _decoded_pair(fp8.padded(gy, lay), qg, dgrad, wgrad and col)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
-        g_col = g_row if g_row is not None else _decoded(_padded_rows(gy, lay), qg, False)
+        g_col = g_row if g_row is not None else _decoded(fp8.padded(gy, lay), qg, False)
     dx = dw = None
     if dgrad:
         dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
         count_path("grouped_mm")
     if wgrad:
-        xv = _decoded(_padded_rows(x, lay), qx, col)
+        xv = _decoded(fp8.padded(x, lay), qx, col)
         dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)
         count_path("grouped_mm")
     return dx, dw
@@ -202,6 +201,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     (total, k), n = x.shape, w.shape[1]
     if b is None and fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
         return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
+    if b is None and fp8_block_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k)):
+        return fp8_block_gemm.forward(x, offs, w, qx, qw, align)
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
         return batched_fprop(x, offs, w, qx, qw, align)
     y = x.new_zeros((total, n))
@@ -226,6 +227,11 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
+    if not bias and fp8_block_gemm.takes(qx, qw, qg, x.device, (gy.dtype, x.dtype, w.dtype),
+                                         (n, k), col):
+        dx, dw = fp8_block_gemm.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
+        return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
+                w.new_zeros((0,)))
     if not bias and _batched_takes((qg, qx, qw), x.device, (gy.dtype, x.dtype, w.dtype),
                                    (n, k), qw):
         dx, dw = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)

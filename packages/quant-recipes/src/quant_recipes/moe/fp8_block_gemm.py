@@ -1,0 +1,103 @@
+"""FP8 block scaling's grouped GEMMs of :class:`~quant_recipes.GroupedLinear` on FP8 tensor
+cores (the ``"fp8_block_grouped_gemm"`` path): each operand quantized in one call over the
+padded layout of all groups (:mod:`.fp8`; groups padded to 128 rows, so no block crosses a
+group and the bytes are the per-group calls'), then one launch per GEMM of the backend's
+``fp8_block_grouped_rows_gemm`` / ``fp8_block_grouped_tokens_gemm``, which apply the block
+scales inside the main loop (quant-kernels' Triton kernels on GPUs). Nothing is read on the
+host.
+
+It takes the recipes' default layout: 1x128 input and gradient blocks, 128x128 weight blocks,
+power-of-2 scales (so every scaling is exact and the result differs from the per-group path
+only in the order of the fp32 sums), widths multiples of 128, and the columnwise copies in
+backward (no ``backward_override``).
+"""
+
+from __future__ import annotations
+
+import torch
+from quant_core import Float8BlockQuantizer, backends
+from quant_core.shapes import FP8_BLOCK, ceil_div
+
+from . import fp8
+from .paths import count_path
+
+#: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
+DEVICES = {"cuda"}
+
+
+def _is_block(q, dim: int) -> bool:
+    """``q`` is FP8 block scaling of ``dim`` dimensions with power-of-2 scales (asked through
+    members traced code can read)."""
+    return (q.storage_format == Float8BlockQuantizer.storage_format
+            and getattr(q, "block_scaling_dim", None) == dim and q.decodes_exactly_to_bf16())
+
+
+def takes(qx, qw, qg, device: torch.device, dtypes, widths, col: bool = True) -> bool:
+    """The path takes a layer of these quantizers (``qg`` None for the forward GEMM): see the
+    module docstring; bf16 operands and a device of :data:`DEVICES`."""
+    return (device.type in DEVICES and col and all(d == torch.bfloat16 for d in dtypes)
+            and all(w % FP8_BLOCK == 0 for w in widths)
+            and _is_block(qx, 1) and _is_block(qw, 2) and (qg is None or _is_block(qg, 1)))
+
+
+def _rows(q, t: torch.Tensor, rowwise: bool, columnwise: bool):
+    """The storage of ``t [m, k]`` quantized by ``q`` with these usages."""
+    return q.with_usage(rowwise, columnwise).quantize(t)
+
+
+def _row_scales(s, rows: int) -> torch.Tensor:
+    """``[rows, ceil(K/128)]`` view of a 1x128 storage's rowwise scale-inverses."""
+    return s._rowwise_scale_inv[:, :rows].t()
+
+
+def _column_scales(s, cols: int) -> torch.Tensor:
+    """``[cols, ceil(rows/128)]`` view of a 1x128 storage's columnwise (128x1) scale-inverses,
+    one row per column of the quantized tensor."""
+    return s._columnwise_scale_inv[:, :cols].t()
+
+
+def _experts(w: torch.Tensor, qw):
+    """``(data [E, N, K], scale_inv [E, N/128, K/128])``: every expert's weight quantized as one
+    ``[E·N, K]`` tensor (its 128x128 blocks don't cross experts)."""
+    e, n, k = w.shape
+    s = _rows(qw, w.reshape(e * n, k), True, False)
+    kb = ceil_div(k, FP8_BLOCK)
+    return (s._rowwise_data.view(e, n, k),
+            s._rowwise_scale_inv[:, :kb].reshape(e, n // FP8_BLOCK, kb))
+
+
+def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int
+            ) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``."""
+    lay = fp8.layout(offs, x.shape[0], align)
+    xs = _rows(qx, fp8.padded(x, lay), True, False)
+    wd, sw = _experts(w, qw)
+    count_path("fp8_block_grouped_gemm")
+    return backends.get(None, x.device).fp8_block_grouped_rows_gemm(
+        xs._rowwise_data, _row_scales(xs, lay.rows), wd, sw, lay.offs, lay.ends,
+        total=x.shape[0], a_dtype=qx.dtype, b_dtype=qw.dtype)
+
+
+def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,
+             qw, align: int, dgrad: bool, wgrad: bool):
+    """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
+    ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
+    (total, k), n = x.shape, w.shape[1]
+    lay = fp8.layout(offs, total, align)
+    backend = backends.get(None, gy.device)
+    gs = _rows(qg, fp8.padded(gy, lay), dgrad, wgrad)
+    dx = dw = None
+    if dgrad:
+        wd, sw = _experts(w, qw)  # 128x128 blocks: the columnwise copy is the transpose
+        dx = backend.fp8_block_grouped_rows_gemm(
+            gs._rowwise_data, _row_scales(gs, lay.rows), wd.transpose(1, 2).contiguous(),
+            sw.transpose(1, 2), lay.offs, lay.ends, total=total, a_dtype=qg.dtype,
+            b_dtype=qw.dtype)
+        count_path("fp8_block_grouped_gemm")
+    if wgrad:
+        xs = _rows(qx, fp8.padded(x, lay), False, True)
+        dw = backend.fp8_block_grouped_tokens_gemm(
+            gs._columnwise_data, _column_scales(gs, n), xs._columnwise_data,
+            _column_scales(xs, k), lay.ends, a_dtype=qg.dtype, b_dtype=qx.dtype)
+        count_path("fp8_block_grouped_gemm")
+    return dx, dw

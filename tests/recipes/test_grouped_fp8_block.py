@@ -1,0 +1,99 @@
+"""FP8 block scaling's grouped GEMMs on FP8 tensor cores (quant_recipes.moe.fp8_block_gemm):
+a layer's three GEMMs take ``"fp8_block_grouped_gemm"`` where it applies, read nothing on the
+host, and equal the per-group path (the dense Linear's GEMMs on each padded group) up to the
+order of the fp32 sums.
+
+On the CPU the path runs on the reference backend (whose definitions the kernels are held to in
+tests/kernels/test_fp8_block_grouped_gemm.py) and, under ``TRITON_INTERPRET=1``, on the Triton
+kernels through the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import quant_recipes as qr
+import torch
+from _host_reads import HostReads
+from quant_core import backends
+from quant_recipes.moe import fp8_block_gemm
+
+E, K, N = 4, 256, 384
+COUNTS = [0, 37, 1, 200]  # an empty group, a group of one row, one of more than a block
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(fp8_block_gemm, "DEVICES", {"cpu"})
+
+
+@pytest.fixture(params=["reference", "triton"])
+def impl(request):
+    if request.param == "triton":
+        pytest.importorskip("quant_kernels")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
+    with backends.using(request.param):
+        yield request.param
+
+
+def _step(recipe, counts=COUNTS, n=N, reads=None):
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(counts), K, n, dtype=torch.bfloat16)
+    x = (torch.randn(sum(counts), K) * torch.logspace(-2, 2, sum(counts))[:, None]).to(
+        torch.bfloat16).requires_grad_()
+    gy = torch.randn(sum(counts), n, dtype=torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0)
+    qr.reset_grouped_gemm_paths()
+    with HostReads() if reads is not None else _nothing() as r:
+        with qr.autocast(recipe=recipe):
+            y = m(x, offs)
+        y.backward(gy)
+    if reads is not None:
+        reads.extend(r.reads)
+    return (y.detach(), x.grad, m.weight.grad), qr.grouped_gemm_paths()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_every_gemm_one_block_scaled_launch_equal_to_the_per_group_path(on_cpu, impl,
+                                                                        monkeypatch):
+    got, paths = _step(qr.Float8BlockScaling())
+    assert paths == {"fp8_block_grouped_gemm": 3}
+    monkeypatch.setattr(fp8_block_gemm, "DEVICES", set())
+    with backends.using("reference"):
+        want, want_paths = _step(qr.Float8BlockScaling())
+    assert want_paths == {"per_group": 3}
+    for a, b in zip(got, want, strict=True):
+        # the same exact products (power-of-2 scales), summed in another order, one rounding
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
+
+
+def test_reads_nothing_on_the_host(on_cpu, impl, monkeypatch):
+    # offs on the CPU are checked on the CPU (no device to wait for): a GPU checks on the device
+    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
+    if impl == "reference":  # the reference's definitions read the group bounds on the host
+        pytest.skip("the reference backend is the definition, not a fast path")
+    reads: list[str] = []
+    _, paths = _step(qr.Float8BlockScaling(), reads=reads)
+    assert reads == [] and paths == {"fp8_block_grouped_gemm": 3}
+
+
+@pytest.mark.parametrize("recipe, n, want", [
+    # a width that splits a weight block
+    (lambda: qr.Float8BlockScaling(), 200, {"per_group": 3}),
+    # fp32 scales: the block scalings would round
+    (lambda: qr.Float8BlockScaling(use_f32_scales=True), N, {"per_group": 3}),
+    # backward reads rowwise forms transposed: only the forward GEMM takes the path
+    (lambda: qr.Float8BlockScaling(backward_override="dequantized"), N,
+     {"fp8_block_grouped_gemm": 1, "per_group": 2}),
+])
+def test_other_layouts_keep_the_other_paths(on_cpu, recipe, n, want):
+    _, paths = _step(recipe(), n=n)
+    assert paths == want
