@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import quant_recipes as qr
 import torch
+from quant_recipes.moe import fp8_block_gemm as grouped_fp8_block_gemm
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 from quant_recipes.moe import gemm as grouped_gemm
 
@@ -99,6 +100,7 @@ def test_grouped_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
     assert qr.grouped_gemm_paths() == _want_paths(name)
     monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", set())
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    monkeypatch.setattr(grouped_fp8_block_gemm, "DEVICES", set())
     qr.reset_grouped_gemm_paths()
     want = _step(m, m, recipe, x, gy, offs)
     assert qr.grouped_gemm_paths() == {"per_group": 3}
