@@ -97,3 +97,15 @@ def test_reads_nothing_on_the_host(on_cpu, impl, monkeypatch):
 def test_other_layouts_keep_the_other_paths(on_cpu, recipe, n, want):
     _, paths = _step(recipe(), n=n)
     assert paths == want
+
+
+def test_groups_padded_to_fewer_rows_than_a_block_keep_the_per_group_path(on_cpu):
+    """A ``CustomRecipe`` padding groups to 16 rows: a 128-row block would cross groups."""
+    from quant_core import Float8BlockQuantizer
+
+    def factory(role):
+        dim = 2 if role is not None and role.tensor_type == "weight" else 1
+        return Float8BlockQuantizer(block_scaling_dim=dim)
+
+    _, paths = _step(qr.CustomRecipe(qfactory=factory, quantization_alignment=16))
+    assert paths == {"per_group": 3}

@@ -32,11 +32,13 @@ def _is_block(q, dim: int) -> bool:
             and getattr(q, "block_scaling_dim", None) == dim and q.decodes_exactly_to_bf16())
 
 
-def takes(qx, qw, qg, device: torch.device, dtypes, widths, col: bool = True) -> bool:
+def takes(qx, qw, qg, device: torch.device, dtypes, widths, align: int, col: bool = True
+          ) -> bool:
     """The path takes a layer of these quantizers (``qg`` None for the forward GEMM): see the
-    module docstring; bf16 operands and a device of :data:`DEVICES`."""
+    module docstring; bf16 operands, a device of :data:`DEVICES`, groups padded to whole blocks
+    (``align``: a ``CustomRecipe`` may pad to fewer rows)."""
     return (device.type in DEVICES and col and all(d == torch.bfloat16 for d in dtypes)
-            and all(w % FP8_BLOCK == 0 for w in widths)
+            and all(w % FP8_BLOCK == 0 for w in (*widths, align))
             and _is_block(qx, 1) and _is_block(qw, 2) and (qg is None or _is_block(qg, 1)))
 
 

@@ -201,7 +201,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     (total, k), n = x.shape, w.shape[1]
     if b is None and fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
         return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
-    if b is None and fp8_block_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k)):
+    if b is None and fp8_block_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k),
+                                          align):
         return fp8_block_gemm.forward(x, offs, w, qx, qw, align)
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
         return batched_fprop(x, offs, w, qx, qw, align)
@@ -228,7 +229,7 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
     if not bias and fp8_block_gemm.takes(qx, qw, qg, x.device, (gy.dtype, x.dtype, w.dtype),
-                                         (n, k), col):
+                                         (n, k), align, col):
         dx, dw = fp8_block_gemm.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
         return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
                 w.new_zeros((0,)))
