@@ -107,7 +107,7 @@ def test_grouped_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
     _assert_within_bound(got, want, x, m.weight, gy, COUNTS)
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block"])
 def test_a_captured_step_replays_with_other_group_sizes(name):
     """One CUDA graph of forward + backward, replayed after the group sizes changed in place:
     the results of an eager step with those sizes."""
