@@ -179,7 +179,7 @@ def fp8_block_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: t
         return out
     if k == 0:
         return out.zero_()
-    cfg, kw = launch_config(name)
+    cfg, kw = launch_config("fp8_block_grouped_rows_gemm")
     _check_slices(name, cfg)
     row_tiles = ceil_div(total, cfg["BM"]) + experts
     grid = (row_tiles * ceil_div(n, cfg["BN"]),)
@@ -215,7 +215,7 @@ def fp8_block_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b:
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    cfg, kw = launch_config(name)
+    cfg, kw = launch_config("fp8_block_grouped_tokens_gemm")
     _check_slices(name, cfg)
     grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
     views, _ = descriptor_operands(_addressable(name, a, b), (a_dtype, b_dtype),
