@@ -198,13 +198,10 @@ def triton_forms(m: int, k: int, n: int) -> list[dict]:
 
 
 #: The own kernels' sweep: tile configs (PROMOTE -1: fast accumulation; COLS_FASTEST, the rows
-#: kernel's program order, is left out of the contraction kernel's; tokens_tma: the contraction
-#: kernel's ``tma``, 2 for descriptors bounded by the group, 1 for a pointer-loaded last chunk).
+#: kernel's program order, is left out of the contraction kernel's).
 OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
-                     "num_stages": 4, "tma": 1, "tokens_tma": 2, "COLS_FASTEST": 1, **c}
-                    for c in (
-    {"tma": 0, "tokens_tma": 0, "BN": 128, "COLS_FASTEST": 0}, {"COLS_FASTEST": 0}, {},
-    {"tokens_tma": 1}, {"num_stages": 3},
+                     "num_stages": 4, "tma": 1, "COLS_FASTEST": 1, **c} for c in (
+    {"tma": 0, "BN": 128, "COLS_FASTEST": 0}, {"COLS_FASTEST": 0}, {}, {"num_stages": 3},
     {"BN": 128}, {"BN": 128, "COLS_FASTEST": 0}, {"BM": 64, "BN": 128, "num_warps": 4},
     {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}, {"PROMOTE": -1}))
 
@@ -256,12 +253,10 @@ def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
     out = []
     for cfg in OWN_CONFIGS:
         cfg = {**cfg, "PROMOTE": min(cfg["PROMOTE"], cfg["BK"])}
-        tokens_tma = cfg.pop("tokens_tma")
-        tokens_cfg = {**{k: v for k, v in cfg.items() if k != "COLS_FASTEST"},
-                      "tma": tokens_tma}
+        tokens_cfg = {k: v for k, v in cfg.items() if k != "COLS_FASTEST"}
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
                f"promote {cfg['PROMOTE']}")
-        loads = {0: "pointers", 1: "tma", 2: "tma group-bounded"}
+        loads = {0: "pointers", 1: "tma"}
         with configs.overridden("fp8_grouped_rows_gemm", cfg):
             out.append(_row(f"own rows {tag} {loads[cfg['tma']]} "
                             f"cols {'first' if cfg['COLS_FASTEST'] else 'last'}",
@@ -270,7 +265,7 @@ def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
                             rows_ref, flops))
         if cfg["COLS_FASTEST"]:  # the contraction kernel has one program order
             with configs.overridden("fp8_grouped_tokens_gemm", tokens_cfg):
-                out.append(_row(f"own tokens {tag} {loads[tokens_tma]}",
+                out.append(_row(f"own tokens {tag} {loads[cfg['tma']]}",
                                 lambda: kern.fp8_grouped_tokens_gemm(
                     u8(at), sa, u8(bt), sb, offs, **kw), tok_ref, flops))
     return out

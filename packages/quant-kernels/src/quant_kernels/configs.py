@@ -100,12 +100,11 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_warps": 8, "num_stages": 4, "tma": 1},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1},
     },
-    # the weight-gradient kernel's tma 2: every chunk by TMA from descriptors bounded by the
-    # group (1: its last partial chunk by masked pointer loads)
+    # the weight-gradient kernel's tma: every chunk by TMA from descriptors bounded by the group
     "fp8_grouped_tokens_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
-                "num_stages": 4, "tma": 2},
-        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 2},
+                "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
     # fp8_block_grouped_gemm.py: FP8 block-scaled grouped GEMMs; each BK slice (BK divides 128)
     # is scaled into the fp32 accumulator, so a tile holds two fp32 [BM, BN] tiles

@@ -36,11 +36,6 @@ from ._common import launch, out_code
 from ._rounding import NATIVE_FP8, fp8_decode, to_out
 from .configs import launch_config
 
-#: The ``tma`` config value of the weight-gradient kernel that loads every chunk by TMA from
-#: descriptors bounded by the group (made on the device); 1 loads a group's last partial chunk
-#: by masked pointer loads instead, 0 every chunk.
-GROUP_DESCRIPTORS = 2
-
 
 @triton.jit
 def _fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, PROMOTE: tl.constexpr):
@@ -207,45 +202,6 @@ def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr
         out_rows = out0 + local
         tl.store(c_ptr + out_rows[:, None] * N + rn[None, :], to_out(acc, OUT),
                  mask=(local < rows)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def _tokens_tma_kernel(a_desc, b_desc, a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R,
-                       s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
-                       OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PROMOTE: tl.constexpr):
-    """:func:`_tokens_kernel` with the group's whole ``BK`` chunks loaded by the tensor memory
-    accelerator (``a_desc`` / ``b_desc`` over ``a [M, R]`` / ``b [N, R]``, FP8-typed on a GPU)
-    and its last partial chunk by masked loads, so that no column of another group enters the
-    sums. The same products and the same order of sums as :func:`_tokens_kernel`."""
-    g = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BN)
-    m0 = (tl.program_id(0) // tiles_n) * BM
-    n0 = (tl.program_id(0) % tiles_n) * BN
-    rm = m0 + tl.arange(0, BM)
-    rn = n0 + tl.arange(0, BN)
-    mmask, nmask = rm < M, rn < N
-    start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), 16)
-    cols = tl.load(ends_ptr + g).to(tl.int32) - start
-    whole = cols - cols % BK
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, whole, BK):
-        a = a_desc.load([m0, start + k0])
-        b = b_desc.load([n0, start + k0])
-        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
-    if whole < cols:
-        rk = whole + tl.arange(0, BK)
-        kmask = rk < cols
-        am = tl.where(mmask, rm, 0).to(tl.int64)
-        bn = tl.where(nmask, rn, 0).to(tl.int64)
-        a = tl.load(a_ptr + am[:, None] * R + start + rk[None, :], mask=kmask[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + bn[None, :] * R + start + rk[:, None], mask=kmask[:, None],
-                    other=0.0)
-        acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
-    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
-    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -426,10 +382,8 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
                                                      (cfg["BN"], cfg["BK"])), cfg)
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
-    elif cfg["tma"] == GROUP_DESCRIPTORS:
+    else:
         if a.is_cuda:
             device_descriptors_allowed()
         _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
-    else:
-        _tokens_tma_kernel[grid](*tma[1], *tma[0], *rest, **flags)
     return out
