@@ -138,8 +138,8 @@ def test_nvfp4_gemm_matches_reference(impl, rht, swizzle):
             if integer:
                 assert torch.equal(got, ref), (impl, out_dtype)
             else:
-                av = reference.gemm._nvfp4_operand(ra.data, ra.scale, swizzle)
-                bv = reference.gemm._nvfp4_operand(rb.data, rb.scale, swizzle)
+                av = reference.gemm.nvfp4_operand(ra.data, ra.scale, swizzle)
+                bv = reference.gemm.nvfp4_operand(rb.data, rb.scale, swizzle)
                 alpha = float(ra.amax) * float(rb.amax) / 2688**2
                 assert _within_bound(got, ref, av.abs() * alpha, bv.abs(), k), (impl, out_dtype)
 

@@ -191,6 +191,37 @@ class Backend(Protocol):
         ``a_scale_inv [M, ceil(R/128)]``, ``b_scale_inv [N, ceil(R/128)]``, fp32, any strides;
         every group starts at a multiple of 128 columns."""
 
+    # ----------------------------------------------- grouped NVFP4 (mixture of experts)
+    def nvfp4_group_quantize(self, x: torch.Tensor, grp: torch.Tensor, *, groups: int,
+                             rowwise: bool, columnwise: bool, with_rht: bool,
+                             rht_sign_mask: int, with_2d_quantization: bool,
+                             stochastic_rounding: bool, rng_seed: torch.Tensor | None,
+                             swizzle: bool) -> Tensors6:
+        """``(row_data, row_scale, col_data, col_scale, amax_row [groups], amax_col
+        [groups])``: :meth:`nvfp4_quantize`'s buffers of ``x [M, K]`` with each group of rows
+        (``grp [M]`` the group of each row; every group starting at a multiple of 16 rows)
+        quantized with its own amaxes, fp32 ``[groups]``; stochastic rounding numbers the
+        elements of ``x`` as one tensor (``reference.nvfp4_grouped``)."""
+
+    def nvfp4_grouped_rows_gemm(self, a: torch.Tensor, a_scale: torch.Tensor,
+                                a_amax: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                                b_amax: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
+                                *, total: int, a_swizzled: bool, b_swizzled: bool,
+                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """As :meth:`fp8_grouped_rows_gemm` for packed NVFP4 row operands ``a [R, K/2]``,
+        ``b [E, N, K/2]`` (``a_scale`` / ``b_scale`` the E4M3 block scales of the ``[R, K]`` /
+        ``[E * N, K]`` tensors), each group's product scaled by NVFP4's factors of its amaxes,
+        ``(P * (a_amax[g] * R)) * (b_amax[g] * R)``, ``R = fp32(1/2688)``."""
+
+    def nvfp4_grouped_tokens_gemm(self, a: torch.Tensor, a_scale: torch.Tensor,
+                                  a_amax: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                                  b_amax: torch.Tensor, ends: torch.Tensor, *,
+                                  a_swizzled: bool, b_swizzled: bool,
+                                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """As :meth:`fp8_grouped_tokens_gemm` for packed NVFP4 row operands ``a [M, C/2]``,
+        ``b [N, C/2]`` (columnwise data, blocks of 16 along the tokens), scaled as
+        :meth:`nvfp4_grouped_rows_gemm`."""
+
 
 #: The functions of the contract, in declaration order (``name``, ``priority`` and
 #: ``supports`` are checked apart).

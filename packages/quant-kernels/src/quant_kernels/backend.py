@@ -89,6 +89,10 @@ class TritonBackend:
         fp8_block_grouped_gemm.fp8_block_grouped_rows_gemm)
     fp8_block_grouped_tokens_gemm = staticmethod(
         fp8_block_grouped_gemm.fp8_block_grouped_tokens_gemm)
+    # TEMPORARY: the reference until the Triton versions land
+    nvfp4_group_quantize = staticmethod(reference.nvfp4_group_quantize)
+    nvfp4_grouped_rows_gemm = staticmethod(reference.nvfp4_grouped_rows_gemm)
+    nvfp4_grouped_tokens_gemm = staticmethod(reference.nvfp4_grouped_tokens_gemm)
 
 
 BACKEND = TritonBackend()

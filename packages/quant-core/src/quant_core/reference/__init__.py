@@ -30,11 +30,14 @@ from .grouped_gemm import (
     fp8_block_grouped_tokens_gemm,
     fp8_grouped_rows_gemm,
     fp8_grouped_tokens_gemm,
+    nvfp4_grouped_rows_gemm,
+    nvfp4_grouped_tokens_gemm,
 )
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize
 from .nvfp4_4over6 import nvfp4_4over6_quantize
 from .nvfp4_dispatch import nvfp4_quantize
+from .nvfp4_grouped import nvfp4_group_quantize
 from .rht import rht_matrix
 from .swizzle import swizzle_scales, unswizzle_scales
 
@@ -44,6 +47,7 @@ __all__ = [
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
     "fp8_group_quantize_rows", "fp8_group_quantize_experts", "fp8_grouped_rows_gemm",
     "fp8_grouped_tokens_gemm", "fp8_block_grouped_rows_gemm", "fp8_block_grouped_tokens_gemm",
+    "nvfp4_group_quantize", "nvfp4_grouped_rows_gemm", "nvfp4_grouped_tokens_gemm",
     "rht_matrix",
     "swizzle_scales", "unswizzle_scales", "nvfp4_4over6_quantize",
 ]

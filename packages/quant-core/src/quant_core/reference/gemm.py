@@ -64,7 +64,9 @@ def mxfp8_gemm(
     return _finish(av, bv, bias, out_dtype)
 
 
-def _nvfp4_operand(data, scale, swizzled: bool) -> torch.Tensor:
+def nvfp4_operand(data, scale, swizzled: bool) -> torch.Tensor:
+    """fp32 ``[rows, K]`` of a packed NVFP4 row operand: each element ``e2m1 * e4m3`` of its
+    block scale, exact (no per-tensor factor)."""
     rows, k = data.shape[0], data.shape[1] * 2
     blocks = -(-k // 16)
     s = fp8_decode(_block_scales(scale, swizzled, rows, blocks).contiguous(), DType.E4M3)
@@ -84,8 +86,8 @@ def nvfp4_gemm(
     row of a row-scaled operand (``(M,)`` / ``(N,)``: the factor of output row ``i`` / column
     ``j``).
     """
-    av = _nvfp4_operand(a, a_scale, a_swizzled)
-    bv = _nvfp4_operand(b, b_scale, b_swizzled)
+    av = nvfp4_operand(a, a_scale, a_swizzled)
+    bv = nvfp4_operand(b, b_scale, b_swizzled)
     alpha = (a_amax.to(torch.float32).reshape(-1, 1) * RCP_NVFP4_GLOBAL_MAX,
              b_amax.to(torch.float32).reshape(1, -1) * RCP_NVFP4_GLOBAL_MAX)
     return _finish(av, bv, bias, out_dtype, alpha)

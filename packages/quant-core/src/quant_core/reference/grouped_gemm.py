@@ -1,6 +1,7 @@
-"""Reference grouped FP8 GEMMs (mixture-of-experts layers) with per-group tensor scales, or
-with FP8 block scales (``fp8_block_grouped_*``): the definition the grouped kernels are held
-to, and the emulated path on every device.
+"""Reference grouped GEMMs (mixture-of-experts layers): FP8 with per-group tensor scales, FP8
+with block scales (``fp8_block_grouped_*``) and NVFP4 with per-group amaxes
+(``nvfp4_grouped_*``): the definition the grouped kernels are held to, and the emulated path on
+every device.
 
 Elements are decoded exactly to fp32 and multiplied in fp32; each group's scale-inverses are
 applied to its fp32 product, ``(P * a_scale_inv[g]) * b_scale_inv[g]``, as NVFP4's per-tensor
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
 from ..shapes import FP8_BLOCK as BLOCK
 from ._rounding import fp8_decode
+from .gemm import nvfp4_operand
 
 
 def _bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
@@ -99,4 +102,50 @@ def fp8_block_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b:
     out = torch.zeros((ends.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     for g, (s, e) in enumerate(_bounds(ends)):
         out[g] = (av[:, s:e] @ bv[:, s:e].t()).to(out_dtype)
+    return out
+
+
+def _nvfp4_factor(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor GEMM factors ``amax * fp32(1/2688)`` of per-group amaxes (§8)."""
+    return amax.to(torch.float32) * RCP_NVFP4_GLOBAL_MAX
+
+
+def nvfp4_grouped_rows_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+                            b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor,
+                            offs: torch.Tensor, a_ends: torch.Tensor, *, total: int,
+                            a_swizzled: bool, b_swizzled: bool,
+                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are ``((A_g @ B_gᵀ) * (a_amax[g] * R)) *
+    (b_amax[g] * R)``, ``R = fp32(1/2688)`` (NVFP4's GEMM alpha, :mod:`.gemm`): ``A_g`` group
+    ``g``'s rows of the packed row operand ``a [R, K/2]`` from row ``a_ends[g-1]`` on, ``B_g``
+    expert ``g`` of ``b [E, N, K/2]``; each element ``e2m1 * e4m3`` of its block scale
+    (``a_scale``: the E4M3 scales of the ``[R, K]`` tensor, ``b_scale``: of the ``[E * N, K]``
+    one, GEMM-swizzled when ``*_swizzled``), decoded exactly, multiplied and summed in fp32,
+    one RNE cast; ``a_amax``, ``b_amax`` fp32 ``[E]``."""
+    experts, n, kh = b.shape
+    av = nvfp4_operand(a, a_scale, a_swizzled)
+    bv = nvfp4_operand(b.reshape(experts * n, kh), b_scale, b_swizzled).view(experts, n, 2 * kh)
+    sa, sb = _nvfp4_factor(a_amax), _nvfp4_factor(b_amax)
+    out = torch.zeros((total, n), dtype=out_dtype, device=a.device)
+    for g, ((s, e), (a0, _)) in enumerate(zip(_bounds(offs), _bounds(a_ends), strict=True)):
+        if e > s:
+            out[s:e] = _scaled(av[a0:a0 + e - s] @ bv[g].t(), sa[g], sb[g], out_dtype)
+    return out
+
+
+def nvfp4_grouped_tokens_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+                              b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor,
+                              ends: torch.Tensor, *, a_swizzled: bool, b_swizzled: bool,
+                              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [E, M, N]``: group ``g``'s ``((A[:, s:e] @ B[:, s:e]ᵀ) * (a_amax[g] * R)) *
+    (b_amax[g] * R)`` over its columns ``s:e = ends[g-1]:ends[g]`` of the packed row operands
+    ``a [M, C/2]``, ``b [N, C/2]`` (a tensor's columnwise NVFP4 data, blocks of 16 along the
+    tokens; every group starting at a multiple of 16 columns), decoded as in
+    :func:`nvfp4_grouped_rows_gemm`; zeros for a group without columns."""
+    av = nvfp4_operand(a, a_scale, a_swizzled)
+    bv = nvfp4_operand(b, b_scale, b_swizzled)
+    sa, sb = _nvfp4_factor(a_amax), _nvfp4_factor(b_amax)
+    out = torch.zeros((ends.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    for g, (s, e) in enumerate(_bounds(ends)):
+        out[g] = _scaled(av[:, s:e] @ bv[:, s:e].t(), sa[g], sb[g], out_dtype)
     return out
