@@ -8,6 +8,8 @@ test and restores the package's afterwards.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -28,3 +30,17 @@ def cpu_ops_device(monkeypatch) -> None:
     """The CPU among ``OPS_DEVICES`` for one test: quantizers on CPU tensors may be lowered to
     reference ops."""
     _with_cpu(monkeypatch, "OPS_DEVICES")
+
+
+@pytest.fixture(params=["reference", "triton"])
+def impl(request):
+    """Each test once on the reference backend and once on the Triton kernels, which run on the
+    CPU only through ``TRITON_INTERPRET=1``; yields the backend's name."""
+    from quant_core import backends
+
+    if request.param == "triton":
+        pytest.importorskip("quant_kernels")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
+    with backends.using(request.param):
+        yield request.param

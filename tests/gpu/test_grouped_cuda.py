@@ -15,6 +15,7 @@ import torch
 from quant_recipes.moe import fp8_block_gemm as grouped_fp8_block_gemm
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 from quant_recipes.moe import gemm as grouped_gemm
+from quant_recipes.moe import nvfp4_gemm as grouped_nvfp4_gemm
 
 DEV = "cuda"
 E, K, N = 8, 256, 384
@@ -25,6 +26,9 @@ RECIPES = {
     "fp8_current_e4m3": (lambda: qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3), None),
     "mxfp8": (lambda: qr.MXFP8BlockScaling(), {"grouped_mm": 3}),
     "fp8_block": (lambda: qr.Float8BlockScaling(), {"fp8_block_grouped_gemm": 3}),
+    # round to nearest: a replayed graph and an eager step draw other random bytes
+    "nvfp4": (lambda: qr.NVFP4BlockScaling(disable_stochastic_rounding=True),
+              {"nvfp4_grouped_gemm": 3}),
 }
 
 
@@ -101,13 +105,14 @@ def test_grouped_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
     monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", set())
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
     monkeypatch.setattr(grouped_fp8_block_gemm, "DEVICES", set())
+    monkeypatch.setattr(grouped_nvfp4_gemm, "DEVICES", set())
     qr.reset_grouped_gemm_paths()
     want = _step(m, m, recipe, x, gy, offs)
     assert qr.grouped_gemm_paths() == {"per_group": 3}
     _assert_within_bound(got, want, x, m.weight, gy, COUNTS)
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block"])
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "fp8_block", "nvfp4"])
 def test_a_captured_step_replays_with_other_group_sizes(name):
     """One CUDA graph of forward + backward, replayed after the group sizes changed in place:
     the results of an eager step with those sizes."""

@@ -49,19 +49,6 @@ def _rows(counts, dtype, seed=0):
     return x.to(dtype)
 
 
-@pytest.fixture(params=["reference", "triton"])
-def impl(request):
-    """The batched quantization on each backend (Triton through the interpreter)."""
-    if request.param == "triton":
-        pytest.importorskip("quant_kernels")
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
-    with backends.using(request.param):
-        yield request.param
-
-
 def _per_group(x, counts, q):
     """The per-group path's buffers of each group: its rows padded to ALIGN, one quantize (by
     the reference)."""

@@ -10,7 +10,6 @@ kernels through the interpreter."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import quant_recipes as qr
@@ -26,16 +25,6 @@ COUNTS = [0, 37, 1, 200]  # an empty group, a group of one row, one of more than
 @pytest.fixture
 def on_cpu(monkeypatch):
     monkeypatch.setattr(fp8_block_gemm, "DEVICES", {"cpu"})
-
-
-@pytest.fixture(params=["reference", "triton"])
-def impl(request):
-    if request.param == "triton":
-        pytest.importorskip("quant_kernels")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
-    with backends.using(request.param):
-        yield request.param
 
 
 def _step(recipe, counts=COUNTS, n=N, reads=None):

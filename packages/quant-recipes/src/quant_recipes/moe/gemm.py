@@ -26,6 +26,10 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
   power-of-2 scales, widths multiples of 128) on FP8 tensor cores, the block scales applied in
   the GEMMs' main loop, on devices in :data:`.fp8_block_gemm.DEVICES` (:mod:`.fp8_block_gemm`);
   checked before ``"grouped_mm"``;
+- ``"nvfp4_grouped_gemm"``: NVFP4 (TransformerEngine's block scaling, widths multiples of 16),
+  every group quantized with its own amaxes in one call, each GEMM one launch that scales each
+  group's product by its factors, on devices in :data:`.nvfp4_gemm.DEVICES`
+  (:mod:`.nvfp4_gemm`);
 - ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
   every group quantized at once (:mod:`.fp8_gemm`, which the layer calls directly when
   all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
@@ -42,7 +46,7 @@ from quant_core.shapes import roundup
 from .. import operands
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
-from . import fp8, fp8_block_gemm, fp8_gemm
+from . import fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
 from .paths import count_path
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
@@ -204,6 +208,8 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     if b is None and fp8_block_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k),
                                           align):
         return fp8_block_gemm.forward(x, offs, w, qx, qw, align)
+    if b is None and nvfp4_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
+        return nvfp4_gemm.forward(x, offs, w, qx, qw, align)
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
         return batched_fprop(x, offs, w, qx, qw, align)
     y = x.new_zeros((total, n))
@@ -228,11 +234,12 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
-    if not bias and fp8_block_gemm.takes(qx, qw, qg, x.device, (gy.dtype, x.dtype, w.dtype),
-                                         (n, k), align, col):
-        dx, dw = fp8_block_gemm.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
-        return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
-                w.new_zeros((0,)))
+    dtypes = (gy.dtype, x.dtype, w.dtype)
+    for route in (fp8_block_gemm, nvfp4_gemm):
+        if not bias and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
+            dx, dw = route.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
+            return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
+                    w.new_zeros((0,)))
     if not bias and _batched_takes((qg, qx, qw), x.device, (gy.dtype, x.dtype, w.dtype),
                                    (n, k), qw):
         dx, dw = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)

@@ -1,0 +1,108 @@
+"""NVFP4's grouped GEMMs of :class:`~quant_recipes.GroupedLinear` (the ``"nvfp4_grouped_gemm"``
+path): each operand quantized in one call over the padded layout of all groups, every group
+with its own amaxes (the backend's ``nvfp4_group_quantize``; groups padded to 16 rows, so no
+block, RHT or 16x16 tile crosses a group), then one launch per GEMM of the backend's
+``nvfp4_grouped_rows_gemm`` / ``nvfp4_grouped_tokens_gemm``, which scale each group's product
+by NVFP4's factors of its amaxes. Nothing is read on the host.
+
+Against the per-group path (one dense quantize and GEMM per padded group) the bytes are the
+same and the products differ only in the order of the fp32 sums, except where stochastic
+rounding draws its random bytes: one stream over all groups here, one per group there. The
+weight's columnwise copy for dgrad is the rowwise quantization of each expert's ``wᵀ`` (the
+same blocks, tiles and amax without the RHT, which weights never take).
+
+It takes the TransformerEngine-default scaling (no 4over6, no row scaling, no amax reduction),
+bf16 operands, widths multiples of 16, and the columnwise copies in backward (no
+``backward_override``).
+"""
+
+from __future__ import annotations
+
+import torch
+from quant_core import NVFP4Quantizer, backends
+
+from . import fp8
+from .paths import count_path
+
+#: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
+DEVICES = {"cuda"}
+
+_BLOCK = 16
+
+
+def _is_plain_nvfp4(q) -> bool:
+    """``q`` is NVFP4 with TransformerEngine's block scaling and a tensor-wide amax of its own
+    (asked through members traced code can read)."""
+    return (q.storage_format == NVFP4Quantizer.storage_format
+            and not getattr(q, "nvfp4_use_4over6", True)
+            and not getattr(q, "row_scaled_nvfp4", True) and not q.with_amax_reduction)
+
+
+def takes(qx, qw, qg, device: torch.device, dtypes, widths, align: int, col: bool = True
+          ) -> bool:
+    """The path takes a layer of these quantizers (``qg`` None for the forward GEMM): see the
+    module docstring; a device of :data:`DEVICES`, groups padded to whole 16-row blocks."""
+    return (device.type in DEVICES and col and all(d == torch.bfloat16 for d in dtypes)
+            and all(w % _BLOCK == 0 for w in (*widths, align))
+            and all(_is_plain_nvfp4(q) for q in (qx, qw) + (() if qg is None else (qg,)))
+            and not qw.with_rht)
+
+
+def _quantize(t: torch.Tensor, grp: torch.Tensor, groups: int, q, rowwise: bool,
+              columnwise: bool):
+    """``(row_data, row_scale, col_data, col_scale, amax_row, amax_col)`` of ``t`` quantized by
+    ``q``, each group of rows with its own amaxes; a stochastic-rounding seed from torch's
+    generator, as the quantizer draws it."""
+    seed = None
+    if q.stochastic_rounding:
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=t.device)
+    return backends.get(None, t.device).nvfp4_group_quantize(
+        t.contiguous(), grp, groups=groups, rowwise=rowwise, columnwise=columnwise,
+        with_rht=q.with_rht and columnwise, rht_sign_mask=q.rht_matrix_random_sign_mask_t,
+        with_2d_quantization=q.with_2d_quantization,
+        stochastic_rounding=q.stochastic_rounding, rng_seed=seed, swizzle=False)
+
+
+def _experts(w: torch.Tensor, qw):
+    """``(data [E, N, K/2], scale, amax [E])``: every expert's ``w [E, N, K]`` quantized rowwise
+    as one ``[E·N, K]`` tensor, each expert with its own amax."""
+    e, n, k = w.shape
+    grp = torch.arange(e, device=w.device, dtype=torch.int32).repeat_interleave(n)
+    data, scale, _, _, amax, _ = _quantize(w.reshape(e * n, k), grp, e, qw, True, False)
+    return data.view(e, n, k // 2), scale, amax
+
+
+def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int
+            ) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``."""
+    lay = fp8.layout(offs, x.shape[0], align)
+    xd, xs, _, _, xa, _ = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, True, False)
+    wd, ws, wa = _experts(w, qw)
+    count_path("nvfp4_grouped_gemm")
+    return backends.get(None, x.device).nvfp4_grouped_rows_gemm(
+        xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=x.shape[0], a_swizzled=False,
+        b_swizzled=False)
+
+
+def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,
+             qw, align: int, dgrad: bool, wgrad: bool):
+    """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
+    ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
+    total = x.shape[0]
+    lay = fp8.layout(offs, total, align)
+    backend = backends.get(None, gy.device)
+    gd, gs, gc, gcs, ga, gca = _quantize(fp8.padded(gy, lay), lay.grp, lay.groups, qg, dgrad,
+                                         wgrad)
+    dx = dw = None
+    if dgrad:
+        wd, ws, wa = _experts(w.transpose(1, 2), qw)
+        dx = backend.nvfp4_grouped_rows_gemm(gd, gs, ga, wd, ws, wa, lay.offs, lay.ends,
+                                             total=total, a_swizzled=False, b_swizzled=False)
+        count_path("nvfp4_grouped_gemm")
+    if wgrad:
+        _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, False,
+                                          True)
+        dw = backend.nvfp4_grouped_tokens_gemm(gc, gcs, gca, xc, xcs, xca, lay.ends,
+                                               a_swizzled=False, b_swizzled=False)
+        count_path("nvfp4_grouped_gemm")
+    return dx, dw

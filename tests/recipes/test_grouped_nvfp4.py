@@ -1,0 +1,107 @@
+"""NVFP4's grouped GEMMs (quant_recipes.moe.nvfp4_gemm): a layer's three GEMMs take
+``"nvfp4_grouped_gemm"`` where it applies, read nothing on the host, and equal the per-group
+path (the dense Linear's quantize calls and GEMMs on each padded group) up to the order of the
+fp32 sums; with stochastic rounding they draw one stream over all groups.
+
+On the CPU the path runs on the reference backend (whose definitions the kernels are held to in
+tests/kernels/test_nvfp4_grouped*.py) and, under ``TRITON_INTERPRET=1``, on the Triton kernels
+through the interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import quant_recipes as qr
+import torch
+from _host_reads import HostReads
+from quant_core import backends
+from quant_recipes.moe import nvfp4_gemm
+
+E, K, N = 4, 64, 96
+COUNTS = [0, 37, 1, 50]  # an empty group, a group of one row, groups past one 16-row block
+RNE = qr.NVFP4BlockScaling(disable_stochastic_rounding=True)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(nvfp4_gemm, "DEVICES", {"cpu"})
+
+
+def _step(recipe, counts=COUNTS, reads=None, seed=0):
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(counts), K, N, dtype=torch.bfloat16)
+    x = (torch.randn(sum(counts), K) * torch.logspace(-2, 2, sum(counts))[:, None]).to(
+        torch.bfloat16).requires_grad_()
+    gy = torch.randn(sum(counts), N, dtype=torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0)
+    qr.reset_grouped_gemm_paths()
+    torch.manual_seed(seed)
+    with HostReads() if reads is not None else contextlib.nullcontext() as r:
+        with qr.autocast(recipe=recipe):
+            y = m(x, offs)
+        y.backward(gy)
+    if reads is not None:
+        reads.extend(r.reads)
+    return (y.detach(), x.grad, m.weight.grad), qr.grouped_gemm_paths()
+
+
+def _assert_equal_up_to_order(got, want, impl):
+    for a, b in zip(got, want, strict=True):
+        if impl == "reference":  # the same sums in the same order on the CPU
+            assert torch.equal(a, b)
+        # the same exact products and factors, summed in another order, one rounding
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5)
+
+
+def _per_group(recipe, monkeypatch):
+    monkeypatch.setattr(nvfp4_gemm, "DEVICES", set())
+    with backends.using("reference"):
+        want, paths = _step(recipe)
+    assert paths == {"per_group": 3}
+    return want
+
+
+def test_every_gemm_one_launch_equal_to_the_per_group_path(on_cpu, impl, monkeypatch):
+    got, paths = _step(RNE)
+    assert paths == {"nvfp4_grouped_gemm": 3}
+    _assert_equal_up_to_order(got, _per_group(RNE, monkeypatch), impl)
+
+
+def test_1x16_weights_and_no_rht_too(on_cpu, impl, monkeypatch):
+    recipe = qr.NVFP4BlockScaling(disable_stochastic_rounding=True, disable_rht=True,
+                                  disable_2d_quantization=True)
+    got, paths = _step(recipe)
+    assert paths == {"nvfp4_grouped_gemm": 3}
+    _assert_equal_up_to_order(got, _per_group(recipe, monkeypatch), impl)
+
+
+def test_stochastic_rounding_one_stream_over_the_groups(on_cpu, impl, monkeypatch):
+    recipe = qr.NVFP4BlockScaling()
+    (y, dx, dw), paths = _step(recipe)
+    assert paths == {"nvfp4_grouped_gemm": 3}
+    again, _ = _step(recipe)
+    assert all(torch.equal(a, b) for a, b in zip((y, dx, dw), again, strict=True))
+    other, _ = _step(recipe, seed=1)
+    assert not torch.equal(dx, other[1])  # the gradient's random bytes follow torch's seed
+    y_rne, dx_rne, dw_rne = _per_group(RNE, monkeypatch)
+    assert torch.equal(y, y_rne.to(y.dtype)) or torch.allclose(y, y_rne, rtol=2**-7, atol=1e-5)
+    for a, b in ((dx, dx_rne), (dw, dw_rne)):  # unbiased rounding: close to round-to-nearest
+        assert (a.float() - b.float()).norm() <= 0.25 * b.float().norm()
+
+
+def test_reads_nothing_on_the_host(on_cpu, impl, monkeypatch):
+    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
+    if impl == "reference":  # the reference's definitions read the group bounds on the host
+        pytest.skip("the reference backend is the definition, not a fast path")
+    reads: list[str] = []
+    _, paths = _step(qr.NVFP4BlockScaling(), reads=reads)
+    assert reads == [] and paths == {"nvfp4_grouped_gemm": 3}
+
+
+def test_falls_back_where_the_path_does_not_apply(on_cpu, monkeypatch):
+    with backends.using("reference"):
+        _, paths = _step(qr.NVFP4BlockScaling(backward_override="high_precision"))
+        assert "per_group" in paths and paths.get("nvfp4_grouped_gemm") == 1
+        _, paths = _step(qr.NVFP4BlockScaling(nvfp4_4over6="weights"))
+        assert paths == {"per_group": 3}
