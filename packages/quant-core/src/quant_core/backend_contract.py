@@ -26,6 +26,8 @@ Tensors2 = tuple[torch.Tensor | None, torch.Tensor | None]
 Tensors3 = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]
 Tensors4 = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
                  torch.Tensor | None]
+Tensors6 = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                 torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 @runtime_checkable
