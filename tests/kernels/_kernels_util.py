@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -63,3 +64,26 @@ def assert_same(got, want, fp8_dtype: DType | None = None, what: str = "") -> No
 def assert_all_same(got: tuple, want: tuple, fp8_dtype: DType | None, names: tuple) -> None:
     for g, w, n in zip(got, want, names, strict=True):
         assert_same(g, w, fp8_dtype, n)
+
+
+#: The grouped GEMM kernels' load forms, as ``(tma, COLS_FASTEST)`` and their test ids.
+GROUPED_LOAD_FORMS = [(1, 1), (0, 1), (1, 0)]
+GROUPED_LOAD_IDS = ["tma", "pointer_loads", "tma_rows_first"]
+
+
+@contextlib.contextmanager
+def grouped_load_form(names, tma: int, cols_fastest: int):
+    """The grouped GEMM launches ``names`` (their tile configs) with tiles loaded by the tensor
+    memory accelerator (``tma``) or by masked pointer loads, the rows kernel's programs column
+    tile first (``cols_fastest``) or row tile first."""
+    from quant_kernels import configs
+    from quant_kernels._common import interpreting
+
+    mode = "interp" if interpreting() else "gpu"
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            cfg = {**configs.config(name), "tma": tma}
+            if "COLS_FASTEST" in cfg:
+                cfg["COLS_FASTEST"] = cols_fastest
+            stack.enter_context(configs.overridden(name, cfg, mode=mode))
+        yield

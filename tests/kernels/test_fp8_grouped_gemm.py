@@ -7,16 +7,13 @@ the accumulation-order bound."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from _kernels_util import DEVICE
+from _kernels_util import DEVICE, GROUPED_LOAD_FORMS, GROUPED_LOAD_IDS, grouped_load_form
 from quant_core import reference
 from quant_core.dtypes import DType
 from quant_kernels import configs
 from quant_kernels import fp8_grouped_gemm as kern
-from quant_kernels._common import interpreting
 
 PAIRS = [(DType.E4M3, DType.E4M3), (DType.E5M2, DType.E4M3), (DType.E4M3, DType.E5M2),
          (DType.E5M2, DType.E5M2)]
@@ -31,21 +28,13 @@ SUM_BOUND = (max(configs.config("fp8_grouped_rows_gemm")["PROMOTE"], 32) * 2.0**
              if DEVICE == "cuda" else 128 * 2.0**-23)
 
 
-@pytest.fixture(autouse=True, params=[(1, 1), (0, 1), (1, 0)],
-                ids=["tma", "pointer_loads", "tma_rows_first"])
+@pytest.fixture(autouse=True, params=GROUPED_LOAD_FORMS, ids=GROUPED_LOAD_IDS)
 def loads(request):
     """Every test runs each form of the kernels: tiles loaded by the tensor memory accelerator
     (the default where the operands allow it; the weight-gradient kernel from descriptors
     bounded by the group) or by masked pointer loads, and the rows kernel's programs ordered
     column tile first (the default) or row tile first."""
-    tma, cols_fastest = request.param
-    mode = "interp" if interpreting() else "gpu"
-    with contextlib.ExitStack() as stack:
-        for name in ("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"):
-            cfg = {**configs.config(name), "tma": tma}
-            if "COLS_FASTEST" in cfg:
-                cfg["COLS_FASTEST"] = cols_fastest
-            stack.enter_context(configs.overridden(name, cfg, mode=mode))
+    with grouped_load_form(("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"), *request.param):
         yield
 
 

@@ -28,6 +28,8 @@ from . import (
     nvfp4,
     nvfp4_4over6,
     nvfp4_gemm,
+    nvfp4_grouped,
+    nvfp4_grouped_gemm,
 )
 from ._common import interpreting
 
@@ -89,10 +91,9 @@ class TritonBackend:
         fp8_block_grouped_gemm.fp8_block_grouped_rows_gemm)
     fp8_block_grouped_tokens_gemm = staticmethod(
         fp8_block_grouped_gemm.fp8_block_grouped_tokens_gemm)
-    # TEMPORARY: the reference until the Triton versions land
-    nvfp4_group_quantize = staticmethod(reference.nvfp4_group_quantize)
-    nvfp4_grouped_rows_gemm = staticmethod(reference.nvfp4_grouped_rows_gemm)
-    nvfp4_grouped_tokens_gemm = staticmethod(reference.nvfp4_grouped_tokens_gemm)
+    nvfp4_group_quantize = staticmethod(nvfp4_grouped.nvfp4_group_quantize)
+    nvfp4_grouped_rows_gemm = staticmethod(nvfp4_grouped_gemm.nvfp4_grouped_rows_gemm)
+    nvfp4_grouped_tokens_gemm = staticmethod(nvfp4_grouped_gemm.nvfp4_grouped_tokens_gemm)
 
 
 BACKEND = TritonBackend()

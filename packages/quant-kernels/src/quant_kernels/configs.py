@@ -106,6 +106,17 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_stages": 4, "tma": 1},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
+    # nvfp4_grouped_gemm.py: the kernels of fp8_grouped_gemm.py over decoded bf16 operands
+    # (fp32 under the interpreter); BK 64 keeps the bf16 tiles the bytes of the FP8 ones
+    "nvfp4_grouped_rows_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 64, "COLS_FASTEST": 1, "num_warps": 8,
+                "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "COLS_FASTEST": 1, "tma": 1},
+    },
+    "nvfp4_grouped_tokens_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "tma": 1},
+    },
     # fp8_block_grouped_gemm.py: FP8 block-scaled grouped GEMMs; each BK slice (BK divides 128)
     # is scaled into the fp32 accumulator, so a tile holds two fp32 [BM, BN] tiles
     "fp8_block_grouped_rows_gemm": {

@@ -20,6 +20,10 @@ added to the fp32 accumulator: Hopper's fast FP8 accumulation alone keeps too fe
 long contraction; then the reference's
 ``(P * a_scale_inv[g]) * b_scale_inv[g]`` and one RNE cast (``quant_core.reference.grouped_gemm``).
 Under the interpreter the operands are decoded to fp32 and multiplied in fp32.
+
+The kernels also take operands already decoded to exact values (bf16 on a GPU, fp32 under the
+interpreter: the NVFP4 grouped GEMMs of :mod:`.nvfp4_grouped_gemm`), multiplied on the tensor
+cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -42,8 +46,13 @@ def _fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, PROMOTE: tl.
     """``acc + a @ b`` of uint8 FP8 tiles: on the tensor cores, their partial sums added to the
     fp32 ``acc`` every ``PROMOTE`` elements of the contraction (0: after every MMA instruction;
     -1: Triton's default, Hopper's fast accumulation), or (interpreter) exactly decoded in
-    fp32."""
-    if NATIVE_FP8:
+    fp32. Decoded tiles (bf16 or fp32; the FP8 flags unused) are multiplied as they are, fp32
+    ones in IEEE fp32."""
+    if a.dtype == tl.bfloat16:
+        return tl.dot(a, b, acc)
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif NATIVE_FP8:
         if A_E4M3:
             av = a.to(tl.float8e4nv, bitcast=True)
         else:
@@ -106,7 +115,8 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
                  PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
     """One ``[BM, BN]`` tile of one group's rows of :func:`fp8_grouped_rows_gemm`.
 
-    a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous.
+    a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous (or both
+        decoded, :func:`_fp8_dot`).
     sa_ptr, sb_ptr: fp32 per-group scale-inverses, group ``g`` at ``g * s_sa`` / ``g * s_sb``.
     offs_ptr: int32/int64 ``[E]`` cumulative ends of the output rows (the real rows).
     a_ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' rows in ``a``.
@@ -145,7 +155,8 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa,
     """One ``[BM, BN]`` tile of group ``program_id(1)``'s product of
     :func:`fp8_grouped_tokens_gemm`.
 
-    a_ptr: uint8 FP8 ``[M, R]``; b_ptr: uint8 FP8 ``[N, R]``; both contiguous.
+    a_ptr: uint8 FP8 ``[M, R]``; b_ptr: uint8 FP8 ``[N, R]``; both contiguous (or both
+        decoded, :func:`_fp8_dot`).
     ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' columns (each group starts at a
         multiple of 16: the loads are 16-byte vectors).
     c_ptr: output ``[E, M, N]`` of the dtype ``OUT`` codes, contiguous.
@@ -179,9 +190,9 @@ def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr
                      OUT: tl.constexpr, EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
     """:func:`_rows_kernel` with the operand tiles loaded by the tensor memory accelerator:
-    ``a_desc`` over ``a [R, K]``, ``b_desc`` over ``b [E·N, K]`` (FP8-typed on a GPU). A tile
-    may hold rows of the next group or expert; they only reach output rows and columns that
-    the masked store leaves out. The same products and the same order of sums as
+    ``a_desc`` over ``a [R, K]``, ``b_desc`` over ``b [E·N, K]`` (FP8-typed on a GPU, or
+    decoded). A tile may hold rows of the next group or expert; they only reach output rows and
+    columns that the masked store leaves out. The same products and the same order of sums as
     :func:`_rows_kernel`."""
     rt, ct = _rows_program(RT, N, BN, COLS_FASTEST)
     g, t = _tile_group(offs_ptr, rt, E, BM, EP2)
@@ -212,9 +223,9 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
-    FP8-typed on a GPU): the hardware fills the columns past the group's end with zeros, so
-    no column of another group enters the sums. The same products and the same order of sums
-    as :func:`_tokens_kernel` (a zero column adds an exact 0)."""
+    FP8-typed on a GPU, or decoded): the hardware fills the columns past the group's end with
+    zeros, so no column of another group enters the sums. The same products and the same order
+    of sums as :func:`_tokens_kernel` (a zero column adds an exact 0)."""
     g = tl.program_id(1)
     tiles_n = tl.cdiv(N, BN)
     m0 = (tl.program_id(0) // tiles_n) * BM
@@ -258,8 +269,7 @@ def _tma_operands(tensors, dtypes, blocks, cfg):
     """``(views, descriptors)`` for the TMA kernels, or None where they don't apply: off
     (config ``tma`` 0), inside a kernel capture (a compiled graph records the pointer kernels),
     or an operand the tensor memory accelerator can't address (a base or row stride not a
-    multiple of 16 bytes). On a GPU the views are the operands' FP8 dtypes, so that the tiles
-    go to the tensor cores as loaded; the interpreter decodes the uint8 bytes itself."""
+    multiple of 16 bytes): :func:`descriptor_operands`."""
     if not cfg.get("tma", 0) or capturing() or not tma_addressable(tensors):
         return None
     return descriptor_operands(tensors, dtypes, blocks)
@@ -272,11 +282,12 @@ def tma_addressable(tensors) -> bool:
 
 
 def descriptor_operands(tensors, dtypes, blocks):
-    """``(views, descriptors)`` of TMA-addressable operands: on a GPU the views are the
-    operands' FP8 dtypes, so that the tiles go to the tensor cores as loaded; the interpreter
-    decodes the uint8 bytes itself."""
+    """``(views, descriptors)`` of TMA-addressable operands: on a GPU the views of uint8 FP8
+    bytes are their FP8 ``dtypes``, so that the tiles go to the tensor cores as loaded (the
+    interpreter decodes the bytes itself); decoded operands (dtype ``None``) stay as they
+    are."""
     native = NATIVE_FP8.value and tensors[0].is_cuda
-    views = [t.view(d.torch_dtype) if native else t
+    views = [t.view(d.torch_dtype) if native and d is not None else t
              for t, d in zip(tensors, dtypes, strict=True)]
     return views, [TensorDescriptor.from_tensor(v, list(b))
                    for v, b in zip(views, blocks, strict=True)]
@@ -293,6 +304,12 @@ def check_operands(name: str, a: torch.Tensor, b: torch.Tensor, ends, a_dtype: D
         if t.dtype != torch.uint8 or not t.is_contiguous():
             raise TypeError(f"{name}: {arg} must be contiguous uint8 FP8 bytes, got {t.dtype}"
                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    check_ends(name, a, ends)
+
+
+def check_ends(name: str, a: torch.Tensor, ends) -> None:
+    """Clear errors unless every ``(argument, tensor)`` of ``ends`` is a 1D int32/int64 tensor on
+    ``a``'s device."""
     for arg, t in ends:
         if t.device != a.device:
             raise ValueError(f"{name}: {arg} is on {t.device} but a on {a.device}")
@@ -314,6 +331,81 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, scales, ends, a_dtype: D
                             f"group), got {t.dtype} {tuple(t.shape)}")
 
 
+def check_rows_shapes(name: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                      a_ends: torch.Tensor, k: str = "K") -> None:
+    """Clear errors unless ``a [R, k]`` and ``b [E, N, k]`` share ``k`` and ``offs``, ``a_ends``
+    have one entry per group (``k`` names the contraction's columns in the messages)."""
+    if b.dim() != 3 or a.dim() != 2 or a.shape[1] != b.shape[2]:
+        raise ValueError(f"{name}: a must be [R, {k}] and b [E, N, {k}] with the same {k}, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if offs.shape[0] != b.shape[0] or a_ends.shape[0] != b.shape[0]:
+        raise ValueError(f"{name}: offs and a_ends must have one entry per group ({b.shape[0]}), "
+                         f"got {tuple(offs.shape)} and {tuple(a_ends.shape)}")
+
+
+def check_tokens_shapes(name: str, a: torch.Tensor, b: torch.Tensor, r: str = "R") -> None:
+    """A clear error unless ``a [M, r]`` and ``b [N, r]`` share ``r``."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{name}: a must be [M, {r}] and b [N, {r}] with the same {r}, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+
+
+def _flags(dtypes, out_dtype: torch.dtype, kw) -> dict:
+    """The constexprs of a launch: the operands' FP8 dtypes (``None``: decoded operands, which
+    take no ``PROMOTE`` from their config), the output's code and the config's keywords."""
+    return {"PROMOTE": 0, "A_E4M3": dtypes[0] == DType.E4M3, "B_E4M3": dtypes[1] == DType.E4M3,
+            "OUT": out_code(out_dtype), **kw}
+
+
+def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+              offs: torch.Tensor, a_ends: torch.Tensor, total: int, dtypes, out_dtype, config
+              ) -> torch.Tensor:
+    """The launch of a grouped rows GEMM of checked operands ``a [R, K]``, ``b [E, N, K]``:
+    uint8 FP8 bytes of ``dtypes`` (``(a_dtype, b_dtype)``), or decoded exactly (bf16 on a GPU,
+    fp32 under the interpreter; ``dtypes`` ``(None, None)``); ``sa``, ``sb`` the fp32 per-group
+    scales; ``config`` the ``(config, keywords)`` of :func:`launch_config`."""
+    experts, n, k = b.shape
+    out = torch.empty((total, n), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg, kw = config
+    row_tiles = ceil_div(total, cfg["BM"]) + experts
+    grid = (row_tiles * ceil_div(n, cfg["BN"]),)
+    flags = {**_flags(dtypes, out_dtype, kw), "EP2": triton.next_power_of_2(experts)}
+    scales = (sa, sb, offs, a_ends, out, n, k, experts, row_tiles, sa.stride(0), sb.stride(0))
+    tma = _tma_operands((a, b.view(experts * n, k)), dtypes,
+                        ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
+    if tma is None:
+        launch(_rows_kernel, grid, a, b, *scales, **flags)
+    else:
+        _rows_tma_kernel[grid](*tma[1], *scales, **flags)
+    return out
+
+
+def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                ends: torch.Tensor, dtypes, out_dtype, config) -> torch.Tensor:
+    """The launch of a grouped tokens GEMM of checked operands ``a [M, R]``, ``b [N, R]``, as
+    :func:`rows_gemm`'s."""
+    (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
+    out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    cfg, kw = config
+    grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
+    flags = _flags(dtypes, out_dtype, kw)
+    rest = (sa, sb, ends, out, m, n, r, sa.stride(0), sb.stride(0))
+    tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
+    if tma is None:
+        launch(_tokens_kernel, grid, a, b, *rest, **flags)
+    else:
+        if a.is_cuda:
+            device_descriptors_allowed()
+        _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
+    return out
+
+
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                           b_scale_inv: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
                           *, total: int, a_dtype: DType, b_dtype: DType,
@@ -326,32 +418,9 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
     name = "fp8_grouped_rows_gemm"
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("offs", offs), ("a_ends", a_ends)), a_dtype, b_dtype, out_dtype)
-    if b.dim() != 3 or a.dim() != 2 or a.shape[1] != b.shape[2]:
-        raise ValueError(f"{name}: a must be [R, K] and b [E, N, K] with the same K, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
-    experts, n, k = b.shape
-    if offs.shape[0] != experts or a_ends.shape[0] != experts:
-        raise ValueError(f"{name}: offs and a_ends must have one entry per group ({experts}), "
-                         f"got {tuple(offs.shape)} and {tuple(a_ends.shape)}")
-    out = torch.empty((total, n), dtype=out_dtype, device=a.device)
-    if out.numel() == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    cfg, kw = launch_config("fp8_grouped_rows_gemm")
-    row_tiles = ceil_div(total, cfg["BM"]) + experts
-    grid = (row_tiles * ceil_div(n, cfg["BN"]),)
-    flags = {"A_E4M3": a_dtype == DType.E4M3, "B_E4M3": b_dtype == DType.E4M3,
-             "OUT": out_code(out_dtype), "EP2": triton.next_power_of_2(experts), **kw}
-    scales = (a_scale_inv, b_scale_inv, offs, a_ends, out, n, k, experts, row_tiles,
-              a_scale_inv.stride(0), b_scale_inv.stride(0))
-    tma = _tma_operands((a, b.view(experts * n, k)), (a_dtype, b_dtype),
-                        ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
-    if tma is None:
-        launch(_rows_kernel, grid, a, b, *scales, **flags)
-    else:
-        _rows_tma_kernel[grid](*tma[1], *scales, **flags)
-    return out
+    check_rows_shapes(name, a, b, offs, a_ends)
+    return rows_gemm(a, a_scale_inv, b, b_scale_inv, offs, a_ends, total, (a_dtype, b_dtype),
+                     out_dtype, launch_config("fp8_grouped_rows_gemm"))
 
 
 def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
@@ -365,25 +434,6 @@ def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
     name = "fp8_grouped_tokens_gemm"
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("ends", ends),), a_dtype, b_dtype, out_dtype)
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"{name}: a must be [M, R] and b [N, R] with the same R, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
-    (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
-    out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
-    if out.numel() == 0:
-        return out
-    cfg, kw = launch_config("fp8_grouped_tokens_gemm")
-    grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
-    flags = {"A_E4M3": a_dtype == DType.E4M3, "B_E4M3": b_dtype == DType.E4M3,
-             "OUT": out_code(out_dtype), **kw}
-    rest = (a_scale_inv, b_scale_inv, ends, out, m, n, r, a_scale_inv.stride(0),
-            b_scale_inv.stride(0))
-    tma = _tma_operands((a, b), (a_dtype, b_dtype), ((cfg["BM"], cfg["BK"]),
-                                                     (cfg["BN"], cfg["BK"])), cfg)
-    if tma is None:
-        launch(_tokens_kernel, grid, a, b, *rest, **flags)
-    else:
-        if a.is_cuda:
-            device_descriptors_allowed()
-        _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
-    return out
+    check_tokens_shapes(name, a, b)
+    return tokens_gemm(a, a_scale_inv, b, b_scale_inv, ends, (a_dtype, b_dtype), out_dtype,
+                       launch_config("fp8_grouped_tokens_gemm"))

@@ -3,9 +3,10 @@ amax, the TE-default block scaling, with the amaxes and the dequantization every
 Rowwise 1x16 blocks; columnwise 16x1 blocks of ``xᵀ`` (optionally through the 16x16 RHT of
 :mod:`.nvfp4_common`) stored ``[K, ceil(M/2)]``; 2D 16x16 blocks; stochastic rounding with the
 shared counter hash; packing low nibble first. Row-scaled NVFP4 (one amax, so one ``S_enc``, per
-row; rowwise only) reads the amax per row. 4over6's kernels are in :mod:`.nvfp4_4over6`, beside
-these, both built on :mod:`.nvfp4_common`; the backend's ``nvfp4_quantize`` (:mod:`.backend`)
-picks the variant."""
+row; rowwise only) reads the amax per row; per-group NVFP4 (:mod:`.nvfp4_grouped`) reads one
+per row and, columnwise, one per 16-row group. 4over6's kernels are in :mod:`.nvfp4_4over6`,
+beside these, both built on :mod:`.nvfp4_common`; the backend's ``nvfp4_quantize``
+(:mod:`.backend`) picks the variant."""
 
 from __future__ import annotations
 
@@ -142,21 +143,28 @@ def _nvfp4_row_kernel(
 
 @triton.jit
 def _rht_amax_kernel(x_ptr, out_bits_ptr, M, K, MASK: tl.constexpr, G: tl.constexpr,
-                     BK: tl.constexpr):
-    """Atomic max of ``max|RHT(x)|`` over a ``[16G, BK]`` tile (:func:`nvfp4_amax`).
+                     BK: tl.constexpr, BLOCKS: tl.constexpr = False):
+    """Atomic max of ``max|RHT(x)|`` over a ``[16G, BK]`` tile (:func:`nvfp4_amax`), or with
+    ``BLOCKS`` of each 16-row group's.
 
     x_ptr: bf16 input x ``[M, K]``, contiguous.
-    out_bits_ptr: fp32 columnwise amax ``(1,)`` as int32, zero-initialised.
+    out_bits_ptr: fp32 columnwise amax ``(1,)``, or ``(M/16,)`` one per 16-row group with
+        ``BLOCKS``, as int32, zero-initialised.
     M: rows of x.
     K: columns of x (a multiple of 16).
     MASK: the RHT's 16-bit sign mask (bit i set: row i of each 16-row group negated).
     G: 16-row groups per tile.
     BK: tile columns.
+    BLOCKS: one amax per 16-row group, else one for x.
     """
     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _col_values(
         x_ptr, tl.program_id(0), tl.program_id(1), M, K, True, MASK, G, BK)
     a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-    tl.atomic_max(out_bits_ptr, f32_bits(tl.max(tl.max(a, axis=1), axis=0)))
+    if BLOCKS:
+        gi = tl.program_id(0) * G + tl.arange(0, G)
+        tl.atomic_max(out_bits_ptr + gi, f32_bits(tl.max(a, axis=1)), mask=gi < M // 16)
+    else:
+        tl.atomic_max(out_bits_ptr, f32_bits(tl.max(tl.max(a, axis=1), axis=0)))
 
 
 @triton.jit
@@ -187,14 +195,15 @@ def _pack16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 def _nvfp4_col_kernel(
     x_ptr, amax_ptr, seed_ptr, d_ptr, s_ptr, M, K, MHW, S_C,
     RHT: tl.constexpr, MASK: tl.constexpr, SR: tl.constexpr, TWO_D: tl.constexpr,
-    SWIZZLE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+    SWIZZLE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, COL_SCALED: tl.constexpr = False,
 ):
     """Columnwise: 16 row loads per group, elementwise block math on [G, BK], the 8 packed bytes
     of a group gathered into one int64 word; only the words are transposed for the
     ``[K, ceil(M/2)]`` store (``d_ptr`` is the int64 view, ``MHW`` words per row).
 
     x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16; bf16 with ``RHT``).
-    amax_ptr: fp32 columnwise global amax ``(1,)``.
+    amax_ptr: fp32 columnwise global amax ``(1,)``, or with ``COL_SCALED`` ``(M,)`` one per
+        row of x, of which each 16-row group reads its first row's.
     seed_ptr: int64 stochastic-rounding seed ``(1,)`` (read only when ``SR``).
     d_ptr: packed E2M1 data of x transposed, ``[K, ceil(M/2)]`` bytes padded to ``[K, MHW]`` int64.
     s_ptr: uint8 E4M3 scales ``[roundup(K, 128), S_C]``, zero-initialised.
@@ -209,6 +218,7 @@ def _nvfp4_col_kernel(
     SWIZZLE: scales in the GEMM swizzle.
     G: 16-row groups per tile.
     BK: tile columns.
+    COL_SCALED: one amax (so one ``S_enc``) per 16-row group.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -217,9 +227,9 @@ def _nvfp4_col_kernel(
     bmax = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
     if TWO_D:
         bmax = _tile_amax(bmax, 1)
-    s_dec, t = _global_scales(tl.load(amax_ptr))
-    e4, enc = _block_scales(bmax, s_dec, t)
     gi = pid_m * G + tl.arange(0, G)
+    s_dec, t = _global_scales(_load_amax(amax_ptr, gi * 16, M, COL_SCALED))
+    e4, enc = _block_scales(bmax, s_dec, t)
     rk = pid_k * BK + tl.arange(0, BK)
     state = sr_seed_state(seed_ptr) if SR else 0
     if SR:
@@ -291,7 +301,7 @@ def nvfp4_amax(
                 cfg, kw = launch_config("nvfp4_col")
                 launch(
                     _rht_amax_kernel, col_grid(m, k, cfg),
-                    x, col.view(torch.int32), m, k, MASK=int(rht_sign_mask),
+                    x, col.view(torch.int32), m, k, MASK=int(rht_sign_mask), BLOCKS=False,
                     **kw,
                 )
         else:
@@ -354,7 +364,7 @@ def nvfp4_base_quantize(
                 x, amax_columnwise.to(torch.float32).reshape(1), seed, cdw.view(torch.int64), cs,
                 m, k, mhw, cs.shape[1], RHT=bool(with_rht), MASK=int(rht_sign_mask),
                 SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
-                SWIZZLE=bool(swizzle), **kw,
+                SWIZZLE=bool(swizzle), COL_SCALED=False, **kw,
             )
         cd = col_data(cdw, m, k)
     return rd, rs, cd, cs

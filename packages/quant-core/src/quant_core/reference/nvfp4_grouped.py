@@ -39,6 +39,21 @@ def check_groups(x: torch.Tensor, grp: torch.Tensor, groups: int, what: str) -> 
         raise ValueError(f"{what}: groups must be at least 1, got {groups}")
 
 
+def check_group_quantize(x: torch.Tensor, grp: torch.Tensor, groups: int, *, columnwise: bool,
+                         with_rht: bool, with_2d_quantization: bool, stochastic_rounding: bool,
+                         rng_seed: torch.Tensor | None) -> None:
+    """What every backend's ``nvfp4_group_quantize`` refuses, with the same messages: the
+    variant flags, the input dtype, K a multiple of 16, whole 16-row blocks and one group per
+    row."""
+    what = "nvfp4_group_quantize"
+    check_nvfp4_variant(columnwise=columnwise, with_rht=with_rht,
+                        with_2d_quantization=with_2d_quantization,
+                        stochastic_rounding=stochastic_rounding, rng_seed=rng_seed)
+    check_input_dtype(x, what)
+    check_k_multiple(x.shape[1], BLOCK, "NVFP4")
+    check_groups(x, grp, groups, what)
+
+
 def group_amax(values: torch.Tensor, grp: torch.Tensor, groups: int) -> torch.Tensor:
     """fp32 ``[groups]``: NaN-dropping ``max|values|`` over the entries of each group
     (``values`` one per entry of ``grp``), 0 for a group without entries."""
@@ -60,14 +75,10 @@ def nvfp4_group_quantize(
     the buffers of ``nvfp4_quantize`` for ``x [M, K]`` (the same shapes and flags) with each
     group's rows quantized with the group's own amaxes (module docstring); a direction not
     asked for is ``None``."""
-    what = "nvfp4_group_quantize"
-    check_nvfp4_variant(columnwise=columnwise, with_rht=with_rht,
-                        with_2d_quantization=with_2d_quantization,
-                        stochastic_rounding=stochastic_rounding, rng_seed=rng_seed)
-    check_input_dtype(x, what)
+    check_group_quantize(x, grp, groups, columnwise=columnwise, with_rht=with_rht,
+                         with_2d_quantization=with_2d_quantization,
+                         stochastic_rounding=stochastic_rounding, rng_seed=rng_seed)
     m, k = x.shape
-    check_k_multiple(k, BLOCK, "NVFP4")
-    check_groups(x, grp, groups, what)
     grp = grp.to(torch.int64)
     xf = x.to(torch.float32)
     tile_amax = blocks_amax(xf, BLOCK) if with_2d_quantization else None
