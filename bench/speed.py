@@ -207,12 +207,14 @@ def cmd_step(args, p) -> None:
 # --- model: the Llama table
 
 
-def run_model(config: str, size: str, n_steps: int, device: torch.device) -> dict:
-    """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row."""
+def run_model(config: str, size: str, n_steps: int, device: torch.device,
+              layers: int | None = None) -> dict:
+    """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
+    (``layers``: decoder layers instead of the size's)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
-    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device)
-    row: dict = {"config": config, "size": size}
+    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device, layers)
+    row: dict = {"config": config, "size": size, "layers": len(model.model.layers)}
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
         forward = steps.convert_llama(config, model)
@@ -291,7 +293,7 @@ def cmd_model(args, p) -> None:
     for config in args.configs.split(","):
         t0 = time.perf_counter()
         try:
-            row = run_model(config, args.size, args.steps, device)
+            row = run_model(config, args.size, args.steps, device, args.layers)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -502,6 +504,8 @@ def commands(sub) -> dict:
                    "(transformers' grouped_mm experts for bf16); tiny, tiny-moe with --device "
                    "cpu are smoke runs")
     m.add_argument("--steps", type=int, default=150)
+    m.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the size's, 8 at 8b widths, 16 at 1b, 4 MoE)")
     m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
                    help=steps.LLAMA_CONFIG_HELP)
     m.add_argument("--device", default="cuda")

@@ -280,14 +280,16 @@ def moe_model(size: str, device: torch.device, layers: int | None = None):
     return model.to(torch.bfloat16)
 
 
-def llama(size: str, device: torch.device):
+def llama(size: str, device: torch.device, layers: int | None = None):
     """The bf16 ``LlamaForCausalLM`` of ``size`` from a config (random init, no download),
-    seeded: every config starts from the same weights."""
+    seeded: every config starts from the same weights; ``layers`` decoder layers (default: the
+    size's)."""
     import transformers
 
-    hidden, mlp, heads, kv, vocab, layers, _, _ = SIZES[size]
+    hidden, mlp, heads, kv, vocab, n, _, _ = SIZES[size]
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+        num_hidden_layers=layers or n,
         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
         tie_word_embeddings=False,
     )
