@@ -1,20 +1,18 @@
 """FP8 block scaling's grouped GEMMs on FP8 tensor cores (quant_recipes.moe.fp8_block_gemm):
-a layer's three GEMMs take ``"fp8_block_grouped_gemm"`` where it applies, read nothing on the
-host, and equal the per-group path (the dense Linear's GEMMs on each padded group) up to the
+a layer's three GEMMs take ``"fp8_block_grouped_gemm"`` where it applies and equal the per-group
+path (the dense Linear's GEMMs on each padded group) up to the
 order of the fp32 sums.
 
 On the CPU the path runs on the reference backend (whose definitions the kernels are held to in
 tests/kernels/test_fp8_block_grouped_gemm.py) and, under ``TRITON_INTERPRET=1``, on the Triton
-kernels through the interpreter."""
+kernels through the interpreter. That nothing is read on the host:
+tests/recipes/test_grouped_host_reads.py."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import quant_recipes as qr
 import torch
-from _host_reads import HostReads
 from quant_core import backends
 from quant_recipes.moe import fp8_block_gemm
 
@@ -27,7 +25,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(fp8_block_gemm, "DEVICES", {"cpu"})
 
 
-def _step(recipe, counts=COUNTS, n=N, reads=None):
+def _step(recipe, counts=COUNTS, n=N):
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(counts), K, n, dtype=torch.bfloat16)
     x = (torch.randn(sum(counts), K) * torch.logspace(-2, 2, sum(counts))[:, None]).to(
@@ -35,12 +33,9 @@ def _step(recipe, counts=COUNTS, n=N, reads=None):
     gy = torch.randn(sum(counts), n, dtype=torch.bfloat16)
     offs = torch.tensor(counts).cumsum(0)
     qr.reset_grouped_gemm_paths()
-    with HostReads() if reads is not None else contextlib.nullcontext() as r:
-        with qr.autocast(recipe=recipe):
-            y = m(x, offs)
-        y.backward(gy)
-    if reads is not None:
-        reads.extend(r.reads)
+    with qr.autocast(recipe=recipe):
+        y = m(x, offs)
+    y.backward(gy)
     return (y.detach(), x.grad, m.weight.grad), qr.grouped_gemm_paths()
 
 
@@ -56,15 +51,6 @@ def test_every_gemm_one_block_scaled_launch_equal_to_the_per_group_path(on_cpu, 
         # the same exact products (power-of-2 scales), summed in another order, one rounding
         torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
 
-
-def test_reads_nothing_on_the_host(on_cpu, impl, monkeypatch):
-    # offs on the CPU are checked on the CPU (no device to wait for): a GPU checks on the device
-    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
-    if impl == "reference":  # the reference's definitions read the group bounds on the host
-        pytest.skip("the reference backend is the definition, not a fast path")
-    reads: list[str] = []
-    _, paths = _step(qr.Float8BlockScaling(), reads=reads)
-    assert reads == [] and paths == {"fp8_block_grouped_gemm": 3}
 
 
 @pytest.mark.parametrize("recipe, n, want", [

@@ -3,8 +3,9 @@
 
 On the CPU, with the grouped GEMMs on their batched paths: FP8 current scaling through the
 Triton backend's grouped kernels (``OWN_KERNEL_MIN_EXPERTS`` 0; the interpreter stands in for
-the GPU; the reference backend's grouped GEMM is a definition that reads the bounds), MXFP8 and
-FP8 blocks through ``torch._grouped_mm``."""
+the GPU; the reference backend's grouped GEMM is a definition that reads the bounds), FP8 blocks
+and NVFP4 through their grouped kernels the same way, MXFP8 and FP8 blocks through
+``torch._grouped_mm``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import quant_recipes as qr
 import torch
 from _host_reads import HostReads
 from quant_core import backends
+from quant_recipes.moe import fp8_block_gemm, nvfp4_gemm
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 from quant_recipes.moe import gemm as grouped_gemm
 
@@ -58,9 +60,26 @@ def test_the_host_read_detector_sees_the_per_group_path(monkeypatch):
     assert reads and any("tolist" in r for r in reads)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="FP8 current scaling's grouped kernels run here through Triton's "
-                           "interpreter (TRITON_INTERPRET=1)")
+ON_KERNELS = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the grouped kernels run here through Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@ON_KERNELS
+@pytest.mark.parametrize("recipe, route, path", [
+    ("fp8_block", fp8_block_gemm, "fp8_block_grouped_gemm"),
+    ("nvfp4", nvfp4_gemm, "nvfp4_grouped_gemm")])
+def test_block_scaled_grouped_kernels_read_nothing_on_the_host(monkeypatch, recipe, route, path):
+    pytest.importorskip("quant_kernels")
+    monkeypatch.setattr(route, "DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
+    qr.reset_grouped_gemm_paths()
+    with backends.using("triton"):
+        assert _step(qr.recipe(recipe), torch.tensor(COUNTS).cumsum(0)) == []
+    assert qr.grouped_gemm_paths() == {path: 3}
+
+
+@ON_KERNELS
 def test_fp8_current_reads_nothing_on_the_host(monkeypatch):
     """With the default routes, also in a layer of a few experts (HYBRID's E5M2 gradients)."""
     pytest.importorskip("quant_kernels")

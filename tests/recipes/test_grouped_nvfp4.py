@@ -1,20 +1,17 @@
 """NVFP4's grouped GEMMs (quant_recipes.moe.nvfp4_gemm): a layer's three GEMMs take
-``"nvfp4_grouped_gemm"`` where it applies, read nothing on the host, and equal the per-group
-path (the dense Linear's quantize calls and GEMMs on each padded group) up to the order of the
+``"nvfp4_grouped_gemm"`` where it applies and equal the per-group path (the dense Linear's quantize calls and GEMMs on each padded group) up to the order of the
 fp32 sums; with stochastic rounding they draw one stream over all groups.
 
 On the CPU the path runs on the reference backend (whose definitions the kernels are held to in
 tests/kernels/test_nvfp4_grouped*.py) and, under ``TRITON_INTERPRET=1``, on the Triton kernels
-through the interpreter."""
+through the interpreter. That nothing is read on the host:
+tests/recipes/test_grouped_host_reads.py."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import quant_recipes as qr
 import torch
-from _host_reads import HostReads
 from quant_core import backends
 from quant_recipes.moe import nvfp4_gemm
 
@@ -28,7 +25,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(nvfp4_gemm, "DEVICES", {"cpu"})
 
 
-def _step(recipe, counts=COUNTS, reads=None, seed=0):
+def _step(recipe, counts=COUNTS, seed=0):
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(counts), K, N, dtype=torch.bfloat16)
     x = (torch.randn(sum(counts), K) * torch.logspace(-2, 2, sum(counts))[:, None]).to(
@@ -37,12 +34,9 @@ def _step(recipe, counts=COUNTS, reads=None, seed=0):
     offs = torch.tensor(counts).cumsum(0)
     qr.reset_grouped_gemm_paths()
     torch.manual_seed(seed)
-    with HostReads() if reads is not None else contextlib.nullcontext() as r:
-        with qr.autocast(recipe=recipe):
-            y = m(x, offs)
-        y.backward(gy)
-    if reads is not None:
-        reads.extend(r.reads)
+    with qr.autocast(recipe=recipe):
+        y = m(x, offs)
+    y.backward(gy)
     return (y.detach(), x.grad, m.weight.grad), qr.grouped_gemm_paths()
 
 
@@ -89,14 +83,6 @@ def test_stochastic_rounding_one_stream_over_the_groups(on_cpu, impl, monkeypatc
     for a, b in ((dx, dx_rne), (dw, dw_rne)):  # unbiased rounding: close to round-to-nearest
         assert (a.float() - b.float()).norm() <= 0.25 * b.float().norm()
 
-
-def test_reads_nothing_on_the_host(on_cpu, impl, monkeypatch):
-    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
-    if impl == "reference":  # the reference's definitions read the group bounds on the host
-        pytest.skip("the reference backend is the definition, not a fast path")
-    reads: list[str] = []
-    _, paths = _step(qr.NVFP4BlockScaling(), reads=reads)
-    assert reads == [] and paths == {"nvfp4_grouped_gemm": 3}
 
 
 def test_falls_back_where_the_path_does_not_apply(on_cpu, monkeypatch):
