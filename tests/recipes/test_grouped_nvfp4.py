@@ -1,6 +1,7 @@
 """NVFP4's grouped GEMMs (quant_recipes.moe.nvfp4_gemm): a layer's three GEMMs take
-``"nvfp4_grouped_gemm"`` where it applies and equal the per-group path (the dense Linear's quantize calls and GEMMs on each padded group) up to the order of the
-fp32 sums; with stochastic rounding they draw one stream over all groups.
+``"nvfp4_grouped_gemm"`` where it applies and equal the per-group path (the dense Linear's
+quantize calls and GEMMs on each padded group) up to the order of the fp32 sums; with
+stochastic rounding they draw one stream over all groups.
 
 On the CPU the path runs on the reference backend (whose definitions the kernels are held to in
 tests/kernels/test_nvfp4_grouped*.py) and, under ``TRITON_INTERPRET=1``, on the Triton kernels
