@@ -127,21 +127,22 @@ def test_padding_is_invisible(rid):
 def test_padding_in_fp32_within_the_accumulation_bound(rid):
     """In fp32 a padded group and the dense Linear on its unpadded rows sum the same products,
     but the CPU's fp32 GEMM picks its kernel, and with it the order of the sums, by the row
-    count: FP8 per-tensor scaling's emulated GEMM (one fp32 GEMM of the decoded operands) may
-    differ in the last bits, per output within ``(n + 2) 2^-24`` of the products' magnitudes
-    (each quantized operand within ``2^-4`` of its value, hence the ``(1 + 2^-4)^2``). The
-    block formats sum each block exactly first: bitwise."""
+    count (which row counts change it depends on the CPU): the emulated GEMMs (one fp32 GEMM of
+    the decoded operands) may differ in the last bits, per output within ``(n + 2) 2^-24`` of
+    the quantized products' magnitudes. An FP8 element lies within ``2^-4`` of its value, hence
+    the ``(1 + 2^-4)^2``; rounding to NVFP4's E2M1 grid at most doubles a magnitude (a value
+    just over a quarter of the block's scale rounds to half of it), and its E4M3 block scale
+    rounds by at most ``2^-4`` more."""
     m, x, gy, dense = _data(COUNTS, dtype=torch.float32)
     recipe = UNPADDED[rid]()
+    growth = 2 * (1 + 2**-4) if rid.startswith("nvfp4") else 1 + 2**-4
     got = _grouped(m, x, gy, COUNTS, recipe)
     want = _dense(dense, x, gy, COUNTS, recipe, 1)
     for name, a, b, (mag, n) in zip(("y", "dx", "dw", "db"), got, want,
                                     _magnitudes(m, x, gy, COUNTS), strict=True):
         err = (a.double() - b.double()).abs()
-        bound = (n + 2) * 2**-24 * (1 + 2**-4) ** 2 * mag
+        bound = (n + 2) * 2**-24 * growth**2 * mag
         assert bool((err <= bound).all()), f"{name}: {float((err - bound).max())} over the bound"
-        if rid != "current":
-            assert torch.equal(a, b), name
 
 
 def test_fp32_and_no_bias():
