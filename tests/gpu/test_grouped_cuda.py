@@ -51,9 +51,10 @@ def _data(counts, seed=0):
     return x, gy, offs
 
 
-def _layer(seed=0):
+def _layer(seed=0, bias=False):
     torch.manual_seed(seed)
-    return qr.GroupedLinear(E, K, N, dtype=torch.bfloat16, device=DEV, name="experts")
+    return qr.GroupedLinear(E, K, N, bias=bias, dtype=torch.bfloat16, device=DEV,
+                            name="experts")
 
 
 def _step(m, fwd, recipe, x, gy, offs):
@@ -146,6 +147,29 @@ def test_a_captured_step_replays_with_other_group_sizes(name):
     want = _step(m, m, recipe, x2, gy2, offs2)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_biased_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
+    """Expert biases (GPT-OSS): the same grouped routes, each bias added to the fp32 product and
+    its gradient summed per group on the device."""
+    recipe = RECIPES[name][0]()
+    m = _layer(bias=True)
+    fwd = torch.compile(m, fullgraph=True, dynamic=False) if compiled else m
+    x, gy, offs = _data(COUNTS)
+    _step(m, fwd, recipe, x, gy, offs)
+    qr.reset_grouped_gemm_paths()
+    with no_host_sync():
+        got = _step(m, fwd, recipe, x, gy, offs)
+        db = m.bias.grad.clone()
+    assert qr.grouped_gemm_paths() == _want_paths(name)
+    monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", set())
+    monkeypatch.setattr(grouped_fp8_block_gemm, "DEVICES", set())
+    monkeypatch.setattr(grouped_nvfp4_gemm, "DEVICES", set())
+    want = _step(m, m, recipe, x, gy, offs)
+    _assert_within_bound(got, want, x, m.weight, gy, COUNTS)
+    torch.testing.assert_close(db, m.bias.grad, rtol=2**-7, atol=1e-3)
 
 
 def test_hf_experts_read_nothing_on_the_host():

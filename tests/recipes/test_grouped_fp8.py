@@ -291,7 +291,8 @@ def test_other_operands_keep_their_paths(emulated):
     qr.reset_grouped_gemm_paths()
     with torch.no_grad(), qr.autocast(recipe=qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3)):
         m(torch.randn(sum(COUNTS), K, dtype=torch.bfloat16), counts=torch.tensor(COUNTS))
-    assert qr.grouped_gemm_paths() == {"per_group": 1}  # the kernel adds no bias
+    # torch's grouped kernel gives no fp32 product to add a bias to: the backend's does
+    assert qr.grouped_gemm_paths() == {"fp8_grouped_gemm": 1}
 
 
 def test_widths_not_multiples_of_16_run_per_group(emulated):
@@ -460,9 +461,11 @@ def test_opcheck_fp8_ops(emulated):
     offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
     fprop = torch.ops.quant_recipes.grouped_fp8_fprop.default
     bprop = torch.ops.quant_recipes.grouped_fp8_bprop.default
+    b = torch.randn(len(COUNTS), N, dtype=torch.bfloat16)
     for keep in (True, False):
-        torch.library.opcheck(fprop, (x, offs, w, specs, ALIGN, keep, keep))
-    _, xt, sx, wt, sw = fprop(x, offs, w, specs, ALIGN, True, True)
+        for bias in (None, b):
+            torch.library.opcheck(fprop, (x, offs, w, bias, specs, ALIGN, keep, keep))
+    _, xt, sx, wt, sw = fprop(x, offs, w, None, specs, ALIGN, True, True)
     for dgrad, wgrad in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(bprop, (gy, offs, xt, sx, wt, sw, [quantizer_spec(g), *specs],
                                       ALIGN, dgrad, wgrad))

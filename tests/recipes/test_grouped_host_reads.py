@@ -4,8 +4,8 @@
 On the CPU, with the grouped GEMMs on their batched paths: FP8 current scaling through the
 Triton backend's grouped kernels (``OWN_KERNEL_MIN_EXPERTS`` 0; the interpreter stands in for
 the GPU; the reference backend's grouped GEMM is a definition that reads the bounds), FP8 blocks
-and NVFP4 through their grouped kernels the same way, MXFP8 and FP8 blocks through
-``torch._grouped_mm``."""
+and NVFP4 through their grouped kernels the same way (with expert biases too), MXFP8 and FP8
+blocks through ``torch._grouped_mm``."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ COUNTS = [0, 37, 1, 90]
 K, N = 128, 256
 
 
-def _step(recipe, offs):
+def _step(recipe, offs, bias=False):
     torch.manual_seed(0)
-    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+    m = qr.GroupedLinear(len(COUNTS), K, N, bias=bias, dtype=torch.bfloat16)
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
     with HostReads() as reads:
@@ -66,21 +66,24 @@ ON_KERNELS = pytest.mark.skipif(
 
 
 @ON_KERNELS
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("recipe, route, path", [
     ("fp8_block", fp8_block_gemm, "fp8_block_grouped_gemm"),
     ("nvfp4", nvfp4_gemm, "nvfp4_grouped_gemm")])
-def test_block_scaled_grouped_kernels_read_nothing_on_the_host(monkeypatch, recipe, route, path):
+def test_block_scaled_grouped_kernels_read_nothing_on_the_host(monkeypatch, recipe, route, path,
+                                                              bias):
     pytest.importorskip("quant_kernels")
     monkeypatch.setattr(route, "DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
     qr.reset_grouped_gemm_paths()
     with backends.using("triton"):
-        assert _step(qr.recipe(recipe), torch.tensor(COUNTS).cumsum(0)) == []
+        assert _step(qr.recipe(recipe), torch.tensor(COUNTS).cumsum(0), bias) == []
     assert qr.grouped_gemm_paths() == {path: 3}
 
 
 @ON_KERNELS
-def test_fp8_current_reads_nothing_on_the_host(monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_current_reads_nothing_on_the_host(monkeypatch, bias):
     """With the default routes, also in a layer of a few experts (HYBRID's E5M2 gradients)."""
     pytest.importorskip("quant_kernels")
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
@@ -88,5 +91,5 @@ def test_fp8_current_reads_nothing_on_the_host(monkeypatch):
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
     qr.reset_grouped_gemm_paths()
     with backends.using("triton"):
-        assert _step(qr.recipe("fp8_current"), torch.tensor(COUNTS).cumsum(0)) == []
+        assert _step(qr.recipe("fp8_current"), torch.tensor(COUNTS).cumsum(0), bias) == []
     assert qr.grouped_gemm_paths() == {"fp8_grouped_gemm": 3}

@@ -6,6 +6,9 @@
   operands exact in bf16, one GEMM per group otherwise) and the checks of the group sizes;
 - :mod:`.fp8`, :mod:`.fp8_gemm`: FP8 current scaling quantized once for all groups and its
   grouped FP8 GEMMs (``torch._scaled_grouped_mm``, or the backend's grouped FP8 GEMM);
+- :mod:`.fp8_block_gemm`, :mod:`.nvfp4_gemm`: FP8 blocks' and NVFP4's grouped GEMMs, one launch
+  each;
+- :mod:`.bias`: expert biases on those routes (added to the fp32 products, summed per group);
 - :mod:`.ops`: those GEMMs as custom ops for ``torch.compile`` (static output shapes);
 - :mod:`.paths`: which path each grouped GEMM took;
 - :mod:`.hf_experts`: Hugging Face ``transformers`` experts blocks converted in place.

@@ -18,7 +18,7 @@ import torch
 from quant_core import Float8BlockQuantizer, backends
 from quant_core.shapes import FP8_BLOCK, ceil_div
 
-from . import fp8
+from . import bias, fp8
 from .paths import count_path
 
 #: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
@@ -68,16 +68,18 @@ def _experts(w: torch.Tensor, qw):
             s._rowwise_scale_inv[:, :kb].reshape(e, n // FP8_BLOCK, kb))
 
 
-def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int
-            ) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``."""
+def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int,
+            b: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
     lay = fp8.layout(offs, x.shape[0], align)
     xs = _rows(qx, fp8.padded(x, lay), True, False)
     wd, sw = _experts(w, qw)
     count_path("fp8_block_grouped_gemm")
-    return backends.get(None, x.device).fp8_block_grouped_rows_gemm(
+    y = backends.get(None, x.device).fp8_block_grouped_rows_gemm(
         xs._rowwise_data, _row_scales(xs, lay.rows), wd, sw, lay.offs, lay.ends,
-        total=x.shape[0], a_dtype=qx.dtype, b_dtype=qw.dtype)
+        total=x.shape[0], a_dtype=qx.dtype, b_dtype=qw.dtype,
+        out_dtype=x.dtype if b is None else torch.float32)
+    return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
 def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,

@@ -40,7 +40,7 @@ import torch
 from quant_core import backends
 
 from ..gemm_fast import tensorwise_problem
-from . import fp8
+from . import bias, fp8
 from .fp8 import quantize_experts, quantize_rows
 from .paths import count_path
 
@@ -175,22 +175,25 @@ def _host_groups(lay) -> list[tuple[int, int, int, int]]:
     return list(zip([0, *ends[:-1]], ends, [0, *pends[:-1]], pends, strict=True))
 
 
-def _route(qa, qb, device: torch.device, experts: int) -> str:
-    """The path of a GEMM of ``qa`` x ``qb`` operands (the module docstring's names)."""
-    if grouped_takes(qa, qb, device, experts):
+def _route(qa, qb, device: torch.device, experts: int, fp32: bool = False) -> str:
+    """The path of a GEMM of ``qa`` x ``qb`` operands (the module docstring's names); an fp32
+    product (``fp32``, for a bias to add before the one rounding) only the backend's kernels
+    give."""
+    if not fp32 and grouped_takes(qa, qb, device, experts):
         return "scaled_grouped_mm"
-    if CUBLAS_PER_GROUP and experts < OWN_KERNEL_MIN_EXPERTS:
+    if not fp32 and CUBLAS_PER_GROUP and experts < OWN_KERNEL_MIN_EXPERTS:
         return "scaled_mm_per_group"
     return "fp8_grouped_gemm"
 
 
-def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Tensor:
+def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool = False
+              ) -> torch.Tensor:
     """``[T, cols]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ``, ``b [E, cols, contraction]``
     (each expert's operand, contraction contiguous); ``a`` ``[rows, contraction]`` in the padded
     layout when ``padded``, else ``[T, contraction]``. ``groups``: :func:`_host_groups`, when the
-    caller has read them."""
+    caller has read them. bf16, or the fp32 products when ``fp32``."""
     experts, cols = b.shape[:2]
-    route = _route(qa, qb, a.device, experts)
+    route = _route(qa, qb, a.device, experts, fp32)
     count_path(route)
     if route == "scaled_grouped_mm":
         out = scaled_grouped_mm(
@@ -201,7 +204,8 @@ def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None) -> torch.Ten
     if route == "fp8_grouped_gemm":
         return backends.get(None, a.device).fp8_grouped_rows_gemm(
             a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
-            total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype)
+            total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype,
+            out_dtype=torch.float32 if fp32 else torch.bfloat16)
     out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
     av, bv = _fp8(a, qa), _fp8(b, qb)
     for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
@@ -237,16 +241,18 @@ def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
 
 
-def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool):
+def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, b=None):
     """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
-    (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``), and the transposed bytes
-    backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input
-    gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
+    (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`),
+    and the transposed bytes backward's GEMMs read (``keep_x_t`` for the weight gradient,
+    ``keep_w_t`` for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
     lay = fp8.layout(offs, x.shape[0], align)
-    padded = _reads_padded_rows(qx, qw, x.device, w.shape[0])
+    fp32 = b is not None
+    padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
     wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
-    return rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded), xt, sx, wt, sw
+    y = rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded, fp32=fp32)
+    return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 
 
 def input_transposed(x, offs, qx, align: int):

@@ -14,7 +14,8 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
 - ``"grouped_mm"``: on devices in :data:`GROUPED_MM_DEVICES` where ``torch._grouped_mm`` runs,
-  for bf16 operands without bias, when no quantizer scales by a tensor-wide amax and every
+  for bf16 operands (no bias in the forward GEMM: its bf16 output leaves no fp32 product to add
+  one to), when no quantizer scales by a tensor-wide amax and every
   quantizer decodes exactly to bf16 (``decodes_exactly_to_bf16``: high precision, MXFP8, FP8
   with power-of-2 scales; never NVFP4, whose per-tensor factors scale the product) and the
   expert widths close the weight quantizer's row blocks: all groups at once, in the padded
@@ -33,6 +34,10 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
 - ``"scaled_grouped_mm"``, ``"scaled_mm_per_group"``: FP8 current scaling on FP8 tensor cores,
   every group quantized at once (:mod:`.fp8_gemm`, which the layer calls directly when
   all three GEMMs are FP8 current scaling; here only the forward GEMM of a backward override).
+
+Expert biases take the same paths (:mod:`.bias`): the forward GEMM's fp32 products plus each
+row's group bias, rounded once, and the bias gradient as each group's sum of the output
+gradient.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from .. import operands
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
 from . import fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
+from .bias import group_sums as bias_sums
 from .paths import count_path
 
 #: Device types whose grouped GEMMs may run through ``torch._grouped_mm`` (tests add "cpu").
@@ -203,13 +209,11 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
     ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does."""
     (total, k), n = x.shape, w.shape[1]
-    if b is None and fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
-        return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False)[0]
-    if b is None and fp8_block_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k),
-                                          align):
-        return fp8_block_gemm.forward(x, offs, w, qx, qw, align)
-    if b is None and nvfp4_gemm.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
-        return nvfp4_gemm.forward(x, offs, w, qx, qw, align)
+    if fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
+        return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False, b)[0]
+    for route in (fp8_block_gemm, nvfp4_gemm):
+        if route.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
+            return route.forward(x, offs, w, qx, qw, align, b)
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
         return batched_fprop(x, offs, w, qx, qw, align)
     y = x.new_zeros((total, n))
@@ -235,16 +239,16 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     the originals: the backward overrides). Outputs not asked for are empty."""
     (total, k), (experts, n) = x.shape, w.shape[:2]
     dtypes = (gy.dtype, x.dtype, w.dtype)
+    grouped = None
     for route in (fp8_block_gemm, nvfp4_gemm):
-        if not bias and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
-            dx, dw = route.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
-            return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
-                    w.new_zeros((0,)))
-    if not bias and _batched_takes((qg, qx, qw), x.device, (gy.dtype, x.dtype, w.dtype),
-                                   (n, k), qw):
-        dx, dw = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)
+        if grouped is None and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
+            grouped = route.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
+    if grouped is None and _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
+        grouped = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)
+    if grouped is not None:
+        dx, dw = grouped
         return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
-                w.new_zeros((0,)))
+                bias_sums(gy, offs, w.dtype) if bias else w.new_zeros((0,)))
     dx = x.new_zeros((total, k) if dgrad else (0,))
     dw = w.new_zeros((experts, n, k) if wgrad else (0,))
     db = w.new_zeros((experts, n) if bias else (0,))

@@ -37,6 +37,7 @@ from ..module import QuantizedModule, intern, module_frame
 from ..operands import plan_operands, requantizable, requantizing_backward
 from ..role import QuantizerRole
 from . import fp8_gemm
+from .bias import group_sums
 from .gemm import check_offsets, check_on_device, token_alignment
 from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 
@@ -75,17 +76,19 @@ class _GroupedFn(torch.autograd.Function):
 class _GroupedFP8Fn(torch.autograd.Function):
     """The quantize-once FP8 current-scaling path (:mod:`.fp8_gemm`): forward keeps the
     transposed FP8 bytes of the input and the weight that backward's GEMMs read (or, without
-    ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward)."""
+    ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward). The
+    bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`)."""
 
     @staticmethod
-    def forward(ctx, x, offs, w, qx, qw, qg, align, traced, keep_x_t, keep_w_t):
+    def forward(ctx, x, offs, w, b, qx, qw, qg, align, traced, keep_x_t, keep_w_t):
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        y, xt, sx, wt, sw = fp8_fprop(x, offs, w, qx, qw, align, keep_x_t, keep_w_t, traced)
+        y, xt, sx, wt, sw = fp8_fprop(x, offs, w, b, qx, qw, align, keep_x_t, keep_w_t, traced)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(offs, x if ctx.requant[0] else xt, sx,
                               w if ctx.requant[1] else wt, sw)
         ctx.q, ctx.align, ctx.traced = (qg, qx, qw), align, traced
+        ctx.bias_dtype = None if b is None else b.dtype
         return y
 
     @staticmethod
@@ -97,9 +100,11 @@ class _GroupedFP8Fn(torch.autograd.Function):
             xt, sx = fp8_rows_t(xt, offs, qx, ctx.align, ctx.traced)
         if ctx.requant[1]:
             wt, sw = fp8_experts_t(wt, qw, ctx.traced)
-        dx, dw = fp8_bprop(gy.contiguous(), offs, xt, sx, wt, sw, qg, qx, qw, ctx.align, dgrad,
-                           wgrad, ctx.traced)
-        return (dx if dgrad else None, None, dw if wgrad else None, None, None, None, None,
+        gy = gy.contiguous()
+        dx, dw = fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, ctx.align, dgrad, wgrad,
+                           ctx.traced)
+        db = group_sums(gy, offs, ctx.bias_dtype) if ctx.needs_input_grad[3] else None
+        return (dx if dgrad else None, None, dw if wgrad else None, db, None, None, None, None,
                 None, None, None)
 
 
@@ -230,10 +235,10 @@ class GroupedProjection(QuantizedModule):
         # keeps one, the per-group paths quantize both operands again
         qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        if (plan.columnwise and b is None and w.dtype == x.dtype and fp8_gemm.takes(
+        if (plan.columnwise and w.dtype == x.dtype and fp8_gemm.takes(
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
-            return _GroupedFP8Fn.apply(x, offs, w, qx, qw, qset.bwd[0], align, traced,
+            return _GroupedFP8Fn.apply(x, offs, w, b, qx, qw, qset.bwd[0], align, traced,
                                        plan.input_bwd is None, plan.weight_bwd is None)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
         return _GroupedFn.apply(x, offs, w, b, qx, qw, *again, plan.columnwise, align, traced)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from quant_core import NVFP4Quantizer, backends
 
-from . import fp8
+from . import bias, fp8
 from .paths import count_path
 
 #: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
@@ -72,16 +72,17 @@ def _experts(w: torch.Tensor, qw):
     return data.view(e, n, k // 2), scale, amax
 
 
-def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int
-            ) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``."""
+def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int,
+            b: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
     lay = fp8.layout(offs, x.shape[0], align)
     xd, xs, _, _, xa, _ = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, True, False)
     wd, ws, wa = _experts(w, qw)
     count_path("nvfp4_grouped_gemm")
-    return backends.get(None, x.device).nvfp4_grouped_rows_gemm(
+    y = backends.get(None, x.device).nvfp4_grouped_rows_gemm(
         xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=x.shape[0], a_swizzled=False,
-        b_swizzled=False)
+        b_swizzled=False, out_dtype=x.dtype if b is None else torch.float32)
+    return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
 def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,

@@ -114,13 +114,13 @@ def _empty_for_none(t, like, dtype=torch.uint8):
     return like.new_empty((0,), dtype=dtype) if t is None else t
 
 
-def _fp8_fprop(x, offs, w, q, align, keep_x_t, keep_w_t):
-    y, xt, sx, wt, sw = fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align,
-                                                 keep_x_t, keep_w_t)
+def _fp8_fprop(x, offs, w, b, q, align, keep_x_t, keep_w_t):
+    y, xt, sx, wt, sw = fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align, keep_x_t,
+                                         keep_w_t, b)
     return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
 
-def _fp8_fprop_fake(x, offs, w, q, align, keep_x_t, keep_w_t):
+def _fp8_fprop_fake(x, offs, w, b, q, align, keep_x_t, keep_w_t):
     xt, sx = _rows_t_fake(x, offs, q[0], align)
     wt, sw = _experts_t_fake(w, q[1])
     return (x.new_empty((x.shape[0], w.shape[1])), xt if keep_x_t else _empty_for_none(None, x),
@@ -139,8 +139,9 @@ def _fp8_bprop_fake(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
             gy.new_empty((offs.shape[0], n, xt.shape[0]) if wgrad else (0,)))
 
 
-_op("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, str[] q, int align, bool keep_x_t, "
-    "bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop, _fp8_fprop_fake)
+_op("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, Tensor? b, str[] q, int align, "
+    "bool keep_x_t, bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop,
+    _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
     "str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)", _fp8_bprop,
     _fp8_bprop_fake)
@@ -164,13 +165,14 @@ def bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad:
                                                  wgrad, bias)
 
 
-def fp8_fprop(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, traced: bool):
+def fp8_fprop(x, offs, w, b, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool,
+              traced: bool):
     """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
-        return fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t)
+        return fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t, b)
     return torch.ops.quant_recipes.grouped_fp8_fprop(
-        x, offs, w, [quantizer_spec(qx), quantizer_spec(qw)], align, keep_x_t, keep_w_t)
+        x, offs, w, b, [quantizer_spec(qx), quantizer_spec(qw)], align, keep_x_t, keep_w_t)
 
 
 def fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool,
