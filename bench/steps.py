@@ -246,6 +246,9 @@ MOE_SIZES = {
     "qwen3-moe": (2048, 768, 128, 8, 32, 4, 128, 151936, 4, 4096, 2),
     "mixtral": (4096, 14336, 8, 2, 32, 8, 128, 32000, 4, 8192, 1),
     "tiny-moe": (128, 64, 8, 2, 4, 2, 32, 512, 2, 64, 2),
+    # GPT-OSS-20B's widths: expert biases, weights stored [experts, in, out]
+    "gpt-oss": (2880, 2880, 32, 4, 64, 8, 64, 201088, 4, 4096, 2),
+    "tiny-gpt-oss": (128, 64, 8, 2, 4, 2, 32, 512, 2, 64, 2),
 }
 
 
@@ -255,9 +258,11 @@ def seq_batch(size: str) -> tuple[int, int]:
 
 
 def moe_model(size: str, device: torch.device, layers: int | None = None):
-    """The bf16 Hugging Face MoE model of ``size`` (:data:`MOE_SIZES`: ``Qwen3MoeForCausalLM``
-    or ``MixtralForCausalLM``) from a config, seeded, its experts on transformers' own
-    ``grouped_mm`` implementation (``torch._grouped_mm``: the bf16 baseline)."""
+    """The bf16 Hugging Face MoE model of ``size`` (:data:`MOE_SIZES`: ``Qwen3MoeForCausalLM``,
+    ``MixtralForCausalLM`` or ``GptOssForCausalLM``) from a config, seeded, its experts on
+    transformers' own ``grouped_mm`` implementation (``torch._grouped_mm``: the bf16
+    baseline). GPT-OSS's expert biases, which transformers initialises to zero, are drawn at
+    random, so that their gradients are not zero."""
     import transformers
 
     hidden, inter, experts, top_k, heads, kv, head_dim, vocab, n, _, _ = MOE_SIZES[size]
@@ -269,6 +274,12 @@ def moe_model(size: str, device: torch.device, layers: int | None = None):
         cfg = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
                                          **common)
         cls = transformers.MixtralForCausalLM
+    elif size.endswith("gpt-oss"):
+        cfg = transformers.GptOssConfig(
+            intermediate_size=inter, num_local_experts=experts, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * ((layers or n) // 2)
+            + ["sliding_attention"] * ((layers or n) % 2), **common)
+        cls = transformers.GptOssForCausalLM
     else:
         cfg = transformers.Qwen3MoeConfig(intermediate_size=4 * inter,
                                           moe_intermediate_size=inter, num_experts=experts,
@@ -277,6 +288,9 @@ def moe_model(size: str, device: torch.device, layers: int | None = None):
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg)
+        for name, p in model.named_parameters():
+            if name.endswith("_proj_bias") and p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
     return model.to(torch.bfloat16)
 
 
