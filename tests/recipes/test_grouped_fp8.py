@@ -458,22 +458,22 @@ def test_opcheck_fp8_ops(emulated):
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
     w = torch.randn(len(COUNTS), N, K, dtype=torch.bfloat16)
     gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
-    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    lay = grouped_fp8.layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], ALIGN).tensors()
     fprop = torch.ops.quant_recipes.grouped_fp8_fprop.default
     bprop = torch.ops.quant_recipes.grouped_fp8_bprop.default
     b = torch.randn(len(COUNTS), N, dtype=torch.bfloat16)
     for keep in (True, False):
         for bias in (None, b):
-            torch.library.opcheck(fprop, (x, offs, w, bias, specs, ALIGN, keep, keep))
-    _, xt, sx, wt, sw = fprop(x, offs, w, None, specs, ALIGN, True, True)
+            torch.library.opcheck(fprop, (x, lay, w, bias, specs, keep, keep))
+    _, xt, sx, wt, sw = fprop(x, lay, w, None, specs, True, True)
     for dgrad, wgrad in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(bprop, (gy, offs, xt, sx, wt, sw, [quantizer_spec(g), *specs],
-                                      ALIGN, dgrad, wgrad))
+        torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs],
+                                      dgrad, wgrad))
     rows_t = torch.ops.quant_recipes.grouped_fp8_rows_t.default
     experts_t = torch.ops.quant_recipes.grouped_fp8_experts_t.default
-    torch.library.opcheck(rows_t, (x, offs, specs[0], ALIGN))
+    torch.library.opcheck(rows_t, (x, lay, specs[0]))
     torch.library.opcheck(experts_t, (w, specs[1]))
-    assert all(torch.equal(a, b) for a, b in zip(rows_t(x, offs, specs[0], ALIGN), (xt, sx),
+    assert all(torch.equal(a, b) for a, b in zip(rows_t(x, lay, specs[0]), (xt, sx),
                                                  strict=True))
     assert all(torch.equal(a, b) for a, b in zip(experts_t(w, specs[1]), (wt, sw), strict=True))
 

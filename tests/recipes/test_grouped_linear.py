@@ -412,17 +412,18 @@ def test_opcheck_grouped_ops():
         pytest.skip("torch 2.10 reads no member of a baked quantizer (grouped ops need its key)")
     from quant_core import DType, Float8CurrentScalingQuantizer
     from quant_recipes.identity import IdentityQuantizer
+    from quant_recipes.moe.fp8 import layout
     from quant_recipes.moe.ops import quantizer_spec
 
     m, x, gy, _ = _data(COUNTS)
     w, b = m.weight.detach(), m.bias.detach()
-    offs = torch.tensor(COUNTS).cumsum(0)
+    lay = layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], 16).tensors()
     e4m3, e5m2 = (Float8CurrentScalingQuantizer(dtype=d) for d in (DType.E4M3, DType.E5M2))
     for qx, qw, qg, align in ((IdentityQuantizer(),) * 3 + (16,), (e4m3, e4m3, e5m2, 16)):
         specs = [quantizer_spec(q) for q in (qx, qw)]
         for bias in (b, None):
             torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
-                                  (x, offs, w, bias, specs, align))
+                                  (x, lay, w, bias, specs, align))
         bspecs = [quantizer_spec(q) for q in (qg, qx, qw)]
         torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
-                              (gy, x, offs, w, bspecs, True, align, True, True, True))
+                              (gy, x, lay, w, bspecs, True, align, True, True, True))

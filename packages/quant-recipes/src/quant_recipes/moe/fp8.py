@@ -40,7 +40,12 @@ def takes(q) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """The padded row layout of ``T`` rows in ``E`` groups (device tensors, no host sync)."""
+    """The padded row layout of ``T`` rows in ``E`` groups (device tensors, no host sync).
+
+    A layer computes it once per step and alignment, outside the grouped ops (in a compiled
+    graph Inductor fuses its index arithmetic), and hands it to every grouped GEMM of the step:
+    both projections of an experts block, forward and backward. The ops take it as the list
+    :meth:`tensors`."""
 
     gid: torch.Tensor  # int64 [T]: the group of each row
     dest: torch.Tensor  # int64 [T]: the padded row of each row
@@ -48,8 +53,19 @@ class Layout:
     grp: torch.Tensor  # int32 [rows]: the group of each padded row (the last past the end)
     ends: torch.Tensor  # int32 [E]: cumulative padded ends (``offs`` of the padded groups)
     offs: torch.Tensor  # int32 [E]: cumulative ends of the groups' rows
-    rows: int  # the padded buffer's rows, roundup(T, align) + E * align
-    groups: int
+
+    @property
+    def rows(self):
+        """The padded buffer's rows, ``roundup(T, align) + E * align``."""
+        return self.src.shape[0]
+
+    @property
+    def groups(self) -> int:
+        return self.offs.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The fields in order: what a grouped op takes as its ``Tensor[] lay``."""
+        return [self.gid, self.dest, self.src, self.grp, self.ends, self.offs]
 
 
 def padded_rows(total, groups: int, align: int):
@@ -75,7 +91,7 @@ def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
     within = p - pstarts[grp]
     src = torch.where(within < counts[grp], starts[grp] + within, -1)
     return Layout(gid, dest, src.to(torch.int32), grp.to(torch.int32), pends.to(torch.int32),
-                  offs.to(torch.int32), rows, offs.shape[0])
+                  offs.to(torch.int32))
 
 
 def padded(x: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -68,10 +68,10 @@ def _experts(w: torch.Tensor, qw):
             s._rowwise_scale_inv[:, :kb].reshape(e, n // FP8_BLOCK, kb))
 
 
-def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int,
+def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
             b: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
-    lay = fp8.layout(offs, x.shape[0], align)
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
+    (plus ``b[g]``, :mod:`.bias`)."""
     xs = _rows(qx, fp8.padded(x, lay), True, False)
     wd, sw = _experts(w, qw)
     count_path("fp8_block_grouped_gemm")
@@ -82,12 +82,11 @@ def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align:
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
-def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,
-             qw, align: int, dgrad: bool, wgrad: bool):
+def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
+             qw, dgrad: bool, wgrad: bool):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
     ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
     (total, k), n = x.shape, w.shape[1]
-    lay = fp8.layout(offs, total, align)
     backend = backends.get(None, gy.device)
     gs = _rows(qg, fp8.padded(gy, lay), dgrad, wgrad)
     dx = dw = None

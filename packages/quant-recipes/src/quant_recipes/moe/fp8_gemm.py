@@ -241,12 +241,12 @@ def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
 
 
-def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, b=None):
+def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None):
     """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
-    (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`),
-    and the transposed bytes backward's GEMMs read (``keep_x_t`` for the weight gradient,
-    ``keep_w_t`` for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
-    lay = fp8.layout(offs, x.shape[0], align)
+    (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`;
+    the groups' padded layout ``lay``), and the transposed bytes backward's GEMMs read
+    (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input gradient) with their
+    ``scale_inv`` ``[E, SCALE_PITCH]``."""
     fp32 = b is not None
     padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
@@ -255,9 +255,8 @@ def forward(x, offs, w, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool, b=No
     return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 
 
-def input_transposed(x, offs, qx, align: int):
+def input_transposed(x, lay, qx):
     """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again."""
-    lay = fp8.layout(offs, x.shape[0], align)
     _, xt, sx = quantize_rows(x, lay, qx, False, True)
     return xt, sx
 
@@ -268,11 +267,10 @@ def weight_transposed(w, qw):
     return wt, sw
 
 
-def backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool):
+def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
     GEMMs read."""
-    lay = fp8.layout(offs, gy.shape[0], align)
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")

@@ -172,19 +172,16 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
 
 
-def batched_fprop(x, offs, w, qx, qw, align: int) -> torch.Tensor:
+def batched_fprop(x, lay: fp8.Layout, w, qx, qw) -> torch.Tensor:
     """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring)."""
-    lay = fp8.layout(offs, x.shape[0], align)
     xv = _decoded(fp8.padded(x, lay), qx, False)
     out = torch._grouped_mm(xv, _experts(w, qw, False).transpose(1, 2), offs=lay.ends)
     count_path("grouped_mm")
     return out[lay.dest]
 
 
-def batched_bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
-                  wgrad: bool):
+def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool):
     """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
-    lay = fp8.layout(offs, gy.shape[0], align)
     g_row, g_col = _decoded_pair(fp8.padded(gy, lay), qg, dgrad, wgrad and col)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
         g_col = g_row if g_row is not None else _decoded(fp8.padded(gy, lay), qg, False)
@@ -204,20 +201,21 @@ def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, in
     return [(g, s, m, roundup(m, align)) for g, (s, m) in enumerate(_groups(offs, total)) if m]
 
 
-def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, qw, align: int
+def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, align: int
                   ) -> torch.Tensor:
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
-    ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does."""
+    ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does;
+    ``lay`` the groups' layout padded to ``align`` rows (:func:`.fp8.layout`)."""
     (total, k), n = x.shape, w.shape[1]
     if fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
-        return fp8_gemm.forward(x, offs, w, qx, qw, align, False, False, b)[0]
+        return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b)[0]
     for route in (fp8_block_gemm, nvfp4_gemm):
         if route.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
-            return route.forward(x, offs, w, qx, qw, align, b)
+            return route.forward(x, lay, w, qx, qw, b)
     if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
-        return batched_fprop(x, offs, w, qx, qw, align)
+        return batched_fprop(x, lay, w, qx, qw)
     y = x.new_zeros((total, n))
-    work = _work(offs, total, align)
+    work = _work(lay.offs, total, align)
     if not work:
         return y
     xm, wm = quantizer_meta(qx), quantizer_meta(qw)
@@ -231,7 +229,7 @@ def grouped_fprop(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, b, qx, q
     return y
 
 
-def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor,
                   qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool, bias: bool):
     """``(dx, dw, db)`` of :func:`grouped_fprop` for the output gradient ``gy``: per group the
     dense Linear's backward GEMMs on ``gy`` quantized by ``qg`` and on ``x`` / ``w`` quantized
@@ -242,17 +240,17 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torc
     grouped = None
     for route in (fp8_block_gemm, nvfp4_gemm):
         if grouped is None and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
-            grouped = route.backward(gy, x, offs, w, qg, qx, qw, align, dgrad, wgrad)
+            grouped = route.backward(gy, x, lay, w, qg, qx, qw, dgrad, wgrad)
     if grouped is None and _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
-        grouped = batched_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad)
+        grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, col, dgrad, wgrad)
     if grouped is not None:
         dx, dw = grouped
         return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
-                bias_sums(gy, offs, w.dtype) if bias else w.new_zeros((0,)))
+                bias_sums(gy, lay.offs, w.dtype) if bias else w.new_zeros((0,)))
     dx = x.new_zeros((total, k) if dgrad else (0,))
     dw = w.new_zeros((experts, n, k) if wgrad else (0,))
     db = w.new_zeros((experts, n) if bias else (0,))
-    work = _work(offs, total, align)
+    work = _work(lay.offs, total, align)
     if not work:
         return dx, dw, db
     gm, xm, wm = quantizer_meta(qg), quantizer_meta(qx), quantizer_meta(qw)

@@ -38,6 +38,7 @@ from ..operands import plan_operands, requantizable, requantizing_backward
 from ..role import QuantizerRole
 from . import fp8_gemm
 from .bias import group_sums
+from .fp8 import Layout, layout
 from .gemm import check_offsets, check_on_device, token_alignment
 from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 
@@ -45,14 +46,31 @@ from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 _HIGH_PRECISION = intern(IdentityQuantizer())
 
 
+#: Positions of the arguments of :class:`_GroupedFn` and :class:`_GroupedFP8Fn` that take
+#: gradients: the input, the weight, the bias; the layout's tensors follow them.
+_X, _W, _B, _LAY = 0, 1, 2, 3
+_LAY_END = _LAY + 6
+
+
+def _grads(ctx, dx, dw, db, rest: int) -> tuple:
+    """``backward``'s return: the three gradients where asked for, None for the layout's
+    tensors and the ``rest`` other arguments."""
+    need = ctx.needs_input_grad
+    return (dx if need[_X] else None, dw if need[_W] else None, db if need[_B] else None,
+            *(None,) * (_LAY_END - _LAY + rest))
+
+
 class _GroupedFn(torch.autograd.Function):
-    """Forward/backward of the grouped linear; quantizers are plain arguments."""
+    """Forward/backward of the grouped linear; quantizers are plain arguments. The groups'
+    padded layout (:class:`~.fp8.Layout`) comes as its six tensors."""
 
     @staticmethod
-    def forward(ctx, x, offs, w, b, qx, qw, qg, qx_bwd, qw_bwd, col, align, traced):
-        y = fprop(x, offs, w, b, qx, qw, align, traced)
-        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        ctx.save_for_backward(x if wgrad else None, offs, w if dgrad else None)
+    def forward(ctx, x, w, b, *args):
+        lay = Layout(*args[:6])
+        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced = args[6:]
+        y = fprop(x, lay, w, b, qx, qw, align, traced)
+        dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
+        ctx.save_for_backward(x if wgrad else None, w if dgrad else None, *lay.tensors())
         ctx.shapes = (x.shape, x.dtype, w.shape, w.dtype)
         ctx.q = (qg, qx_bwd, qw_bwd)
         ctx.col, ctx.align, ctx.traced, ctx.has_bias = col, align, traced, b is not None
@@ -60,17 +78,16 @@ class _GroupedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x, offs, w = ctx.saved_tensors
+        x, w, *lay = ctx.saved_tensors
         (x_shape, x_dtype, w_shape, w_dtype) = ctx.shapes
-        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        dbias = ctx.has_bias and ctx.needs_input_grad[3]
+        dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
+        dbias = ctx.has_bias and ctx.needs_input_grad[_B]
         # a stand-in (no data read) for the operand whose gradient partner is not needed
         x = x if x is not None else gy.new_empty(x_shape, dtype=x_dtype)
         w = w if w is not None else gy.new_empty(w_shape, dtype=w_dtype)
-        dx, dw, db = bprop(gy.contiguous(), x, offs, w, *ctx.q, ctx.col, ctx.align, dgrad, wgrad,
-                           dbias, ctx.traced)
-        return (dx if dgrad else None, None, dw if wgrad else None, db if dbias else None,
-                None, None, None, None, None, None, None, None)
+        dx, dw, db = bprop(gy.contiguous(), x, Layout(*lay), w, *ctx.q, ctx.col, ctx.align,
+                           dgrad, wgrad, dbias, ctx.traced)
+        return _grads(ctx, dx, dw, db, 8)
 
 
 class _GroupedFP8Fn(torch.autograd.Function):
@@ -80,32 +97,43 @@ class _GroupedFP8Fn(torch.autograd.Function):
     bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`)."""
 
     @staticmethod
-    def forward(ctx, x, offs, w, b, qx, qw, qg, align, traced, keep_x_t, keep_w_t):
-        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    def forward(ctx, x, w, b, *args):
+        lay = Layout(*args[:6])
+        qx, qw, qg, traced, keep_x_t, keep_w_t = args[6:]
+        dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        y, xt, sx, wt, sw = fp8_fprop(x, offs, w, b, qx, qw, align, keep_x_t, keep_w_t, traced)
+        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
-        ctx.save_for_backward(offs, x if ctx.requant[0] else xt, sx,
-                              w if ctx.requant[1] else wt, sw)
-        ctx.q, ctx.align, ctx.traced = (qg, qx, qw), align, traced
+        ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
+                              *lay.tensors())
+        ctx.q, ctx.traced = (qg, qx, qw), traced
         ctx.bias_dtype = None if b is None else b.dtype
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        offs, xt, sx, wt, sw = ctx.saved_tensors
-        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        xt, sx, wt, sw, *lay = ctx.saved_tensors
+        lay = Layout(*lay)
+        dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
         if ctx.requant[0]:  # the input itself was kept: its transposed bytes again
-            xt, sx = fp8_rows_t(xt, offs, qx, ctx.align, ctx.traced)
+            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced)
         if ctx.requant[1]:
             wt, sw = fp8_experts_t(wt, qw, ctx.traced)
         gy = gy.contiguous()
-        dx, dw = fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, ctx.align, dgrad, wgrad,
-                           ctx.traced)
-        db = group_sums(gy, offs, ctx.bias_dtype) if ctx.needs_input_grad[3] else None
-        return (dx if dgrad else None, None, dw if wgrad else None, db, None, None, None, None,
-                None, None, None)
+        dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced)
+        db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
+        return _grads(ctx, dx, dw, db, 6)
+
+
+def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
+    """The padded layout of ``offs`` at ``align`` rows, from ``layouts`` where it is there (and
+    added to it)."""
+    if layouts is None:
+        return layout(offs, total, align)
+    if align not in layouts:
+        layouts[align] = layout(offs, total, align)
+    return layouts[align]
 
 
 class GroupedProjection(QuantizedModule):
@@ -202,16 +230,20 @@ class GroupedProjection(QuantizedModule):
             raise ValueError(f"GroupedLinear: x is on {x.device} but the weight on {w.device}")
 
     def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None) -> torch.Tensor:
+                b: torch.Tensor | None, layouts: dict | None = None) -> torch.Tensor:
         """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
         quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
         else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
-        assumed checked (:meth:`check_input`, :meth:`offsets`)."""
+        assumed checked (:meth:`check_input`, :meth:`offsets`). ``layouts``: the padded
+        layouts of ``offs`` already made, by alignment, which this call reuses and adds to
+        (projections over the same rows share one)."""
         traced = compiling()
         frame = module_frame(self)
         if frame is None or not frame.enabled:
             hp = _HIGH_PRECISION
-            return _GroupedFn.apply(x, offs, w, b, hp, hp, hp, hp, hp, False, 16, traced)
+            lay = _layout(offs, x.shape[0], 16, layouts)
+            return _GroupedFn.apply(x, w, b, *lay.tensors(), hp, hp, hp, hp, hp, False, 16,
+                                    traced)
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
                              "(each expert group has its own amax)")
@@ -235,13 +267,15 @@ class GroupedProjection(QuantizedModule):
         # keeps one, the per-group paths quantize both operands again
         qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
+        lay = _layout(offs, x.shape[0], align, layouts)
         if (plan.columnwise and w.dtype == x.dtype and fp8_gemm.takes(
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
-            return _GroupedFP8Fn.apply(x, offs, w, b, qx, qw, qset.bwd[0], align, traced,
+            return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
-        return _GroupedFn.apply(x, offs, w, b, qx, qw, *again, plan.columnwise, align, traced)
+        return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
+                                traced)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:

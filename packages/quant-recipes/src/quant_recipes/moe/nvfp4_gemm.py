@@ -72,10 +72,10 @@ def _experts(w: torch.Tensor, qw):
     return data.view(e, n, k // 2), scale, amax
 
 
-def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align: int,
+def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
             b: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
-    lay = fp8.layout(offs, x.shape[0], align)
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
+    (plus ``b[g]``, :mod:`.bias`)."""
     xd, xs, _, _, xa, _ = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, True, False)
     wd, ws, wa = _experts(w, qw)
     count_path("nvfp4_grouped_gemm")
@@ -85,12 +85,11 @@ def forward(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qx, qw, align:
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
-def backward(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, qg, qx,
-             qw, align: int, dgrad: bool, wgrad: bool):
+def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
+             qw, dgrad: bool, wgrad: bool):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
     ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
     total = x.shape[0]
-    lay = fp8.layout(offs, total, align)
     backend = backends.get(None, gy.device)
     gd, gs, gc, gcs, ga, gca = _quantize(fp8.padded(gy, lay), lay.grp, lay.groups, qg, dgrad,
                                          wgrad)

@@ -6,7 +6,8 @@ the quantize-once FP8 path (:mod:`.fp8_gemm`; ``grouped_fp8_rows_t`` /
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
 ``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
-other group sizes runs the same graph.
+other group sizes runs the same graph. The groups' padded layout (:class:`~.fp8.Layout`) enters
+each op as its list of tensors (``Tensor[] lay``), computed once by the layer in traced code.
 
 Quantizers travel as strings, ``repr(q.value_key())`` (a value quantizer's class name and
 fields, read on the real object at trace time: torch >= 2.11), and are rebuilt once per
@@ -24,7 +25,7 @@ from quant_core import value_classes
 from ..compiling import dynamo
 from ..module import intern
 from . import fp8_gemm
-from .fp8 import SCALE_PITCH, padded_rows
+from .fp8 import SCALE_PITCH, Layout
 from .gemm import grouped_bprop, grouped_fprop
 
 #: Why a torch cannot trace :func:`quantizer_spec` (2.10 reads no member of a baked value).
@@ -60,38 +61,43 @@ def _op(schema: str, impl, fake) -> None:
     torch.library.register_fake(f"quant_recipes::{name}", fake, lib=_lib)
 
 
-def _fprop(x, offs, w, b, q, align):
-    return grouped_fprop(x, offs, w, b, *map(quantizer_of, q), align)
+def _layout(lay) -> Layout:
+    return Layout(*lay)
 
 
-def _fprop_fake(x, offs, w, b, q, align):
+def _fprop(x, lay, w, b, q, align):
+    return grouped_fprop(x, _layout(lay), w, b, *map(quantizer_of, q), align)
+
+
+def _fprop_fake(x, lay, w, b, q, align):
     return x.new_empty((x.shape[0], w.shape[1]))
 
 
-def _bprop(gy, x, offs, w, q, col, align, dgrad, wgrad, bias):
-    return grouped_bprop(gy, x, offs, w, *map(quantizer_of, q), col, align, dgrad, wgrad, bias)
+def _bprop(gy, x, lay, w, q, col, align, dgrad, wgrad, bias):
+    return grouped_bprop(gy, x, _layout(lay), w, *map(quantizer_of, q), col, align, dgrad,
+                         wgrad, bias)
 
 
-def _bprop_fake(gy, x, offs, w, q, col, align, dgrad, wgrad, bias):
+def _bprop_fake(gy, x, lay, w, q, col, align, dgrad, wgrad, bias):
     (total, k), (experts, n) = x.shape, w.shape[:2]
     return (x.new_empty((total, k) if dgrad else (0,)),
             w.new_empty((experts, n, k) if wgrad else (0,)),
             w.new_empty((experts, n) if bias else (0,)))
 
 
-_op("grouped_fprop(Tensor x, Tensor offs, Tensor w, Tensor? b, str[] q, int align) -> Tensor",
+_op("grouped_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, int align) -> Tensor",
     _fprop, _fprop_fake)
-_op("grouped_bprop(Tensor gy, Tensor x, Tensor offs, Tensor w, str[] q, bool col, int align, "
+_op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool col, int align, "
     "bool dgrad, bool wgrad, bool bias) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
-def _rows_t(x, offs, q, align):
-    return fp8_gemm.input_transposed(x, offs, quantizer_of(q), align)
+def _rows_t(x, lay, q):
+    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q))
 
 
-def _rows_t_fake(x, offs, q, align):
-    (total, k), experts = x.shape, offs.shape[0]
-    return (x.new_empty((k, padded_rows(total, experts, align)), dtype=torch.uint8),
+def _rows_t_fake(x, lay, q):
+    k, (rows, experts) = x.shape[1], (lay[2].shape[0], lay[5].shape[0])
+    return (x.new_empty((k, rows), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
@@ -105,8 +111,8 @@ def _experts_t_fake(w, q):
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-_op("grouped_fp8_rows_t(Tensor x, Tensor offs, str q, int align) -> (Tensor, Tensor)",
-    _rows_t, _rows_t_fake)
+_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q) -> (Tensor, Tensor)", _rows_t,
+    _rows_t_fake)
 _op("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)", _experts_t, _experts_t_fake)
 
 
@@ -114,86 +120,82 @@ def _empty_for_none(t, like, dtype=torch.uint8):
     return like.new_empty((0,), dtype=dtype) if t is None else t
 
 
-def _fp8_fprop(x, offs, w, b, q, align, keep_x_t, keep_w_t):
-    y, xt, sx, wt, sw = fp8_gemm.forward(x, offs, w, *map(quantizer_of, q), align, keep_x_t,
+def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t):
+    y, xt, sx, wt, sw = fp8_gemm.forward(x, _layout(lay), w, *map(quantizer_of, q), keep_x_t,
                                          keep_w_t, b)
     return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
 
-def _fp8_fprop_fake(x, offs, w, b, q, align, keep_x_t, keep_w_t):
-    xt, sx = _rows_t_fake(x, offs, q[0], align)
+def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t):
+    xt, sx = _rows_t_fake(x, lay, q[0])
     wt, sw = _experts_t_fake(w, q[1])
     return (x.new_empty((x.shape[0], w.shape[1])), xt if keep_x_t else _empty_for_none(None, x),
             sx, wt if keep_w_t else _empty_for_none(None, x), sw)
 
 
-def _fp8_bprop(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
-    dx, dw = fp8_gemm.backward(gy, offs, xt, sx, wt, sw, *map(quantizer_of, q), align,
-                                       dgrad, wgrad)
+def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad):
+    dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
+                               wgrad)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
-def _fp8_bprop_fake(gy, offs, xt, sx, wt, sw, q, align, dgrad, wgrad):
+def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad):
     total, n = gy.shape
     return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
-            gy.new_empty((offs.shape[0], n, xt.shape[0]) if wgrad else (0,)))
+            gy.new_empty((lay[5].shape[0], n, xt.shape[0]) if wgrad else (0,)))
 
 
-_op("grouped_fp8_fprop(Tensor x, Tensor offs, Tensor w, Tensor? b, str[] q, int align, "
-    "bool keep_x_t, bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop,
-    _fp8_fprop_fake)
-_op("grouped_fp8_bprop(Tensor gy, Tensor offs, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
-    "str[] q, int align, bool dgrad, bool wgrad) -> (Tensor, Tensor)", _fp8_bprop,
-    _fp8_bprop_fake)
+_op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
+    "bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop, _fp8_fprop_fake)
+_op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
+    "str[] q, bool dgrad, bool wgrad) -> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
-def fprop(x, offs, w, b, qx, qw, align: int, traced: bool):
+def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool):
     """:func:`grouped_fprop`, through its op when ``traced``."""
     if not traced:
-        return grouped_fprop(x, offs, w, b, qx, qw, align)
+        return grouped_fprop(x, lay, w, b, qx, qw, align)
     return torch.ops.quant_recipes.grouped_fprop(
-        x, offs, w, b, [quantizer_spec(qx), quantizer_spec(qw)], align)
+        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], align)
 
 
-def bprop(gy, x, offs, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool,
+def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool,
           bias: bool, traced: bool):
     """:func:`grouped_bprop`, through its op when ``traced``."""
     if not traced:
-        return grouped_bprop(gy, x, offs, w, qg, qx, qw, col, align, dgrad, wgrad, bias)
+        return grouped_bprop(gy, x, lay, w, qg, qx, qw, col, align, dgrad, wgrad, bias)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
-    return torch.ops.quant_recipes.grouped_bprop(gy, x, offs, w, specs, col, align, dgrad,
-                                                 wgrad, bias)
+    return torch.ops.quant_recipes.grouped_bprop(gy, x, lay.tensors(), w, specs, col, align,
+                                                 dgrad, wgrad, bias)
 
 
-def fp8_fprop(x, offs, w, b, qx, qw, align: int, keep_x_t: bool, keep_w_t: bool,
-              traced: bool):
+def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool):
     """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
-        return fp8_gemm.forward(x, offs, w, qx, qw, align, keep_x_t, keep_w_t, b)
+        return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b)
     return torch.ops.quant_recipes.grouped_fp8_fprop(
-        x, offs, w, b, [quantizer_spec(qx), quantizer_spec(qw)], align, keep_x_t, keep_w_t)
+        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], keep_x_t, keep_w_t)
 
 
-def fp8_bprop(gy, offs, xt, sx, wt, sw, qg, qx, qw, align: int, dgrad: bool, wgrad: bool,
+def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
               traced: bool):
     """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
-        return fp8_gemm.backward(gy, offs, xt, sx, wt, sw, qg, qx, qw, align, dgrad,
-                                         wgrad)
+        return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
     return torch.ops.quant_recipes.grouped_fp8_bprop(
-        gy, offs, empty if xt is None else xt, sx, empty if wt is None else wt, sw, specs, align,
-        dgrad, wgrad)
+        gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
+        specs, dgrad, wgrad)
 
 
-def fp8_rows_t(x, offs, qx, align: int, traced: bool):
+def fp8_rows_t(x, lay: Layout, qx, traced: bool):
     """:func:`~quant_recipes.moe.fp8_gemm.input_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return fp8_gemm.input_transposed(x, offs, qx, align)
-    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, offs, quantizer_spec(qx), align)
+        return fp8_gemm.input_transposed(x, lay, qx)
+    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx))
 
 
 def fp8_experts_t(w, qw, traced: bool):
