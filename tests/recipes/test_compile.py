@@ -306,3 +306,48 @@ def test_delayed_scaling_under_fullgraph_compile_raises_quants_error_first(where
         run(torch.randn(8, 32))
     assert str(info.value).startswith("DelayedScaling is not supported under torch.compile")
     assert isinstance(info.value, CompileError)
+
+
+#: The quantizer class each run of :func:`_usage_flags`'s body saw. Where Dynamo traces the body
+#: instead, each run of the compiled code appends (Dynamo replays the traced append).
+_BODY_RUNS: list[str] = []
+
+
+@qr.compiling.trace_time_constant
+def _usage_flags(q) -> list[int]:
+    """``[rowwise, columnwise]`` usage of ``q`` as ints, recording each run of this body."""
+    _BODY_RUNS.append(type(q).__qualname__)
+    return [int(q.rowwise_usage), int(q.columnwise_usage)]
+
+
+@pytest.mark.skipif(
+    quant_dynamo.status()["mode"] not in ("opaque_value", "opaque_value_base"),
+    reason=f"torch {torch.__version__} traces trace_time_constant functions",
+)
+def test_trace_time_constant_runs_at_trace_time_on_the_real_quantizer():
+    """Compiled code calls a ``trace_time_constant`` function once per call site at trace time,
+    with the value quantizer itself (an argument of the compiled function, or one made in traced
+    code), and bakes the result: running the compiled code again does not run the body. A
+    quantizer of another value recompiles and computes it afresh; results equal eager ones."""
+
+    def fn(x, q):
+        given = _usage_flags(q)
+        made = _usage_flags(Float8CurrentScalingQuantizer(rowwise_usage=False))
+        return x * given[0] + x * (2 * given[1]) + x * (4 * made[0]) + x * (8 * made[1])
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    x = torch.arange(4.0)  # small integers: every sum below is exact
+    name = Float8CurrentScalingQuantizer.__qualname__
+    q, other = Float8CurrentScalingQuantizer(), Float8CurrentScalingQuantizer(
+        columnwise_usage=False)
+    _BODY_RUNS.clear()
+    assert torch.equal(compiled(x, q), x * 11)
+    assert _BODY_RUNS == [name, name]  # at trace time, on the real quantizers
+    assert torch.equal(compiled(x, q), x * 11)
+    assert _BODY_RUNS == [name, name] and counter.frame_count == 1
+    assert torch.equal(compiled(x, other), x * 9)
+    assert _BODY_RUNS == [name] * 4 and counter.frame_count == 2  # recompiled for its value
+    assert torch.equal(fn(x, other), x * 9)
+    assert _BODY_RUNS == [name] * 6  # eagerly, the body runs at every call

@@ -47,11 +47,18 @@ def dynamo() -> Any:
     return _quant_dynamo
 
 
-#: Whether Dynamo hands a function marked by :func:`trace_time_constant` the registered value
-#: quantizers themselves, so that it can run at trace time: the ``opaque_value`` API (torch 2.12,
-#: 2.13). Torch 2.11 hands it a ``FakeScriptObject`` and 2.10 bakes quantizers through their
-#: repr; those, and releases not verified, trace such functions as before.
-FOLDS_CONSTANTS = _quant_dynamo is not None and _quant_dynamo.status()["mode"] == "opaque_value"
+#: The quant-dynamo modes in which Dynamo hands a function marked by :func:`trace_time_constant`
+#: the registered value quantizers themselves, so that it can run at trace time:
+#: ``opaque_value`` (torch 2.12, 2.13) and ``opaque_value_base`` (torch 2.11, where traced code
+#: holds a quantizer as a ``FakeScriptObject`` and Dynamo passes such a function the real
+#: quantizer it wraps).
+FOLDING_MODES = frozenset({"opaque_value", "opaque_value_base"})
+
+#: Whether functions marked by :func:`trace_time_constant` run at trace time (a mode of
+#: :data:`FOLDING_MODES`). 2.10 bakes quantizers through their repr; it, and releases not
+#: verified, trace such functions as before.
+FOLDS_CONSTANTS = (_quant_dynamo is not None
+                   and _quant_dynamo.status()["mode"] in FOLDING_MODES)
 
 
 def trace_time_constant(fn):
