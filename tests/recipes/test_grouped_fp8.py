@@ -618,3 +618,30 @@ def test_a_module_pickled_without_the_copy_flags_loads_and_runs(emulated):
     with qr.autocast(recipe=qr.Float8CurrentScaling()):
         y = old(x, counts=torch.tensor(COUNTS))
     assert y.shape == (sum(COUNTS), N) and "save_weight_copy" not in repr(old)
+
+
+@pytest.mark.parametrize("qid", list(QUANTIZERS))
+def test_a_weight_stored_transposed_quantizes_where_it_lies(impl, qid, monkeypatch):
+    """GPT-OSS stores its experts ``[E, in, out]``: the transposed view quantizes to the bytes of
+    its contiguous copy, in both layouts, without the copy (the backend reads the stored
+    tensor)."""
+    torch.manual_seed(0)
+    stored = torch.randn(3, K, N, dtype=torch.bfloat16) * torch.logspace(-2, 2, 3)[:, None, None]
+    w = stored.transpose(1, 2)
+    q = _quantizer(qid)
+    want = grouped_fp8.quantize_experts(w.contiguous(), q, True, True)
+    backend = backends.get(None, w.device)
+    quantize, read = backend.fp8_group_quantize_experts, []
+
+    def spy(x, **kw):
+        read.append(x.data_ptr())
+        return quantize(x, **kw)
+
+    monkeypatch.setattr(backend, "fp8_group_quantize_experts", spy, raising=False)
+    got = grouped_fp8.quantize_experts(w, q, True, True)
+    assert read == [stored.data_ptr()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for rowwise, columnwise in ((True, False), (False, True)):
+        part = grouped_fp8.quantize_experts(w, q, rowwise, columnwise)
+        assert (part[0] is None) != rowwise and (part[1] is None) != columnwise
+        assert torch.equal(part[2], want[2])

@@ -130,7 +130,13 @@ def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bo
 def quantize_experts(w: torch.Tensor, q, rowwise: bool, columnwise: bool):
     """``(data [E, N, K] | None, transpose [E, K, N] | None, scale_inv [E, SCALE_PITCH])``: each
     expert's weight quantized by ``q`` (one per-tensor quantize call per expert; the backend's
-    ``fp8_group_quantize_experts``)."""
+    ``fp8_group_quantize_experts``). A weight stored transposed (``w`` a transposed view of
+    ``[E, K, N]``, as GPT-OSS stores its experts) is quantized where it lies, its two layouts
+    swapped: one scale per expert makes the bytes of one layout the transpose of the other's,
+    so no contiguous copy is made."""
+    if w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+        trans, data, sinv = quantize_experts(w.transpose(1, 2), q, columnwise, rowwise)
+        return data, trans, sinv
     e, n, k = w.shape
     data, trans, sinv = backends.get(None, w.device).fp8_group_quantize_experts(
         w.contiguous().reshape(e * n, k), groups=e, rowwise=rowwise, columnwise=columnwise,
