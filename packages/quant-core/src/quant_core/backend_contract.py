@@ -156,7 +156,16 @@ class Backend(Protocol):
         """``(data [E * N, K], transpose [E, K, N], scale_inv [E, scale_pitch])``: each expert's
         rows of ``w [E * N, K]`` (``E = groups``) current-scaled with its own amax."""
 
-    # ---------------------------------------------- grouped FP8 GEMMs (mixture of experts)
+    # ------------------------------------------------- grouped GEMMs (mixture of experts)
+    def grouped_rows_gemm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                          a_ends: torch.Tensor, *, total: int,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are ``a_g @ b[g]ᵀ``, ``a_g`` group
+        ``g``'s rows of ``a [R, K]`` from row ``a_ends[g-1]`` on, ``b [E, N, K]``; high-precision
+        operands (bf16, fp16 or fp32 values, such as a quantized operand decoded exactly),
+        products and sums in fp32, one RNE cast. A fast backend reads no group bound on the
+        host."""
+
     def fp8_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                               b: torch.Tensor, b_scale_inv: torch.Tensor, offs: torch.Tensor,
                               a_ends: torch.Tensor, *, total: int, a_dtype: DType,

@@ -106,6 +106,13 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_stages": 4, "tma": 1},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
+    # grouped_gemm.py: the rows kernel of fp8_grouped_gemm.py over bf16 values (fp32 under the
+    # interpreter), as nvfp4_grouped_rows_gemm's
+    "grouped_rows_gemm": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 64, "COLS_FASTEST": 1, "num_warps": 8,
+                "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "COLS_FASTEST": 1, "tma": 1},
+    },
     # nvfp4_grouped_gemm.py: the kernels of fp8_grouped_gemm.py over decoded bf16 operands
     # (fp32 under the interpreter); BK 64 keeps the bf16 tiles the bytes of the FP8 ones
     "nvfp4_grouped_rows_gemm": {

@@ -30,6 +30,7 @@ from .grouped_gemm import (
     fp8_block_grouped_tokens_gemm,
     fp8_grouped_rows_gemm,
     fp8_grouped_tokens_gemm,
+    grouped_rows_gemm,
     nvfp4_grouped_rows_gemm,
     nvfp4_grouped_tokens_gemm,
 )
@@ -45,7 +46,8 @@ __all__ = [
     "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
     "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
-    "fp8_group_quantize_rows", "fp8_group_quantize_experts", "fp8_grouped_rows_gemm",
+    "fp8_group_quantize_rows", "fp8_group_quantize_experts", "grouped_rows_gemm",
+    "fp8_grouped_rows_gemm",
     "fp8_grouped_tokens_gemm", "fp8_block_grouped_rows_gemm", "fp8_block_grouped_tokens_gemm",
     "nvfp4_group_quantize", "nvfp4_grouped_rows_gemm", "nvfp4_grouped_tokens_gemm",
     "rht_matrix",

@@ -1,7 +1,7 @@
-"""Reference grouped GEMMs (mixture-of-experts layers): FP8 with per-group tensor scales, FP8
-with block scales (``fp8_block_grouped_*``) and NVFP4 with per-group amaxes
-(``nvfp4_grouped_*``): the definition the grouped kernels are held to, and the emulated path on
-every device.
+"""Reference grouped GEMMs (mixture-of-experts layers): high-precision operands
+(``grouped_rows_gemm``), FP8 with per-group tensor scales, FP8 with block scales
+(``fp8_block_grouped_*``) and NVFP4 with per-group amaxes (``nvfp4_grouped_*``): the definition
+the grouped kernels are held to, and the emulated path on every device.
 
 Elements are decoded exactly to fp32 and multiplied in fp32; each group's scale-inverses are
 applied to its fp32 product, ``(P * a_scale_inv[g]) * b_scale_inv[g]``, as NVFP4's per-tensor
@@ -16,6 +16,7 @@ import torch
 
 from ..constants import RCP_NVFP4_GLOBAL_MAX
 from ..dtypes import DType
+from ..inputs import check_input_dtype
 from ..shapes import FP8_BLOCK as BLOCK
 from ._rounding import fp8_decode
 from .gemm import nvfp4_operand
@@ -29,6 +30,21 @@ def _bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
 
 def _scaled(p: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype) -> torch.Tensor:
     return ((p * sa) * sb).to(out_dtype)
+
+
+def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
+                      *, total: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are group ``g``'s rows of ``a [R, K]``
+    (from row ``a_ends[g-1]`` on) times ``b[g]ᵀ`` (``b [E, N, K]``): high-precision values,
+    products and sums in fp32, one RNE cast."""
+    check_input_dtype(a, "grouped_rows_gemm")
+    check_input_dtype(b, "grouped_rows_gemm")
+    out = torch.zeros((total, b.shape[1]), dtype=out_dtype, device=a.device)
+    for g, ((s, e), (a0, _)) in enumerate(zip(_bounds(offs), _bounds(a_ends), strict=True)):
+        if e > s:
+            p = a[a0:a0 + e - s].to(torch.float32) @ b[g].to(torch.float32).t()
+            out[s:e] = p.to(out_dtype)
+    return out
 
 
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
