@@ -10,6 +10,8 @@ on the host: tests/recipes/test_grouped_host_reads.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import quant_recipes as qr
 import torch
@@ -45,6 +47,7 @@ ROUTES = {
 
 
 def _step(recipe, counts=COUNTS):
+    """A step of a biased layer under ``recipe`` (outside autocast: None)."""
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(counts), K, N, bias=True, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -52,7 +55,7 @@ def _step(recipe, counts=COUNTS):
     x = torch.randn(sum(counts), K, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(sum(counts), N, dtype=torch.bfloat16)
     qr.reset_grouped_gemm_paths()
-    with qr.autocast(recipe=recipe):
+    with qr.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext():
         y = m(x, torch.tensor(counts).cumsum(0))
     y.backward(gy)
     return (y.detach(), x.grad, m.weight.grad, m.bias.grad), qr.grouped_gemm_paths()
@@ -93,18 +96,20 @@ def test_group_sums_sum_each_group_in_fp32():
     assert got.flatten().tolist() == [1.0078125, 0.0, 8.0]
 
 
-def test_mxfp8_backward_stays_batched_with_a_bias(monkeypatch):
-    """torch's grouped GEMM gives no fp32 product: the forward with a bias runs per group, the
-    backward's GEMMs on ``torch._grouped_mm`` and the bias gradient as group sums."""
+@pytest.mark.parametrize("recipe", [qr.MXFP8BlockScaling(), None], ids=["mxfp8", "outside"])
+def test_the_grouped_mm_route_takes_a_bias(impl, monkeypatch, recipe):
+    """``torch._grouped_mm`` gives no fp32 product: the forward with a bias multiplies the same
+    decoded operands by the backend's ``grouped_rows_gemm``, the backward's GEMMs stay on
+    ``torch._grouped_mm`` and the bias gradient is the group sums; MXFP8, and the
+    high-precision layer outside autocast."""
+    want = _per_group(recipe)
     monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
     if not grouped_gemm.grouped_mm_available("cpu"):
         pytest.skip("torch._grouped_mm does not run on this CPU")
-    recipe = qr.MXFP8BlockScaling()
     got, paths = _step(recipe)
-    assert paths == {"per_group": 1, "grouped_mm": 2}
-    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", set())
-    for a, b in zip(got, _per_group(recipe), strict=True):
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5)
+    assert paths == {"decoded_grouped_gemm": 1, "grouped_mm": 2}
+    for what, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5, msg=what)
 
 
 def test_compiled_fullgraph_with_a_bias_equals_eager(monkeypatch):

@@ -9,6 +9,7 @@ blocks through ``torch._grouped_mm``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -30,7 +31,7 @@ def _step(recipe, offs, bias=False):
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
     with HostReads() as reads:
-        with qr.autocast(recipe=recipe):
+        with qr.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext():
             y = m(x, offs)
         y.backward(gy)
     return reads.reads
@@ -93,3 +94,17 @@ def test_fp8_current_reads_nothing_on_the_host(monkeypatch, bias):
     with backends.using("triton"):
         assert _step(qr.recipe("fp8_current"), torch.tensor(COUNTS).cumsum(0), bias) == []
     assert qr.grouped_gemm_paths() == {"fp8_grouped_gemm": 3}
+
+
+@ON_KERNELS
+@pytest.mark.parametrize("recipe", ["mxfp8", None])
+def test_a_biased_grouped_mm_layer_reads_nothing_on_the_host(monkeypatch, recipe):
+    """The forward GEMM with a bias on the backend's grouped rows GEMM (MXFP8, and the
+    high-precision layer outside autocast), the backward on ``torch._grouped_mm``."""
+    pytest.importorskip("quant_kernels")
+    _grouped_mm_on_cpu(monkeypatch)
+    monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
+    qr.reset_grouped_gemm_paths()
+    with backends.using("triton"):
+        assert _step(recipe and qr.recipe(recipe), torch.tensor(COUNTS).cumsum(0), True) == []
+    assert qr.grouped_gemm_paths() == {"decoded_grouped_gemm": 1, "grouped_mm": 2}

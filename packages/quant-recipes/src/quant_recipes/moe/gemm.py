@@ -14,15 +14,16 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
 - ``"per_group"``: one :func:`~quant_recipes.gemm.qgemm_impl` per group, on every device (its
   own path per group is counted by :func:`~quant_recipes.gemm_paths`); the definition;
 - ``"grouped_mm"``: on devices in :data:`GROUPED_MM_DEVICES` where ``torch._grouped_mm`` runs,
-  for bf16 operands (no bias in the forward GEMM: its bf16 output leaves no fp32 product to add
-  one to), when no quantizer scales by a tensor-wide amax and every
+  for bf16 operands, when no quantizer scales by a tensor-wide amax and every
   quantizer decodes exactly to bf16 (``decodes_exactly_to_bf16``: high precision, MXFP8, FP8
   with power-of-2 scales; never NVFP4, whose per-tensor factors scale the product) and the
   expert widths close the weight quantizer's row blocks: all groups at once, in the padded
   layout of :mod:`.fp8` (no group bound is read on the host). Each operand is quantized
   in one call over every padded group (the same bytes as one call per padded group: no block
   crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``. It
-  differs from ``"per_group"`` only in the order of the fp32 accumulation;
+  differs from ``"per_group"`` only in the order of the fp32 accumulation. ``torch._grouped_mm``
+  gives bf16 only, so a forward GEMM with a bias takes ``"decoded_grouped_gemm"``: the same
+  decoded operands multiplied by the backend's ``grouped_rows_gemm`` into fp32;
 - ``"fp8_block_grouped_gemm"``: FP8 blocks (1x128 inputs and gradients, 128x128 weights,
   power-of-2 scales, widths multiples of 128) on FP8 tensor cores, the block scales applied in
   the GEMMs' main loop, on devices in :data:`.fp8_block_gemm.DEVICES` (:mod:`.fp8_block_gemm`);
@@ -46,12 +47,14 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from quant_core import backends
 from quant_core.shapes import roundup
 
 from .. import operands
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
 from . import fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
+from .bias import added as bias_added
 from .bias import group_sums as bias_sums
 from .paths import count_path
 
@@ -172,10 +175,18 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
 
 
-def batched_fprop(x, lay: fp8.Layout, w, qx, qw) -> torch.Tensor:
-    """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring)."""
-    xv = _decoded(fp8.padded(x, lay), qx, False)
-    out = torch._grouped_mm(xv, _experts(w, qw, False).transpose(1, 2), offs=lay.ends)
+def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
+    """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring); with a
+    bias ``b``, on ``"decoded_grouped_gemm"``: the same decoded operands multiplied by the
+    backend's ``grouped_rows_gemm`` into fp32, each row's bias added before the one rounding
+    (:mod:`.bias`)."""
+    xv, wv = _decoded(fp8.padded(x, lay), qx, False), _experts(w, qw, False)
+    if b is not None:
+        y = backends.get(None, x.device).grouped_rows_gemm(
+            xv, wv, lay.offs, lay.ends, total=x.shape[0], out_dtype=torch.float32)
+        count_path("decoded_grouped_gemm")
+        return bias_added(y, b, lay.gid, x.dtype)
+    out = torch._grouped_mm(xv, wv.transpose(1, 2), offs=lay.ends)
     count_path("grouped_mm")
     return out[lay.dest]
 
@@ -212,8 +223,8 @@ def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, 
     for route in (fp8_block_gemm, nvfp4_gemm):
         if route.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
             return route.forward(x, lay, w, qx, qw, b)
-    if b is None and _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
-        return batched_fprop(x, lay, w, qx, qw)
+    if _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
+        return batched_fprop(x, lay, w, qx, qw, b)
     y = x.new_zeros((total, n))
     work = _work(lay.offs, total, align)
     if not work:
