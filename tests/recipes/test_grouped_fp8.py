@@ -645,3 +645,22 @@ def test_a_weight_stored_transposed_quantizes_where_it_lies(impl, qid, monkeypat
         part = grouped_fp8.quantize_experts(w, q, rowwise, columnwise)
         assert (part[0] is None) != rowwise and (part[1] is None) != columnwise
         assert torch.equal(part[2], want[2])
+
+
+def test_scale_inverse_padding_is_written_zero(impl, monkeypatch):
+    """The scale-inverses' pitch columns are zero whatever the buffer held before (a fresh
+    buffer here is filled with NaN)."""
+    empty = torch.empty
+
+    def dirty(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    x = _rows(COUNTS, torch.bfloat16)
+    lay = grouped_fp8.layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], ALIGN)
+    _, _, sinv = grouped_fp8.quantize_rows(x, lay, _quantizer("e4m3"), True, True)
+    assert not sinv[:, 1:].isnan().any() and not sinv[:, 1:].any()
+    w = torch.randn(3, N, K, dtype=torch.bfloat16)
+    sinv = grouped_fp8.quantize_experts(w, _quantizer("e4m3"), True, False)[2]
+    assert not sinv[:, 1:].isnan().any() and not sinv[:, 1:].any()

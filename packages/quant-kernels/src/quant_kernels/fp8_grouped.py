@@ -74,11 +74,13 @@ def _group_amax_kernel(x_ptr, gid_ptr, amax_bits_ptr, R, K, GROUP_ROWS: tl.const
 def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
                             POW2: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
     """``div_rn(1, scale)`` of each group's current-scaling scale (``out [n, PITCH]`` fp32,
-    column 0)."""
+    column 0; the other columns written zero, so the buffer needs no clearing first)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = scale_from_amax(tl.load(amax_ptr + i, mask=i < n, other=0.0), eps, FP8_MAX, POW2,
                         FLT_MAX)
     tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=i < n)
+    for c in tl.static_range(1, PITCH):
+        tl.store(out_ptr + i * PITCH + c, tl.zeros([BLOCK], dtype=tl.float32), mask=i < n)
 
 
 @triton.jit
@@ -160,7 +162,7 @@ def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bo
     (a pitch of 4 puts each group's scale on its own 16-byte boundary, as cuBLAS requires of a
     scale pointer)."""
     n = amax.shape[0]
-    out = torch.zeros((n, pitch), dtype=torch.float32, device=amax.device)
+    out = torch.empty((n, pitch), dtype=torch.float32, device=amax.device)
     block = 1024
     launch(_group_scale_inv_kernel, (max(ceil_div(n, block), 1),), amax, out, n,
            float(amax_epsilon), FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
