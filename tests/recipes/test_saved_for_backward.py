@@ -192,7 +192,8 @@ def test_an_operand_requantized_in_backward_compiles_to_the_same_bits(name, swit
 # The dense, tensor-parallel and grouped layers share one operand policy
 # (quant_recipes.operands). What each keeps for backward, per recipe, flag and override, as the
 # policy states it: "x"/"w" the input/weight tensor itself, "x.col"/"w.col" (".row") the
-# columnwise (rowwise) buffers of its quantization by the layer's quantizer, "offs" the groups.
+# columnwise (rowwise) buffers of its quantization by the layer's quantizer, "lay" the groups'
+# padded layout (quant_recipes.moe.fp8.Layout, its tensors).
 #: (save flags, which gradients, override) -> what a dense or tensor-parallel layer saves.
 DENSE = {
     ("copies", "both", None): {"x.col", "w.col"},
@@ -211,12 +212,12 @@ DENSE = {
 #: whatever the flags (the quantize-once FP8 path, tests/recipes/test_grouped_fp8.py, keeps
 #: transposed copies as the flags say).
 GROUPED = {
-    ("copies", "both", None): {"x", "offs", "w"},
-    ("copies", "input_only", None): {"offs", "w"},
-    ("copies", "weight_only", None): {"x", "offs"},
-    ("no copies", "both", None): {"x", "offs", "w"},
-    ("copies", "both", "dequantized"): {"x", "offs", "w"},
-    ("copies", "both", "high_precision"): {"x", "offs", "w"},
+    ("copies", "both", None): {"x", "lay", "w"},
+    ("copies", "input_only", None): {"lay", "w"},
+    ("copies", "weight_only", None): {"x", "lay"},
+    ("no copies", "both", None): {"x", "lay", "w"},
+    ("copies", "both", "dequantized"): {"x", "lay", "w"},
+    ("copies", "both", "high_precision"): {"x", "lay", "w"},
 }
 FLAGS = {"copies": {}, "no weight copy": {"save_weight_copy": False},
          "no input copy": {"save_input_copy": False},
@@ -258,6 +259,15 @@ def _layer(kind, recipe, flags, mesh):
     style = qr.QuantColwiseParallel() if kind == "colwise" else qr.QuantRowwiseParallel()
     parallelize_module(model, mesh, {"0": style})
     return m
+
+
+def _layout(m, recipe, counts) -> list[torch.Tensor]:
+    """The tensors of a grouped layer's padded layout of ``counts`` under ``recipe``."""
+    from quant_recipes.moe.fp8 import layout
+    from quant_recipes.moe.gemm import token_alignment
+
+    align = token_alignment(recipe, (*m._qset.fwd[:2], m._qset.bwd[0]))
+    return layout(counts.cumsum(0), int(counts.sum()), align).tensors()
 
 
 def _local(t):
@@ -304,7 +314,7 @@ def test_what_every_layer_kind_saves_for_backward(kind, key, name, mesh):
         y = m(x, counts=counts) if kind == "grouped" else m(x)
     w = _local(m.weight)
     fwd = m._qset.fwd
-    parts = {"x": lambda: [x], "w": lambda: [w], "offs": lambda: [counts.cumsum(0)],
+    parts = {"x": lambda: [x], "w": lambda: [w], "lay": lambda: _layout(m, recipe, counts),
              "x.col": lambda: _buffers(fwd[0], x, COLUMNWISE),
              "w.col": lambda: _buffers(fwd[1], w, COLUMNWISE),
              "x.row": lambda: _buffers(fwd[0], x, ROWWISE),
