@@ -29,7 +29,9 @@ import torch
 from quant_core.storage import absent_buffer
 
 from . import capture, fake
+from ._api import probe
 from .registration import (
+    REGISTERED_QUALNAMES,
     check_quantizer_arg,
     flatten_quantizer,
     is_value_opaque_quantizer,
@@ -226,9 +228,36 @@ on_registered(_define_for_class)
 
 
 # ----------------------------------------------------------------------- Python entries
+#: Whether Dynamo calls a function marked ``assume_constant_result`` with the registered value
+#: quantizer itself at trace time (torch's opaque-value API, 2.11 to 2.13), so that
+#: :func:`_traced_overload` runs there instead of being traced.
+_FOLDS = probe().mode in ("opaque_value", "opaque_value_base")
+
+
+def _overload_while_tracing(q: Any) -> str | None:
+    """The overload name the entries below pick for ``q`` while Dynamo traces: its class's, when
+    :func:`is_value_opaque_quantizer` says so there (the registered qualname), else None (the
+    ``flat`` overload). A pure function of the quantizer's class (read through torch 2.11's
+    traced wrapper, should one arrive here)."""
+    name = type(q).__qualname__
+    if name == "FakeScriptObject":
+        name = q._opaque_qualname
+    return q._quant_op_overload if name in REGISTERED_QUALNAMES else None
+
+
+#: :func:`_overload_while_tracing`, run at trace time and baked as a constant where
+#: :data:`_FOLDS` (a few traced instructions per call instead of the registry test's tens).
+_traced_overload = (torch.compiler.assume_constant_result(_overload_while_tracing) if _FOLDS
+                    else _overload_while_tracing)
+
+
 def quantize(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
     """``torch.ops.quant.quantize`` for this torch: the class's overload, else ``flat``."""
-    if is_value_opaque_quantizer(q):
+    if _FOLDS and torch.compiler.is_compiling():
+        name = _traced_overload(q)
+        if name is not None:
+            return getattr(torch.ops.quant.quantize, name)(x, q)
+    elif is_value_opaque_quantizer(q):
         return getattr(torch.ops.quant.quantize, q._quant_op_overload)(x, q)
     return torch.ops.quant.quantize.flat(x, *flatten_quantizer(q))
 
@@ -236,7 +265,11 @@ def quantize(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
 def amax(x: torch.Tensor, q: Any) -> torch.Tensor:
     """``torch.ops.quant.amax``: ``q.local_amax(x)``, this rank's amaxes (a quantizer whose
     ``reduces_amax`` is True), for a reduction across ranks before :func:`quantize_with_amax`."""
-    if is_value_opaque_quantizer(q):
+    if _FOLDS and torch.compiler.is_compiling():
+        name = _traced_overload(q)
+        if name is not None:
+            return getattr(torch.ops.quant.amax, name)(x, q)
+    elif is_value_opaque_quantizer(q):
         return getattr(torch.ops.quant.amax, q._quant_op_overload)(x, q)
     return torch.ops.quant.amax.flat(x, *flatten_quantizer(q))
 
@@ -244,7 +277,11 @@ def amax(x: torch.Tensor, q: Any) -> torch.Tensor:
 def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, q: Any) -> list[torch.Tensor]:
     """``torch.ops.quant.quantize_with_amax``: the buffers of ``q.quantize_with_amax(x, amax)``
     in :func:`quantize`'s order."""
-    if is_value_opaque_quantizer(q):
+    if _FOLDS and torch.compiler.is_compiling():
+        name = _traced_overload(q)
+        if name is not None:
+            return getattr(torch.ops.quant.quantize_with_amax, name)(x, amax, q)
+    elif is_value_opaque_quantizer(q):
         return getattr(torch.ops.quant.quantize_with_amax, q._quant_op_overload)(x, amax, q)
     return torch.ops.quant.quantize_with_amax.flat(x, amax, *flatten_quantizer(q))
 

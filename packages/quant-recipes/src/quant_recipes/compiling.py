@@ -61,6 +61,11 @@ FOLDS_CONSTANTS = (_quant_dynamo is not None
                    and _quant_dynamo.status()["mode"] in FOLDING_MODES)
 
 
+#: ``quant_dynamo.DERIVES_IN_GRAPH`` (False without quant-dynamo), read as a module constant:
+#: traced code reads it in one instruction, where ``dynamo().DERIVES_IN_GRAPH`` inlines a call.
+DERIVES_IN_GRAPH: bool = _quant_dynamo is not None and _quant_dynamo.DERIVES_IN_GRAPH
+
+
 def trace_time_constant(fn):
     """``fn``, marked so that Dynamo calls it at trace time and bakes its result as a constant
     (``torch.compiler.assume_constant_result``) instead of tracing its body: a call costs a few

@@ -34,7 +34,7 @@ from quant_core.storage import QuantizedStorage, storage_class
 from quant_core.tensor import tags_of
 
 from .autocast import current_region
-from .compiling import compiling, dynamo
+from .compiling import DERIVES_IN_GRAPH, compiling, dynamo
 from .delayed import update_registered
 from .fsdp_layout import base
 from .gemm import HP_META, quantizer_meta
@@ -47,6 +47,7 @@ from .operands import (
     quantize_buffers,
     save_operands,
     saved_operands,
+    tuple_new,
     wgrad,
 )
 from .role import QuantizerRole
@@ -165,14 +166,16 @@ class _QLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, b, plan, group, region):
         m, k = x.shape
         n = w.shape[0]
-        xop = Operand(quantize_buffers(x, plan.input, group), quantizer_meta(plan.input), (m, k))
+        # Operand(...) spelled tuple_new(Operand, (...)): the same tuple, cheaper to trace
+        xop = tuple_new(Operand, (quantize_buffers(x, plan.input, group),
+                                  quantizer_meta(plan.input), (m, k)))
         wb = (w.buffer_list(x) if isinstance(w, QuantizedStorage)
               else quantize_buffers(w, plan.weight, group))
-        wop = Operand(wb, quantizer_meta(plan.weight), (n, k))
+        wop = tuple_new(Operand, (wb, quantizer_meta(plan.weight), (n, k)))
         y = fprop(xop, wop, b, x.dtype)
         save_operands(ctx, x, xop, w, wop, plan)
         ctx.grad_q, ctx.group, ctx.region = plan.grad, group, region
-        ctx.columnwise, ctx.dtypes = plan.columnwise, (x.dtype, w.dtype)
+        ctx.columnwise, ctx.dtypes = plan.override is None, (x.dtype, w.dtype)
         ctx.has_bias = b is not None
         return y
 
@@ -181,10 +184,10 @@ class _QLinearFn(torch.autograd.Function):
         gy = gy.contiguous()
         x, w = saved_operands(ctx, gy, lambda t, q, _: quantize_buffers(t, q, ctx.group))
         if ctx.columnwise:
-            g = Operand(quantize_buffers(gy, ctx.grad_q, ctx.group), quantizer_meta(ctx.grad_q),
-                        tuple(gy.shape))
+            g = tuple_new(Operand, (quantize_buffers(gy, ctx.grad_q, ctx.group),
+                                    quantizer_meta(ctx.grad_q), tuple(gy.shape)))
         else:  # "high_precision" keeps the originals, "dequantized" uses the rowwise forms
-            g = Operand([gy], list(HP_META), tuple(gy.shape))
+            g = tuple_new(Operand, ([gy], list(HP_META), tuple(gy.shape)))
         (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
             dx = dgrad(g, w, ctx.columnwise, x_dtype)
@@ -320,8 +323,9 @@ class Linear(QuantizedModule, torch.nn.Linear):
         flat = x.dim() == 2
         lead = x.shape[:-1]
         x2 = x if flat else x.reshape(lead.numel(), self.in_features)
-        if not compiling() or dynamo().DERIVES_IN_GRAPH:  # torch 2.10 runs no quantizer method
-            backward = grad and any(t is not None and t.requires_grad for t in (x, w, b))
+        if not compiling() or DERIVES_IN_GRAPH:  # torch 2.10 runs no quantizer method
+            backward = grad and (x.requires_grad or w.requires_grad
+                                 or (b is not None and b.requires_grad))
             self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
         region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
         y = _QLinearFn.apply(x2, w, b, plan, group, region)
@@ -332,10 +336,15 @@ class Linear(QuantizedModule, torch.nn.Linear):
         """:func:`check_step_shapes` for every quantize of this step: the input's, the weight's
         (``w``; None for a quantized weight, checked when it was quantized) and, when a backward
         follows, the output gradient's."""
-        checked = [("input", q, x2) for q in (plan.input, plan.input_bwd) if q is not None]
+        # plain appends: Dynamo traces a list comprehension as a nested function
+        checked = [("input", plan.input, x2)]
+        if plan.input_bwd is not None:
+            checked.append(("input", plan.input_bwd, x2))
         if w is not None:
-            checked += [("weight", q, w) for q in (plan.weight, plan.weight_bwd) if q is not None]
-        if backward and plan.columnwise:
+            checked.append(("weight", plan.weight, w))
+            if plan.weight_bwd is not None:
+                checked.append(("weight", plan.weight_bwd, w))
+        if backward and plan.override is None:
             checked.append(("grad_output", plan.grad, x2))
         check_step_shapes(self.name, self.in_features, self.out_features, recipe, checked)
 

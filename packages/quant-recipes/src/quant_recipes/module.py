@@ -22,7 +22,14 @@ from quant_core import Quantizer, is_value_quantizer
 
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
-from .compiling import compiling, dynamo, is_compiled_value, raise_error, trace_time_constant
+from .compiling import (
+    DERIVES_IN_GRAPH,
+    compiling,
+    dynamo,
+    is_compiled_value,
+    raise_error,
+    trace_time_constant,
+)
 from .recipe_names import as_recipe
 from .recipes import Recipe
 from .role import QuantizerRole
@@ -92,10 +99,11 @@ class QuantizerSet:
     def variant(self, q: Quantizer, **fields: Any) -> Quantizer:
         """``q`` with ``fields`` changed (cached per ``(id(q), fields)``; value ones interned)."""
         if compiling():
-            if not dynamo().DERIVES_IN_GRAPH:
+            if not DERIVES_IN_GRAPH:
                 # torch 2.10 cannot run a baked quantizer's methods at trace time: keep q. Only
                 # usage flags differ under compile, and the GEMMs read the same buffers of the
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
+                dynamo()  # without quant-dynamo: NEEDS_DYNAMO
                 return q
             return derive(q, **fields) if changes(q, tuple(fields.items())) else q
         key = (id(q), tuple(sorted(fields.items())))
@@ -142,13 +150,13 @@ class LazySlots:
         return self._state.num_quantizers
 
     def __getitem__(self, i):
-        n = len(self)
         if isinstance(i, slice):  # by hand: Dynamo before torch 2.13 cannot trace slice.indices
+            n = len(self)
             start = 0 if i.start is None else (i.start + n if i.start < 0 else i.start)
             stop = n if i.stop is None else (i.stop + n if i.stop < 0 else min(i.stop, n))
             return tuple(self[j] for j in range(start, stop, 1 if i.step is None else i.step))
         if i < 0:
-            i += n
+            i += self._state.num_quantizers
         q = self._made.get(i)
         if q is None:
             q = self._made[i] = self._state._make(i)
@@ -185,6 +193,10 @@ def check_operands(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
     quantized from its own dtype and the output has the input's dtype. Metadata only: no host
     sync, and static under ``torch.compile``."""
     device = x.device
+    if (weight.device == device and x.is_floating_point()
+            and (quantized_weight or weight.is_floating_point())
+            and (bias is None or (bias.device == device and bias.is_floating_point()))):
+        return  # the common case, tested in a few traced instructions; the loop names a fault
     for what, t in (("input", x), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
@@ -305,14 +317,19 @@ class QuantizedModule(torch.nn.Module):
             states.append(state)
             if key is None and not recipe.custom():
                 # while tracing, a built-in recipe's slot is made when a layer first reads it
-                # (a CustomRecipe's factory answers for every slot at once, as eagerly)
-                quantizers.append(LazySlots(state))
+                # (a CustomRecipe's factory answers for every slot at once, as eagerly);
+                # LazySlots(state) spelled out, which Dynamo traces in fewer instructions
+                slots = object.__new__(LazySlots)
+                slots.__init__(state)
+                quantizers.append(slots)
                 continue
             if old is not None:
                 state.inherit_state_from(old.fwd_state if mode == "forward" else old.bwd_state)
             quantizers.append([intern(q) for q in state.make_quantizers()])
             delayed_checkpoint.apply_pending(self, mode, state)  # a delayed state loaded early
-        return QuantizerSet(key, recipe, states[0], states[1], quantizers[0], quantizers[1])
+        qset = object.__new__(QuantizerSet)  # QuantizerSet(...), cheaper to trace
+        qset.__init__(key, recipe, states[0], states[1], quantizers[0], quantizers[1])
+        return qset
 
     # -------------------------------------------------------------- state_dict
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

@@ -44,6 +44,12 @@ class Operand(NamedTuple):
 #: A GEMM with ``qgemm``'s signature: the custom op, or its body inside another op.
 Gemm = Callable[..., torch.Tensor]
 
+#: ``tuple.__new__``: ``tuple_new(Operand, (bufs, meta, shape))`` is ``Operand(bufs, meta,
+#: shape)`` (what the named tuple's own ``__new__`` and ``_make`` run). Dynamo traces this call in
+#: a few instructions where it traces a named tuple's constructor through a generic polyfill
+#: (about forty more on torch 2.13, per operand of every layer call).
+tuple_new = tuple.__new__
+
 
 def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm):
     """``x Wᵀ (+ bias)`` from both operands' rowwise forms."""
@@ -143,14 +149,15 @@ def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool
                  and requantizable(fwd_w))
     requant_x = (not keep_input and not input_quantized and wgrad and transposed
                  and requantizable(fwd_in))
-    return OperandPlan(
+    # what backward quantizes again: the columnwise copy alone (a named tuple built with
+    # tuple.__new__ and no generator: the cheapest forms for Dynamo to trace)
+    return tuple_new(OperandPlan, (
         variant(fwd_in, columnwise_usage=wgrad and transposed and not requant_x),
         variant(fwd_w, columnwise_usage=dgrad and transposed and not requant_w),
         variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad),
-        # what backward quantizes again: the columnwise copy alone
-        *(variant(q, rowwise_usage=False, columnwise_usage=True) if again else None
-          for q, again in ((fwd_w, requant_w), (fwd_in, requant_x))),
-        override)
+        variant(fwd_w, rowwise_usage=False, columnwise_usage=True) if requant_w else None,
+        variant(fwd_in, rowwise_usage=False, columnwise_usage=True) if requant_x else None,
+        override))
 
 
 def requantizing_backward(plan: OperandPlan, qset, high_precision: Quantizer):
@@ -238,4 +245,4 @@ def saved_operands(ctx, like: torch.Tensor, quantize) -> tuple[Operand, Operand]
             wb = for_transposed_use(columnwise_buffer_list(w, like, ctx.weight_q), wm)
         else:
             wb = w.buffer_list(like)
-    return Operand(xb, xm, x_shape), Operand(wb, wm, w_shape)
+    return tuple_new(Operand, (xb, xm, x_shape)), tuple_new(Operand, (wb, wm, w_shape))

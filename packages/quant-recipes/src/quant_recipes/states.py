@@ -58,7 +58,15 @@ class RecipeState:
         if cls is None:
             raise TypeError(f"no recipe state for {type(recipe).__name__} (a Recipe subclass "
                             "names its RecipeState subclass as state_class)")
-        return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
+        if cls.__new__ is not object.__new__:
+            return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device,
+                       roles=roles)
+        # cls(...) spelled out: the same object, and Dynamo traces these two calls in about half
+        # the instructions of a user class's construction
+        state = object.__new__(cls)
+        state.__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device,
+                       roles=roles)
+        return state
 
     @property
     def forward(self) -> bool:
@@ -72,9 +80,12 @@ class RecipeState:
 
     def _slot_tensor_type(self, i: int) -> str:
         """The slot's known ``tensor_type``, else its positional type."""
-        role = self.roles[i] if self.roles is not None else None
-        if role is not None and role.tensor_type in KNOWN_TENSOR_TYPES:
-            return role.tensor_type
+        roles = self.roles
+        role = None if roles is None else roles[i]
+        if role is not None:
+            tensor_type = role.tensor_type
+            if tensor_type in KNOWN_TENSOR_TYPES:
+                return tensor_type
         types = FORWARD_SLOT_TYPES if self.forward else BACKWARD_SLOT_TYPES
         return types[i % len(types)]
 
