@@ -1,7 +1,8 @@
 """Per-group NVFP4 of grouped rows (mixture-of-experts GEMM operands, `numerics.md` §7): every
 group of rows of one tensor quantized with its own amaxes, one quantize launch per direction. The
 TE-default kernels of :mod:`.nvfp4` with one amax per row (rowwise) and one per 16-row group
-(columnwise); the amaxes are reduced to groups on the device. Mirrors
+(columnwise); the groups' amaxes come from one pass of the grouped FP8 cast's amax kernel (one
+per 16-row block after the RHT, reduced to groups on the device). Mirrors
 ``reference.nvfp4_group_quantize``."""
 
 from __future__ import annotations
@@ -11,20 +12,11 @@ from quant_core import shapes
 from quant_core.inputs import check_rht_input
 from quant_core.reference.nvfp4_grouped import Grouped, check_group_quantize, group_amax
 
+from . import fp8_grouped
 from ._common import launch
 from .configs import launch_config
-from .nvfp4 import _nvfp4_col_kernel, _nvfp4_row_kernel, _pairs, _rht_amax_kernel, _row_amax_kernel
+from .nvfp4 import _nvfp4_col_kernel, _nvfp4_row_kernel, _pairs, _rht_amax_kernel
 from .nvfp4_common import col_buffers, col_data, col_grid, row_buffers, row_grid
-
-
-def _row_amaxes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``(M,)``: the NaN-dropping ``max|x|`` of each row of ``x [M, K]``."""
-    m, k = x.shape
-    out = torch.zeros(m, dtype=torch.float32, device=x.device)
-    if m and k:
-        cfg, kw = launch_config("nvfp4_row")
-        launch(_row_amax_kernel, row_grid(m, k, cfg), x, out.view(torch.int32), m, k, **kw)
-    return out
 
 
 def _rht_block_amaxes(x: torch.Tensor, rht_sign_mask: int) -> torch.Tensor:
@@ -62,7 +54,8 @@ def nvfp4_group_quantize(
             else torch.zeros(1, dtype=torch.int64, device=dev))
     flags = dict(SR=bool(stochastic_rounding), TWO_D=bool(with_2d_quantization),
                  SWIZZLE=bool(swizzle))
-    plain = group_amax(_row_amaxes(x), grp, groups) if rowwise or (
+    # each group's NaN-dropping max|x| in one pass (the grouped FP8 cast's amax kernel)
+    plain = fp8_grouped.group_amax(x, groups, grp) if rowwise or (
         columnwise and not with_rht) else None
     rd = rs = cd = cs = amax_r = amax_c = None
     if rowwise:
