@@ -193,10 +193,6 @@ def check_operands(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
     quantized from its own dtype and the output has the input's dtype. Metadata only: no host
     sync, and static under ``torch.compile``."""
     device = x.device
-    if (weight.device == device and x.is_floating_point()
-            and (quantized_weight or weight.is_floating_point())
-            and (bias is None or (bias.device == device and bias.is_floating_point()))):
-        return  # the common case, tested in a few traced instructions; the loop names a fault
     for what, t in (("input", x), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
