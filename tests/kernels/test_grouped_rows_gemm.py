@@ -20,7 +20,7 @@ COUNTS = [0, 37, 1, 0, 20]
 def loads(request):
     """Every test runs each form of the kernel (tiles by the tensor memory accelerator or by
     masked pointer loads, column tiles first or row tiles first)."""
-    with grouped_load_form(("grouped_rows_gemm",), *request.param):
+    with grouped_load_form(("grouped_rows_gemm", "grouped_rows_gemm_fp32"), *request.param):
         yield
 
 

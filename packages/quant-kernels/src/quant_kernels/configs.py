@@ -113,6 +113,13 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_stages": 4, "tma": 1},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "COLS_FASTEST": 1, "tma": 1},
     },
+    # fp16 and fp32 operands, multiplied in fp32: BK 32 keeps the fp32 tiles the bytes of bf16's
+    # (BK 64 asks more shared memory than an H200 has)
+    "grouped_rows_gemm_fp32": {
+        "gpu": {"BM": 128, "BN": 256, "BK": 32, "COLS_FASTEST": 1, "num_warps": 8,
+                "num_stages": 4, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "COLS_FASTEST": 1, "tma": 1},
+    },
     # nvfp4_grouped_gemm.py: the kernels of fp8_grouped_gemm.py over decoded bf16 operands
     # (fp32 under the interpreter); BK 64 keeps the bf16 tiles the bytes of the FP8 ones
     "nvfp4_grouped_rows_gemm": {
