@@ -127,6 +127,20 @@ def test_layout_maps_padded_rows_to_their_rows():
     assert torch.equal(lay.grp[lay.dest].long(), lay.gid)
 
 
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0], [16, 0, 33], [0, 5, 0, 16, 1]])
+def test_padding_rows_are_the_rows_no_row_maps_to(counts):
+    lay = grouped_fp8.layout(torch.tensor(counts).cumsum(0), sum(counts), ALIGN)
+    assert torch.equal(lay.pad, torch.nonzero(lay.src < 0).flatten())
+
+
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0], [0, 5, 0, 16, 1]])
+def test_padded_rows_hold_their_rows_and_zeros(counts):
+    x = torch.randn(sum(counts), K, dtype=torch.bfloat16) + 1  # no zero row
+    lay = grouped_fp8.layout(torch.tensor(counts).cumsum(0), x.shape[0], ALIGN)
+    want = x.new_zeros((lay.rows, K)).index_copy_(0, lay.dest, x)
+    assert torch.equal(grouped_fp8.padded(x, lay), want)
+
+
 # ------------------------------------------------------------------- the grouped GEMMs
 def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False):
     """``torch._scaled_grouped_mm``'s rowwise semantics, with the checks of its CUDA kernel:
@@ -664,3 +678,12 @@ def test_scale_inverse_padding_is_written_zero(impl, monkeypatch):
     w = torch.randn(3, N, K, dtype=torch.bfloat16)
     sinv = grouped_fp8.quantize_experts(w, _quantizer("e4m3"), True, False)[2]
     assert not sinv[:, 1:].isnan().any() and not sinv[:, 1:].any()
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 16), (3, 4, 12), (2, 5, 8)])
+def test_rows_moved_is_the_transposed_copy(shape):
+    t = torch.randint(0, 256, shape, dtype=torch.uint8)
+    got = grouped_fp8.rows_moved(t)
+    assert got.is_contiguous() and torch.equal(got, t.transpose(0, 1))
+    odd = grouped_fp8.rows_moved(t[:, :, 1:])  # rows off the 8-byte grid: copied as they are
+    assert torch.equal(odd, t[:, :, 1:].transpose(0, 1))

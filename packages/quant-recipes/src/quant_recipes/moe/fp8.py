@@ -53,6 +53,10 @@ class Layout:
     grp: torch.Tensor  # int32 [rows]: the group of each padded row (the last past the end)
     ends: torch.Tensor  # int32 [E]: cumulative padded ends (``offs`` of the padded groups)
     offs: torch.Tensor  # int32 [E]: cumulative ends of the groups' rows
+    pad: torch.Tensor  # int64 [rows - T]: the padding rows, ascending
+
+    #: How many tensors :meth:`tensors` lists.
+    FIELDS = 7
 
     @property
     def rows(self):
@@ -65,7 +69,7 @@ class Layout:
 
     def tensors(self) -> list[torch.Tensor]:
         """The fields in order: what a grouped op takes as its ``Tensor[] lay``."""
-        return [self.gid, self.dest, self.src, self.grp, self.ends, self.offs]
+        return [self.gid, self.dest, self.src, self.grp, self.ends, self.offs, self.pad]
 
 
 def padded_rows(total, groups: int, align: int):
@@ -91,12 +95,38 @@ def layout(offs: torch.Tensor, total: int, align: int) -> Layout:
     within = p - pstarts[grp]
     src = torch.where(within < counts[grp], starts[grp] + within, -1)
     return Layout(gid, dest, src.to(torch.int32), grp.to(torch.int32), pends.to(torch.int32),
-                  offs.to(torch.int32))
+                  offs.to(torch.int32), _padding_rows(counts, padded, pstarts, rows - total))
+
+
+def _padding_rows(counts: torch.Tensor, sizes: torch.Tensor, pstarts: torch.Tensor, n):
+    """int64 ``[n]``: the padding rows of the padded layout in ascending order (each group's
+    rows past its ``counts`` of ``sizes``, then the rows past the last group), with no host
+    read: ``n``, the buffer's rows less the real ones, is static."""
+    room = sizes - counts
+    cum = room.cumsum(0)
+    j = torch.arange(n, device=counts.device)
+    g = torch.searchsorted(cum, j, right=True).clamp_(max=counts.shape[0] - 1)
+    inside = pstarts[g] + counts[g] + j - (cum[g] - room[g])
+    past = pstarts[-1] + sizes[-1] + j - cum[-1]
+    return torch.where(j < cum[-1], inside, past)
 
 
 def padded(x: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows)."""
-    return x.new_zeros((lay.rows, x.shape[1])).index_copy_(0, lay.dest, x)
+    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows): one gather of the
+    rows and one fill of the padding rows, not a zero fill of the whole buffer and a scatter."""
+    if x.shape[0] == 0:
+        return x.new_zeros((lay.rows, x.shape[1]))
+    return x.index_select(0, lay.src.clamp(min=0)).index_fill_(0, lay.pad, 0)
+
+
+def rows_moved(t: torch.Tensor) -> torch.Tensor:
+    """``t [A, B, C]`` as a contiguous ``[B, A, C]``: whole rows of ``C`` elements moved, 8 bytes
+    at a time where the rows allow it (one-byte elements copied one by one reach a fraction of
+    the memory bandwidth)."""
+    size = t.element_size()
+    if t.is_contiguous() and t.shape[2] * size % 8 == 0 and t.storage_offset() * size % 8 == 0:
+        return t.view(torch.int64).transpose(0, 1).contiguous().view(t.dtype)
+    return t.transpose(0, 1).contiguous()
 
 
 def padded_starts(bounds: list[int], align: int) -> list[int]:

@@ -49,7 +49,7 @@ _HIGH_PRECISION = intern(IdentityQuantizer())
 #: Positions of the arguments of :class:`_GroupedFn` and :class:`_GroupedFP8Fn` that take
 #: gradients: the input, the weight, the bias; the layout's tensors follow them.
 _X, _W, _B, _LAY = 0, 1, 2, 3
-_LAY_END = _LAY + 6
+_LAY_END = _LAY + Layout.FIELDS
 
 
 def _grads(ctx, dx, dw, db, rest: int) -> tuple:
@@ -62,12 +62,12 @@ def _grads(ctx, dx, dw, db, rest: int) -> tuple:
 
 class _GroupedFn(torch.autograd.Function):
     """Forward/backward of the grouped linear; quantizers are plain arguments. The groups'
-    padded layout (:class:`~.fp8.Layout`) comes as its six tensors."""
+    padded layout (:class:`~.fp8.Layout`) comes as its tensors."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
-        lay = Layout(*args[:6])
-        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced = args[6:]
+        lay = Layout(*args[:Layout.FIELDS])
+        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced = args[Layout.FIELDS:]
         y = fprop(x, lay, w, b, qx, qw, align, traced)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         ctx.save_for_backward(x if wgrad else None, w if dgrad else None, *lay.tensors())
@@ -98,8 +98,8 @@ class _GroupedFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
-        lay = Layout(*args[:6])
-        qx, qw, qg, traced, keep_x_t, keep_w_t = args[6:]
+        lay = Layout(*args[:Layout.FIELDS])
+        qx, qw, qg, traced, keep_x_t, keep_w_t = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced)
