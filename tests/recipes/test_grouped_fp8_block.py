@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
-from quant_core import backends
+from quant_core import Float8BlockQuantizer, backends
+from quant_core.dtypes import DType
 from quant_recipes.moe import fp8_block_gemm
 
 E, K, N = 4, 256, 384
@@ -102,3 +103,16 @@ def test_groups_padded_to_fewer_rows_than_a_block_keep_the_per_group_path(on_cpu
 
     _, paths = _step(qr.CustomRecipe(qfactory=factory, quantization_alignment=16))
     assert paths == {"per_group": 3}
+
+
+def test_transposed_experts_are_the_transposed_bytes_and_scales(impl):
+    """The input gradient's weight operand: each expert's columnwise copy, the transpose of its
+    rowwise bytes and 128x128 scales (what ``_experts`` gives, transposed)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 256, 384, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[
+        :, None, None]
+    qw = Float8BlockQuantizer(DType.E4M3, block_scaling_dim=2)
+    wd, sw = fp8_block_gemm._experts(w, qw)
+    wt, swt = fp8_block_gemm._experts_t(w, qw)
+    assert wt.is_contiguous() and torch.equal(wt, wd.transpose(1, 2))
+    assert torch.equal(swt, sw.transpose(1, 2))

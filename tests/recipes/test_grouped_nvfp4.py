@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
-from quant_core import backends
+from quant_core import NVFP4Quantizer, backends
 from quant_recipes.moe import nvfp4_gemm
 
 E, K, N = 4, 64, 96
@@ -92,3 +92,18 @@ def test_falls_back_where_the_path_does_not_apply(on_cpu, monkeypatch):
         assert "per_group" in paths and paths.get("nvfp4_grouped_gemm") == 1
         _, paths = _step(qr.NVFP4BlockScaling(nvfp4_4over6="weights"))
         assert paths == {"per_group": 3}
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["16x16", "1x16"])
+def test_transposed_experts_equal_quantizing_each_transpose(impl, tiles):
+    """The input gradient's weight operand, from the columnwise copy of the weight's one
+    quantize: the bytes, scales (their padding zero) and amaxes of quantizing each ``wᵀ``."""
+    torch.manual_seed(0)
+    w = torch.randn(3, N, K, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[
+        :, None, None]
+    qw = NVFP4Quantizer(with_2d_quantization=tiles)
+    want = nvfp4_gemm._experts(w.transpose(1, 2), qw)
+    got = nvfp4_gemm._experts_t(w, qw)
+    assert got[0].is_contiguous()
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)

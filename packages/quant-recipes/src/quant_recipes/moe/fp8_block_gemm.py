@@ -19,6 +19,7 @@ from quant_core import Float8BlockQuantizer, backends
 from quant_core.shapes import FP8_BLOCK, ceil_div
 
 from . import bias, fp8
+from .fp8 import rows_moved
 from .paths import count_path
 
 #: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
@@ -68,6 +69,18 @@ def _experts(w: torch.Tensor, qw):
             s._rowwise_scale_inv[:, :kb].reshape(e, n // FP8_BLOCK, kb))
 
 
+def _experts_t(w: torch.Tensor, qw):
+    """``(data [E, K, N], scale_inv [E, K/128, N/128])``: every expert's transposed weight, the
+    columnwise copy of one ``[E·N, K]`` quantize (128x128 blocks: the transposed bytes and
+    scales of :func:`_experts`), each expert's columns moved into its own ``[K, N]`` by
+    whole-row copies instead of a byte-wise transpose."""
+    e, n, k = w.shape
+    s = _rows(qw, w.reshape(e * n, k), False, True)
+    kb, nb = ceil_div(k, FP8_BLOCK), n // FP8_BLOCK
+    data = rows_moved(s._columnwise_data.view(k, e, n))
+    return data, s._columnwise_scale_inv[:kb, :e * nb].view(kb, e, nb).transpose(0, 1)
+
+
 def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
             b: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
@@ -91,11 +104,10 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
     gs = _rows(qg, fp8.padded(gy, lay), dgrad, wgrad)
     dx = dw = None
     if dgrad:
-        wd, sw = _experts(w, qw)  # 128x128 blocks: the columnwise copy is the transpose
+        wt, swt = _experts_t(w, qw)
         dx = backend.fp8_block_grouped_rows_gemm(
-            gs._rowwise_data, _row_scales(gs, lay.rows), wd.transpose(1, 2).contiguous(),
-            sw.transpose(1, 2), lay.offs, lay.ends, total=total, a_dtype=qg.dtype,
-            b_dtype=qw.dtype)
+            gs._rowwise_data, _row_scales(gs, lay.rows), wt, swt, lay.offs, lay.ends,
+            total=total, a_dtype=qg.dtype, b_dtype=qw.dtype)
         count_path("fp8_block_grouped_gemm")
     if wgrad:
         xs = _rows(qx, fp8.padded(x, lay), False, True)

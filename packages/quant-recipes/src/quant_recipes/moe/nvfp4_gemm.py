@@ -8,8 +8,9 @@ by NVFP4's factors of its amaxes. Nothing is read on the host.
 Against the per-group path (one dense quantize and GEMM per padded group) the bytes are the
 same and the products differ only in the order of the fp32 sums, except where stochastic
 rounding draws its random bytes: one stream over all groups here, one per group there. The
-weight's columnwise copy for dgrad is the rowwise quantization of each expert's ``wᵀ`` (the
-same blocks, tiles and amax without the RHT, which weights never take).
+weight's operand for dgrad is the rowwise quantization of each expert's ``wᵀ``, taken from the
+columnwise copy of the weight's quantization (the same blocks, tiles and amax without the RHT,
+which weights never take).
 
 It takes the TransformerEngine-default scaling (no 4over6, no row scaling, no amax reduction),
 bf16 operands, widths multiples of 16, and the columnwise copies in backward (no
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import torch
 from quant_core import NVFP4Quantizer, backends
+from quant_core.reference.pad import zero_pad
+from quant_core.shapes import nvfp4_rowwise_scale_shape
 
 from . import bias, fp8
+from .fp8 import rows_moved
 from .paths import count_path
 
 #: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
@@ -72,6 +76,20 @@ def _experts(w: torch.Tensor, qw):
     return data.view(e, n, k // 2), scale, amax
 
 
+def _experts_t(w: torch.Tensor, qw):
+    """``(data [E, K, N/2], scale, amax [E])``: every expert's ``wᵀ`` quantized rowwise, as
+    :func:`_experts` gives it for ``w.transpose(1, 2)``: the columnwise copy of one ``[E·N, K]``
+    quantize (the same 1x16 blocks along N, 16x16 tiles and amaxes), each expert's columns
+    moved into its own rows by whole-row copies instead of a transposed copy of the weight."""
+    e, n, k = w.shape
+    grp = torch.arange(e, device=w.device, dtype=torch.int32).repeat_interleave(n)
+    _, _, data, scale, _, amax = _quantize(w.reshape(e * n, k), grp, e, qw, False, True)
+    nb = n // _BLOCK
+    data = rows_moved(data.view(k, e, n // 2))
+    rows = scale[:k, :e * nb].view(k, e, nb).transpose(0, 1).reshape(e * k, nb)
+    return data, zero_pad(rows, *nvfp4_rowwise_scale_shape(e * k, n)), amax
+
+
 def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
             b: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
@@ -95,7 +113,7 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
                                          wgrad)
     dx = dw = None
     if dgrad:
-        wd, ws, wa = _experts(w.transpose(1, 2), qw)
+        wd, ws, wa = _experts_t(w, qw)
         dx = backend.nvfp4_grouped_rows_gemm(gd, gs, ga, wd, ws, wa, lay.offs, lay.ends,
                                              total=total, a_swizzled=False, b_swizzled=False)
         count_path("nvfp4_grouped_gemm")
