@@ -203,7 +203,12 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
                      "num_stages": 4, "tma": 1, "COLS_FASTEST": 1, **c} for c in (
     {"tma": 0, "BN": 128, "COLS_FASTEST": 0}, {"COLS_FASTEST": 0}, {}, {"num_stages": 3},
     {"BN": 128}, {"BN": 128, "COLS_FASTEST": 0}, {"BM": 64, "BN": 128, "num_warps": 4},
-    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}, {"PROMOTE": -1}))
+    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}, {"PROMOTE": -1},
+    # tiles whose pipeline fits twice in shared memory: two programs per SM, one's epilogue
+    # under the other's main loop
+    {"BN": 128, "num_stages": 3}, {"BN": 128, "num_stages": 3, "COLS_FASTEST": 0},
+    {"BN": 128, "BK": 64, "num_stages": 5}, {"BM": 64, "BN": 128, "num_warps": 4,
+                                               "num_stages": 4}))
 
 
 def group_rows(e: int, m: int, ragged: bool) -> list[int]:
@@ -271,6 +276,49 @@ def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
     return out
 
 
+#: The grouped current-scaling quantize's sweep: (amax tile, cast tile) configs.
+CAST_CONFIGS = tuple(({"BM": 32, "BK": 256, "num_warps": 4, **a}, {"BM": 64, "BK": 128,
+                                                                  "num_warps": 4, **c})
+                     for a, c in (({}, {}), ({"BM": 64, "num_warps": 8}, {}),
+                                  ({}, {"BM": 128, "BK": 64}), ({}, {"BM": 64, "BK": 64}),
+                                  ({}, {"BM": 128, "BK": 128, "num_warps": 8}),
+                                  ({}, {"BM": 32, "BK": 256})))
+
+
+def cast_forms(counts: list[int], k: int) -> list[dict]:
+    """The grouped FP8 quantize of ``sum(counts)`` bf16 rows of width ``k`` (the backend's
+    ``fp8_group_quantize_rows``: rowwise in place and transposed padded, as the forward's input
+    takes it), over :data:`CAST_CONFIGS`; ``tflops`` is the share of a bf16 copy of the input
+    (reads and writes the same bytes, so the floor of the quantize's traffic is 1.5 copies)."""
+    from quant_core.dtypes import DType
+    from quant_kernels import configs
+    from quant_kernels import fp8_grouped as kern
+    from quant_recipes.moe import fp8
+
+    total = sum(counts)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    lay = fp8.layout(offs, total, 16)
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    copy_ms = _time(lambda: x.clone())
+    out, first = [], None
+    for amax_cfg, cast_cfg in CAST_CONFIGS:
+        def run():
+            return kern.fp8_group_quantize_rows(
+                x, lay.gid, lay.src, lay.grp, groups=len(counts), fp8_dtype=DType.E4M3,
+                force_pow_2_scales=False, amax_epsilon=0.0, rowwise=True, columnwise=True,
+                row_padded=False, scale_pitch=4)[1]
+        with configs.overridden("fp8_group_amax", amax_cfg), \
+                configs.overridden("fp8_group_cast", cast_cfg):
+            got = run().float()
+            first = first if out else got  # every config's bytes against the first's
+            res = _row(f"group quantize amax {amax_cfg} cast {cast_cfg} (copy {copy_ms:.3f} ms)",
+                       run, lambda f=first: f, 0.0)
+            if res.get("ok"):
+                res["tflops"] = copy_ms / res["ms"]
+            out.append(res)
+    return out
+
+
 def main(args) -> None:
     """The forms ``speed.py probe``'s options select: a JSON line each, then the table."""
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
@@ -279,10 +327,12 @@ def main(args) -> None:
     counts = group_rows(args.experts, args.rows, args.ragged)
     print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
                                      "total": sum(counts)}}))
-    rows += own_forms(counts, args.hidden, args.out)
+    rows += (cast_forms(counts, args.hidden) if args.cast
+             else own_forms(counts, args.hidden, args.out))
     print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
         if r["ok"]:
-            print(f"| {r['form']} | yes | {r['err']:.2e} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+            rate = f"{r['tflops']:.{0 if r['tflops'] >= 10 else 2}f}"
+            print(f"| {r['form']} | yes | {r['err']:.2e} | {r['ms']:.3f} | {rate} |")
         else:
             print(f"| {r['form']} | no: {r['error'][:90]} | - | - | - |")

@@ -265,11 +265,11 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
 def model_table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "bf16" and "ms" in r), None)
     lines = ["| config | ms/step | vs bf16 | tok/s | peak GiB | act GiB | kernels | syncs "
-             "| GPU ms | loss (bf16) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| GPU ms | compile + warm-up s | loss (bf16) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | | | | | |")
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | | | | | | | |")
             continue
         ratio = f"{base['ms'] / r['ms']:.3f}" if base else "-"
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
@@ -278,7 +278,7 @@ def model_table(rows: list[dict]) -> str:
         ref = f" ({base['loss']:.4f})" if base else ""
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
                      f"{act} | {r.get('kernels', '-')} | {r.get('syncs', '-')} | {gpu} | "
-                     f"{r['loss']:.4f}{ref} |")
+                     f"{r.get('compile_s', '-')} | {r['loss']:.4f}{ref} |")
     return "\n".join(lines)
 
 
@@ -319,9 +319,11 @@ def cmd_model(args, p) -> None:
 _PACKAGE_ROUTES: dict[str, tuple[int, str]] = {}
 
 
-def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int) -> dict:
+def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int,
+              seq: int = 0) -> dict:
     """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, compiled),
-    on ``tokens`` random tokens: median ms, peak GiB, kernels and host syncs of one step."""
+    on ``tokens`` random tokens in sequences of ``seq`` (0: one sequence): median ms, peak GiB,
+    kernels and host syncs of one step."""
     from quant_recipes.moe import fp8_gemm
 
     torch._dynamo.reset()
@@ -343,14 +345,16 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
     layer, rotary = model.model.layers[0], model.model.rotary_emb
     gen = torch.Generator(device="cpu").manual_seed(0)
     hidden = model.config.hidden_size
-    x = torch.randn(1, tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    seq = seq or tokens
+    shape = (tokens // seq, seq, hidden)
+    x = torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
     x.requires_grad_()
-    g = torch.randn(1, tokens, hidden, generator=gen).to(device, torch.bfloat16)
-    pos = torch.arange(tokens, device=device)[None]
+    g = torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+    pos = torch.arange(seq, device=device)[None]
     cos_sin = rotary(x, pos)
     autocast = getattr(forward, "autocast", None)
     compiled = torch.compile(layer)
-    row: dict = {"config": name, "size": size, "tokens": tokens}
+    row: dict = {"config": name, "size": size, "tokens": tokens, "seq": seq}
 
     def step():
         x.grad = None
@@ -393,10 +397,15 @@ def layer_table(rows: list[dict]) -> str:
 
 def cmd_layer(args, p) -> None:
     device = torch.device(args.device)
+    # GPT-OSS's eager attention (its sinks) holds [heads, seq, seq] fp32 scores: its own sequence
+    seq = args.seq if args.seq is not None else (
+        steps.seq_batch(args.size)[0] if args.size.endswith("gpt-oss") else 0)
+    if seq and args.tokens % seq:
+        p.error(f"--tokens ({args.tokens}) must be a multiple of --seq ({seq})")
     rows = []
     for config in args.configs.split(","):
         try:
-            row = run_layer(config, args.size, args.tokens, device, args.iters)
+            row = run_layer(config, args.size, args.tokens, device, args.iters, seq)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()
@@ -520,6 +529,8 @@ def commands(sub) -> dict:
                        "step.")
     d.add_argument("--size", choices=sorted(steps.MOE_SIZES), default="qwen3-moe")
     d.add_argument("--tokens", type=int, default=16384)
+    d.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: one sequence; GPT-OSS: its own 4096)")
     d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
                    help="bf16 and ours, each with an optional :variant (" + ", ".join(
                        steps.LLAMA_VARIANTS) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
@@ -616,6 +627,9 @@ def commands(sub) -> dict:
     r.add_argument("--own", action="store_true", help="quant-kernels' forms only")
     r.add_argument("--ragged", action="store_true",
                    help="the own forms' groups skewed as a router makes them (--rows on average)")
+    r.add_argument("--cast", action="store_true",
+                   help="instead of the own GEMMs: the grouped FP8 quantize over tile configs "
+                   "(TFLOP/s column: the share of a bf16 copy's speed)")
     r.add_argument("--no-triton", action="store_true",
                    help="leave out the plain Triton tile kernels (torch's and the own forms)")
     u = sub.add_parser("multi-gpu", help="Llama step on several GPUs: FSDP2, FSDP2 x TP",
