@@ -237,6 +237,40 @@ def test_grouped_mm_path(monkeypatch):
     assert qr.grouped_gemm_paths() == {"per_group": 3}
 
 
+@pytest.mark.parametrize("recipe", [qr.MXFP8BlockScaling(), None], ids=["mxfp8", "off"])
+def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
+    """Rowwise blocks one row tall: the forward GEMM multiplies the rows in place (no padded
+    copy in, no gather of a padded output back), with the bytes and sums of the padded form;
+    no rows at all still give an empty output."""
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    m, x, gy, _ = _data(COUNTS, bias=False)
+    padded = []
+    real = grouped_gemm.fp8.padded
+    monkeypatch.setattr(grouped_gemm.fp8, "padded", lambda t, lay: padded.append(1) or real(t, lay))
+    with qr.autocast(enabled=recipe is not None, recipe=recipe):
+        got = m(x, counts=torch.tensor(COUNTS))
+        assert not padded
+        monkeypatch.setattr(grouped_gemm, "rows_apart", lambda q: False)
+        want = m(x, counts=torch.tensor(COUNTS))
+        assert padded
+        monkeypatch.undo()
+        monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+        empty = m(x[:0], counts=torch.zeros(len(COUNTS), dtype=torch.int64))
+    assert torch.equal(got, want)
+    assert empty.shape == (0, N)
+
+
+def test_rows_apart_only_without_2d_blocks():
+    from quant_core import Float8BlockQuantizer, NVFP4Quantizer
+
+    assert grouped_gemm.rows_apart(Float8BlockQuantizer(block_scaling_dim=1))
+    assert not grouped_gemm.rows_apart(Float8BlockQuantizer(block_scaling_dim=2))
+    assert not grouped_gemm.rows_apart(NVFP4Quantizer(with_2d_quantization=True))
+    assert grouped_gemm.rows_apart(formats.quantizer("mxfp8"))
+
+
 @pytest.mark.parametrize("n, path", [(256, "grouped_mm"), (64, "per_group")])
 def test_fp8_blocks_take_grouped_mm_when_the_experts_close_the_weight_blocks(monkeypatch, n,
                                                                              path):

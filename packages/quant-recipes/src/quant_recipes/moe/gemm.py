@@ -175,20 +175,37 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
 
 
+def rows_apart(q) -> bool:
+    """``q``'s rowwise blocks are one row tall (no 2D blocks or tiles), so a row's rowwise
+    bytes do not depend on the rows around it: a forward GEMM reads its rows where they are,
+    with no padded copy."""
+    return getattr(q, "block_scaling_dim", 1) != 2 and not getattr(q, "with_2d_quantization",
+                                                                  False)
+
+
+def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q):
+    """``(bf16 values of x quantized rowwise by q, the ends of its groups' rows)``: the rows
+    where they are when :func:`rows_apart`, else the padded layout (``lay.ends``)."""
+    if x.shape[0] and rows_apart(q):
+        rowwise = q if quantizer_meta(q)[0] == HP else q.with_usage(True, False)
+        return _decoded(x, rowwise, False), lay.offs
+    return _decoded(fp8.padded(x, lay), q, False), lay.ends
+
+
 def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
     """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring); with a
     bias ``b``, on ``"decoded_grouped_gemm"``: the same decoded operands multiplied by the
     backend's ``grouped_rows_gemm`` into fp32, each row's bias added before the one rounding
     (:mod:`.bias`)."""
-    xv, wv = _decoded(fp8.padded(x, lay), qx, False), _experts(w, qw, False)
+    (xv, a_ends), wv = _forward_rows(x, lay, qx), _experts(w, qw, False)
     if b is not None:
         y = backends.get(None, x.device).grouped_rows_gemm(
-            xv, wv, lay.offs, lay.ends, total=x.shape[0], out_dtype=torch.float32)
+            xv, wv, lay.offs, a_ends, total=x.shape[0], out_dtype=torch.float32)
         count_path("decoded_grouped_gemm")
         return bias_added(y, b, lay.gid, x.dtype)
-    out = torch._grouped_mm(xv, wv.transpose(1, 2), offs=lay.ends)
+    out = torch._grouped_mm(xv, wv.transpose(1, 2), offs=a_ends)
     count_path("grouped_mm")
-    return out[lay.dest]
+    return out if a_ends is lay.offs else out[lay.dest]
 
 
 def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool):
