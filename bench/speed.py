@@ -45,6 +45,8 @@ import measure
 import moe_cases
 import steps
 import torch
+from torch._dynamo.utils import compilation_time_metrics as compile_phases
+from torch._dynamo.utils import counters as compile_counters
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
@@ -236,11 +238,14 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
                 losses.append(loss.item())  # a sync: the step's wall time includes its GPU work
             return loss
 
+        compile_counters.clear()
+        compile_phases.clear()
         t0 = time.perf_counter()
         for i in range(measure.WARMUP):
             step(data[i], record=False)
         measure.sync(device)
         row["compile_s"] = round(time.perf_counter() - t0, 1)
+        row.update(compile_breakdown())
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times = []
@@ -260,6 +265,18 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
     row["loss"] = statistics.fmean(losses[-10:])
     row["finite"] = all(v == v and abs(v) != float("inf") for v in losses)
     return row
+
+
+def compile_breakdown() -> dict:
+    """Where the warm-up's compile time went: graphs compiled, Inductor's FX graph cache (hits,
+    misses, bypasses: a layer whose graph misses compiles again in full), and the five longest
+    compile phases that Dynamo times (seconds, summed over the graphs)."""
+    cache = {k.removeprefix("fxgraph_cache_"): v for k, v in compile_counters["inductor"].items()
+             if k.startswith("fxgraph_cache_")}
+    phases = sorted(((name, sum(times)) for name, times in compile_phases.items()),
+                    key=lambda kv: -kv[1])[:5]
+    return {"graphs": compile_counters["stats"].get("unique_graphs", 0), "fx_cache": cache,
+            "compile_phases": {name: round(t, 1) for name, t in phases}}
 
 
 def model_table(rows: list[dict]) -> str:
