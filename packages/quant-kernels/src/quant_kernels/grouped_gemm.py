@@ -42,6 +42,5 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_en
     if av.dtype != bv.dtype:
         av, bv = av.to(torch.float32), bv.to(torch.float32)
     unit = torch.ones(b.shape[0], dtype=torch.float32, device=a.device)
-    config = "grouped_rows_gemm" if av.dtype == torch.bfloat16 else "grouped_rows_gemm_fp32"
-    return rows_gemm(av, unit, bv, unit, offs, a_ends, total, _VALUES, out_dtype,
-                     launch_config(config))
+    return rows_gemm(av, unit, bv, unit, offs, a_ends, total, _VALUES, out_dtype, launch_config(
+        "grouped_rows_gemm" if av.dtype == torch.bfloat16 else "grouped_rows_gemm_fp32"))
