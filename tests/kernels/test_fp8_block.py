@@ -57,3 +57,32 @@ def test_recorded_block_cast_stores_reference_bytes(dim, rw, cw):
         got = B.fp8_block_quantize(x.to(DEVICE), **kw)
     assert all(t is None or t.dtype in (torch.uint8, torch.float32) for t in got)
     assert_all_same(got, ref.fp8_block_quantize(x, **kw), DType.E4M3, NAMES)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("rw,cw", [(True, True), (True, False), (False, True)])
+def test_gathered_rows_equal_quantizing_the_gathered_tensor(dim, rw, cw):
+    """``rows``: the bytes of quantizing ``x[rows]`` with zero rows where ``rows < 0`` (a grouped
+    operand's padded layout), read through the index; rows out of order, repeated, none."""
+    x = make_input(150, 256, torch.bfloat16, seed=9)
+    rows = torch.cat([torch.arange(37), torch.full((91,), -1), torch.arange(149, 36, -1),
+                      torch.tensor([5, 5, -1])]).to(torch.int32)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=dim, force_pow_2_scales=True,
+              amax_epsilon=0.0, rowwise=rw, columnwise=cw)
+    padded = torch.where((rows >= 0)[:, None], x[rows.clamp(min=0).long()], 0)
+    want = ref.fp8_block_quantize(padded, **kw)
+    assert_all_same(ref.fp8_block_quantize(x, rows=rows, **kw), want, DType.E4M3, NAMES)
+    got = B.fp8_block_quantize(x.to(DEVICE), rows=rows.to(DEVICE), **kw)
+    assert_all_same(got, want, DType.E4M3, NAMES)
+    none = B.fp8_block_quantize(x[:0].to(DEVICE), rows=torch.full((128,), -1, device=DEVICE),
+                                **kw)
+    assert_all_same(none, ref.fp8_block_quantize(x.new_zeros(128, 256), **kw), DType.E4M3, NAMES)
+
+
+def test_gathered_rows_clear_errors():
+    x = make_input(16, 128, torch.bfloat16, seed=1).to(DEVICE)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=1, force_pow_2_scales=True,
+              amax_epsilon=0.0, rowwise=True, columnwise=False)
+    for impl in (B.fp8_block_quantize, ref.fp8_block_quantize):
+        with pytest.raises(TypeError, match="rows must be a 1D int32/int64"):
+            impl(x, rows=torch.zeros(4, dtype=torch.float32, device=DEVICE), **kw)

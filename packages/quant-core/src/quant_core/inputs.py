@@ -89,6 +89,16 @@ def check_block_scaling_dim(block_scaling_dim: int) -> None:
         raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
 
 
+def check_row_index(x: torch.Tensor, rows: torch.Tensor, what: str) -> None:
+    """A clear error unless ``rows`` is a 1D int32/int64 tensor on ``x``'s device (the source
+    row of each output row, -1 for a zero row)."""
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{what}: rows must be a 1D int32/int64 tensor (the source row of each "
+                        f"output row, -1 for a zero row), got {rows.dtype} {tuple(rows.shape)}")
+    if rows.device != x.device:
+        raise ValueError(f"{what}: rows is on {rows.device} but x on {x.device}")
+
+
 def check_rht_input(x: torch.Tensor) -> None:
     """``ValueError`` unless ``x [M, K]`` can take the NVFP4 16x16 RHT: bf16 and ``M % 16 == 0``."""
     if x.dtype != torch.bfloat16:

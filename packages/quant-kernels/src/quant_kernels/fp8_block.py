@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_block_scaling_dim, check_input_dtype
+from quant_core.inputs import check_block_scaling_dim, check_input_dtype, check_row_index
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch, out_code
@@ -33,16 +33,18 @@ _DTYPE_MAX = {torch.float32: 3.4028234663852886e38, torch.bfloat16: 3.3895313892
 
 @triton.jit
 def _fp8_block_kernel(
-    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, eps,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, eps,
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, VINF: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, VINF: tl.constexpr, GATHER: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, SLAB: tl.constexpr,
 ):
     """A ``[BM, BK]`` tile in ``SLAB``-row slabs (few registers, no spills). Column (1D) or tile
     (2D) amaxes need the whole tile first: pass 1 keeps an elementwise running max over the
     slabs, pass 2 reloads each slab (from cache) and quantizes it.
 
-    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16); with ``GATHER`` any rows, row
+        ``m`` of the quantized tensor read from row ``src[m]`` (a zero row where it is -1).
+    src_ptr: int32/int64 ``[M]`` source rows when ``GATHER`` (else a dummy).
     rd_ptr: FP8 rowwise data ``[M, K]`` (uint8 or torch FP8: ``fp8_data``), written when ``ROW``
         (else a dummy).
     rs_ptr: fp32 rowwise scale_inv ``[ceil(K/128), RS_C]`` (1D) or ``[ceil(M/128), RS_C]`` (2D).
@@ -63,6 +65,7 @@ def _fp8_block_kernel(
     BM: tile rows (128, or ``BM_ROW`` on the rowwise-only 1D path).
     BK: tile columns (128, one block).
     SLAB: rows per slab (``BM`` on the rowwise-only 1D path).
+    GATHER: read the rows through ``src_ptr``.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -71,7 +74,10 @@ def _fp8_block_kernel(
         acc = tl.zeros([SLAB, BK], tl.float32)
         for r in range(BM // SLAB):  # a real loop: unrolled, the reloads would be CSEd
             rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            lmask = mask
+            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
+                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
+            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
             acc = tl.maximum(acc, abs_for_max(x))  # acc starts at 0: never NaN
         s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
         s_inv = scale_inverse(s_t, POW2)
@@ -81,7 +87,10 @@ def _fp8_block_kernel(
             tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
         for r in range(BM // SLAB):
             rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            lmask = mask
+            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
+                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
+            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
             xf = widen(x)
             if ROW:
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
@@ -96,7 +105,10 @@ def _fp8_block_kernel(
         acc = tl.zeros([SLAB, BK], tl.float32)
         for r in range(BM // SLAB):
             rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            lmask = mask
+            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
+                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
+            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
             if ROW:
                 s = scale_from_amax(nan_to_0(tl.max(abs_for_max(x), axis=1)), eps, FP8_MAX,
                                     POW2, VINF)
@@ -111,7 +123,10 @@ def _fp8_block_kernel(
             tl.store(cs_ptr + pid_m * CS_C + rk, scale_inverse(s_c, POW2), mask=rk < K)
             for r in range(BM // SLAB):
                 rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-                x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                lmask = mask
+                if GATHER:
+                    offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
+                x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
                 q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
                          tl.trans(q).to(cd_ptr.dtype.element_ty, bitcast=True),
@@ -129,6 +144,15 @@ def _slab(pid_m, r, rk, M, K, BM: tl.constexpr, SLAB: tl.constexpr):
     return rm, mask, rm[:, None].to(tl.int64) * K + rk[None, :]
 
 
+@triton.jit
+def _gathered(src, rk, K):
+    """(offsets into x, load mask) of a slab whose rows come from rows ``src`` of x (-1: a zero
+    row, nothing loaded)."""
+    src = src.to(tl.int64)
+    mask = (src[:, None] >= 0) & (rk[None, :] < K)
+    return tl.maximum(src, 0)[:, None] * K + rk[None, :], mask
+
+
 def fp8_block_quantize(
     x: torch.Tensor,
     *,
@@ -138,14 +162,18 @@ def fp8_block_quantize(
     amax_epsilon: float,
     rowwise: bool,
     columnwise: bool,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over ``[BM, 128]`` tiles (``BM = 128`` when columnwise or 2D) writing
     ``row_data [M, K]``, ``col_data [K, M]`` (transposed) and fp32 ``scale_inv`` buffers in the
-    GEMM-ready layouts. Mirrors ``reference.fp8_block_quantize``."""
+    GEMM-ready layouts; with ``rows`` the tiles read ``x``'s rows through that index (``M`` its
+    length, zero rows where it is negative). Mirrors ``reference.fp8_block_quantize``."""
     check_input_dtype(x, "fp8_block_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     check_block_scaling_dim(block_scaling_dim)
-    m, k = x.shape
+    if rows is not None:
+        check_row_index(x, rows, "fp8_block_quantize")
+    m, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     dev = x.device
     rd = rs = cd = cs = None
     rs_shape = shapes.fp8_block_rowwise_scale_shape(m, k, block_scaling_dim)
@@ -169,12 +197,13 @@ def fp8_block_quantize(
     dummy_s = rs if rs is not None else cs
     launch(
         _fp8_block_kernel, grid,
-        x, rd_arg if rowwise else dummy, rs if rowwise else dummy_s,
+        x, x if rows is None else rows, rd_arg if rowwise else dummy, rs if rowwise else dummy_s,
         cd_arg if columnwise else dummy,
         cs if columnwise else dummy_s, m, k, rs_shape[1], cs_shape[1], float(amax_epsilon),
         ROW=rowwise, COL=columnwise, TWO_D=block_scaling_dim == 2,
         IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
-        VINF=_DTYPE_MAX[x.dtype], BM=bm, BK=BLOCK, SLAB=slab, **launch_kwargs(cfg),
+        VINF=_DTYPE_MAX[x.dtype], GATHER=rows is not None, BM=bm, BK=BLOCK, SLAB=slab,
+        **launch_kwargs(cfg),
     )
     return rd, rs, cd, cs
 

@@ -6,10 +6,10 @@ import torch
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
-from ..inputs import check_block_scaling_dim, check_input_dtype
+from ..inputs import check_block_scaling_dim, check_input_dtype, check_row_index
 from ._blocks import block_amax, expand_blocks
 from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode, to_fp32
-from .pad import zero_pad
+from .pad import gathered_rows, zero_pad
 
 BLOCK = shapes.FP8_BLOCK
 
@@ -49,8 +49,11 @@ def fp8_block_quantize(
     amax_epsilon: float,
     rowwise: bool,
     columnwise: bool,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Block-scaled FP8 of ``x [M, K]`` (any M, K; partial edge blocks).
+    """Block-scaled FP8 of ``x [M, K]`` (any M, K; partial edge blocks), or with ``rows``
+    (int32/int64 ``[P]``) of the ``[P, K]`` tensor whose row ``p`` is ``x[rows[p]]`` and zero
+    where ``rows[p] < 0`` (a grouped operand's padded layout, read where its rows are).
 
     Returns ``(row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv)``, ``None`` for a
     direction not asked for. Scales are fp32 in the GEMM-ready layouts of ``quant_core.shapes``
@@ -60,6 +63,9 @@ def fp8_block_quantize(
     check_input_dtype(x, "fp8_block_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     check_block_scaling_dim(block_scaling_dim)
+    if rows is not None:
+        check_row_index(x, rows, "fp8_block_quantize")
+        x = gathered_rows(x, rows)
     m, k = x.shape
     args = (fp8_dtype, force_pow_2_scales, amax_epsilon)
     row_data = row_scale = col_data = col_scale = None

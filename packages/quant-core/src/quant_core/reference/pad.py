@@ -12,3 +12,13 @@ def zero_pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = t.new_zeros((rows, cols))
     out[: t.shape[0], : t.shape[1]] = t
     return out
+
+
+def gathered_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[P, K]``: row ``p`` is ``x[rows[p]]``, a zero row where ``rows[p] < 0`` (a padding
+    row); ``rows`` int32/int64 ``[P]``."""
+    out = x.new_zeros((rows.shape[0], x.shape[1]))
+    keep = rows >= 0
+    if x.shape[0]:
+        out = torch.where(keep[:, None], x.index_select(0, rows.clamp(min=0).long()), out)
+    return out

@@ -48,15 +48,20 @@ def _rows(q, t: torch.Tensor, rowwise: bool, columnwise: bool):
     return q.with_usage(rowwise, columnwise).quantize(t)
 
 
-def _row_scales(s, rows: int) -> torch.Tensor:
-    """``[rows, ceil(K/128)]`` view of a 1x128 storage's rowwise scale-inverses."""
-    return s._rowwise_scale_inv[:, :rows].t()
+def _padded_rows(q, t: torch.Tensor, lay: fp8.Layout, rowwise: bool, columnwise: bool):
+    """``(row_data, row_scale_inv, col_data, col_scale_inv)`` of ``t [T, K]`` in the padded
+    layout ``lay`` quantized by the 1x128 quantizer ``q``: one pass reading the rows where they
+    are (the backend's row index), with no padded copy of ``t``."""
+    return backends.get(None, t.device).fp8_block_quantize(
+        t.contiguous(), fp8_dtype=q.dtype, block_scaling_dim=1,
+        force_pow_2_scales=q.force_pow_2_scales, amax_epsilon=q.amax_epsilon, rowwise=rowwise,
+        columnwise=columnwise, rows=lay.src)
 
 
-def _column_scales(s, cols: int) -> torch.Tensor:
-    """``[cols, ceil(rows/128)]`` view of a 1x128 storage's columnwise (128x1) scale-inverses,
-    one row per column of the quantized tensor."""
-    return s._columnwise_scale_inv[:, :cols].t()
+def _scales(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, blocks]`` view of 1x128 scale-inverses, which are stored transposed (``[blocks,
+    >= n]``): one row per row of the rowwise data, or per column of the columnwise data."""
+    return scale_inv[:, :n].t()
 
 
 def _experts(w: torch.Tensor, qw):
@@ -90,7 +95,7 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
     wd, sw = _experts(w, qw)
     count_path("fp8_block_grouped_gemm")
     y = backends.get(None, x.device).fp8_block_grouped_rows_gemm(
-        xs._rowwise_data, _row_scales(xs, x.shape[0]), wd, sw, lay.offs, lay.offs,
+        xs._rowwise_data, _scales(xs._rowwise_scale_inv, x.shape[0]), wd, sw, lay.offs, lay.offs,
         total=x.shape[0], a_dtype=qx.dtype, b_dtype=qw.dtype,
         out_dtype=x.dtype if b is None else torch.float32)
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
@@ -102,18 +107,18 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
     ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
     (total, k), n = x.shape, w.shape[1]
     backend = backends.get(None, gy.device)
-    gs = _rows(qg, fp8.padded(gy, lay), dgrad, wgrad)
+    g_row, g_row_s, g_col, g_col_s = _padded_rows(qg, gy, lay, dgrad, wgrad)
     dx = dw = None
     if dgrad:
         wt, swt = _experts_t(w, qw)
         dx = backend.fp8_block_grouped_rows_gemm(
-            gs._rowwise_data, _row_scales(gs, lay.rows), wt, swt, lay.offs, lay.ends,
-            total=total, a_dtype=qg.dtype, b_dtype=qw.dtype)
+            g_row, _scales(g_row_s, lay.rows), wt, swt, lay.offs, lay.ends, total=total,
+            a_dtype=qg.dtype, b_dtype=qw.dtype)
         count_path("fp8_block_grouped_gemm")
     if wgrad:
-        xs = _rows(qx, fp8.padded(x, lay), False, True)
+        _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True)
         dw = backend.fp8_block_grouped_tokens_gemm(
-            gs._columnwise_data, _column_scales(gs, n), xs._columnwise_data,
-            _column_scales(xs, k), lay.ends, a_dtype=qg.dtype, b_dtype=qx.dtype)
+            g_col, _scales(g_col_s, n), x_col, _scales(x_col_s, k), lay.ends, a_dtype=qg.dtype,
+            b_dtype=qx.dtype)
         count_path("fp8_block_grouped_gemm")
     return dx, dw
