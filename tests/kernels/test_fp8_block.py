@@ -61,22 +61,26 @@ def test_recorded_block_cast_stores_reference_bytes(dim, rw, cw):
 
 @pytest.mark.parametrize("dim", [1, 2])
 @pytest.mark.parametrize("rw,cw", [(True, True), (True, False), (False, True)])
-def test_gathered_rows_equal_quantizing_the_gathered_tensor(dim, rw, cw):
+@pytest.mark.parametrize("dtype,fp8,pow2,eps,index", [
+    (torch.bfloat16, DType.E4M3, True, 0.0, torch.int32),
+    (torch.float32, DType.E5M2, False, 1e-30, torch.int64)])
+def test_gathered_rows_equal_quantizing_the_gathered_tensor(dim, rw, cw, dtype, fp8, pow2, eps,
+                                                            index):
     """``rows``: the bytes of quantizing ``x[rows]`` with zero rows where ``rows < 0`` (a grouped
     operand's padded layout), read through the index; rows out of order, repeated, none."""
-    x = make_input(150, 256, torch.bfloat16, seed=9)
+    x = make_input(150, 256, dtype, seed=9)
     rows = torch.cat([torch.arange(37), torch.full((91,), -1), torch.arange(149, 36, -1),
-                      torch.tensor([5, 5, -1])]).to(torch.int32)
-    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=dim, force_pow_2_scales=True,
-              amax_epsilon=0.0, rowwise=rw, columnwise=cw)
+                      torch.tensor([5, 5, -1])]).to(index)
+    kw = dict(fp8_dtype=fp8, block_scaling_dim=dim, force_pow_2_scales=pow2,
+              amax_epsilon=eps, rowwise=rw, columnwise=cw)
     padded = torch.where((rows >= 0)[:, None], x[rows.clamp(min=0).long()], 0)
     want = ref.fp8_block_quantize(padded, **kw)
-    assert_all_same(ref.fp8_block_quantize(x, rows=rows, **kw), want, DType.E4M3, NAMES)
+    assert_all_same(ref.fp8_block_quantize(x, rows=rows, **kw), want, fp8, NAMES)
     got = B.fp8_block_quantize(x.to(DEVICE), rows=rows.to(DEVICE), **kw)
-    assert_all_same(got, want, DType.E4M3, NAMES)
+    assert_all_same(got, want, fp8, NAMES)
     none = B.fp8_block_quantize(x[:0].to(DEVICE), rows=torch.full((128,), -1, device=DEVICE),
                                 **kw)
-    assert_all_same(none, ref.fp8_block_quantize(x.new_zeros(128, 256), **kw), DType.E4M3, NAMES)
+    assert_all_same(none, ref.fp8_block_quantize(x.new_zeros(128, 256), **kw), fp8, NAMES)
 
 
 def test_gathered_rows_clear_errors():
