@@ -372,3 +372,18 @@ def test_buffer_list_keeps_positions_with_absent_buffers(name):
             assert t.numel() == 0 and t.dtype == torch.uint8 and t.device == x.device
         else:
             assert t is original
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_rows_quantize_apart_says_whether_a_row_depends_on_the_others(name):
+    """``rows_quantize_apart()`` against what quantizing does: the rows of ``x[1:]`` quantized
+    alone decode to the values they have as rows of ``x`` exactly when the quantizer says so
+    (``x``'s largest row is its first, and dropping it shifts every block of several rows)."""
+    q = QUANTIZERS[name].with_usage(True, False)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(257, 128, generator=g) * torch.exp2(torch.arange(257) % 7 - 3.0)[:, None]
+    x[0] *= 1000
+    x = x.to(torch.bfloat16)
+    whole = q.quantize(x).dequantize(dtype=torch.float32)[1:]
+    alone = q.quantize(x[1:]).dequantize(dtype=torch.float32)
+    assert torch.equal(whole, alone) == q.rows_quantize_apart(), name

@@ -15,6 +15,8 @@ import formats
 import pytest
 import quant_recipes as qr
 import torch
+from quant_core import MXFP8Quantizer
+from quant_recipes.identity import IdentityQuantizer
 from quant_recipes.moe import gemm as grouped_gemm
 from torch.utils.checkpoint import checkpoint
 
@@ -252,7 +254,8 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
     with qr.autocast(enabled=recipe is not None, recipe=recipe):
         got = m(x, counts=torch.tensor(COUNTS))
         assert not padded
-        monkeypatch.setattr(grouped_gemm, "rows_apart", lambda q: False)
+        for cls in (MXFP8Quantizer, IdentityQuantizer):  # as if rows were quantized together
+            monkeypatch.setattr(cls, "rows_quantize_apart", lambda self: False)
         want = m(x, counts=torch.tensor(COUNTS))
         assert padded
         monkeypatch.undo()
@@ -260,15 +263,6 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
         empty = m(x[:0], counts=torch.zeros(len(COUNTS), dtype=torch.int64))
     assert torch.equal(got, want)
     assert empty.shape == (0, N)
-
-
-def test_rows_apart_only_without_2d_blocks():
-    from quant_core import Float8BlockQuantizer, NVFP4Quantizer
-
-    assert grouped_gemm.rows_apart(Float8BlockQuantizer(block_scaling_dim=1))
-    assert not grouped_gemm.rows_apart(Float8BlockQuantizer(block_scaling_dim=2))
-    assert not grouped_gemm.rows_apart(NVFP4Quantizer(with_2d_quantization=True))
-    assert grouped_gemm.rows_apart(formats.quantizer("mxfp8"))
 
 
 @pytest.mark.parametrize("n, path", [(256, "grouped_mm"), (64, "per_group")])

@@ -323,6 +323,12 @@ class Quantizer(metaclass=QuantizerMeta):
         themselves (with fp32 accumulation: the definition up to the order of the sums)."""
         return False
 
+    def rows_quantize_apart(self) -> bool:
+        """Whether a row's rowwise bytes depend on that row alone (rowwise blocks one row tall,
+        no tensor-wide amax), so that a caller may quantize rows where they are instead of in a
+        padded or gathered copy (a grouped GEMM's input)."""
+        return False
+
     def supports_only_rowwise_all_gather(self) -> bool:
         return False
 

@@ -34,5 +34,9 @@ class IdentityQuantizer(Quantizer):
         GEMMs that ask require bf16 operands)."""
         return True
 
+    def rows_quantize_apart(self) -> bool:
+        """Each row is kept as it is."""
+        return True
+
     def is_requantization_safe(self) -> bool:
         return True

@@ -172,6 +172,10 @@ class Float8BlockQuantizer(Quantizer):
         """With power-of-2 scales, ``fp8 * scale_inv`` is a bf16 value."""
         return self.force_pow_2_scales
 
+    def rows_quantize_apart(self) -> bool:
+        """1x128 blocks lie in one row; 128x128 blocks span 128 rows."""
+        return self.block_scaling_dim == 1
+
     def is_requantization_safe(self) -> bool:
         return True
 

@@ -157,6 +157,10 @@ class MXFP8Quantizer(Quantizer):
         (bf16's smallest subnormal), which only a block whose amax is under 2^-100 can hold."""
         return True
 
+    def rows_quantize_apart(self) -> bool:
+        """1x32 blocks lie in one row; 32x32 blocks span 32 rows."""
+        return not self.with_2d_quantization
+
     def is_requantization_safe(self) -> bool:
         return True
 

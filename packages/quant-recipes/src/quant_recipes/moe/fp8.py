@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from quant_core import Float8CurrentScalingQuantizer, backends
+from quant_core.reference.pad import gathered_rows
 from quant_core.shapes import roundup
 
 #: fp32 elements between two groups' scale-inverses (a 16-byte pitch, for cuBLAS).
@@ -114,9 +115,7 @@ def _padding_rows(counts: torch.Tensor, sizes: torch.Tensor, pstarts: torch.Tens
 def padded(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows): one gather of the
     rows and one fill of the padding rows, not a zero fill of the whole buffer and a scatter."""
-    if x.shape[0] == 0:
-        return x.new_zeros((lay.rows, x.shape[1]))
-    return x.index_select(0, lay.src.clamp(min=0)).index_fill_(0, lay.pad, 0)
+    return gathered_rows(x, lay.src, lay.pad)
 
 
 def rows_moved(t: torch.Tensor) -> torch.Tensor:

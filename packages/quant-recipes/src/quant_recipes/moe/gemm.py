@@ -175,18 +175,10 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
 
 
-def rows_apart(q) -> bool:
-    """``q``'s rowwise blocks are one row tall (no 2D blocks or tiles), so a row's rowwise
-    bytes do not depend on the rows around it: a forward GEMM reads its rows where they are,
-    with no padded copy."""
-    return getattr(q, "block_scaling_dim", 1) != 2 and not getattr(q, "with_2d_quantization",
-                                                                  False)
-
-
 def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q):
     """``(bf16 values of x quantized rowwise by q, the ends of its groups' rows)``: the rows
-    where they are when :func:`rows_apart`, else the padded layout (``lay.ends``)."""
-    if x.shape[0] and rows_apart(q):
+    where they are when ``q`` quantizes rows apart, else the padded layout (``lay.ends``)."""
+    if x.shape[0] and q.rows_quantize_apart():
         rowwise = q if quantizer_meta(q)[0] == HP else q.with_usage(True, False)
         return _decoded(x, rowwise, False), lay.offs
     return _decoded(fp8.padded(x, lay), q, False), lay.ends

@@ -67,12 +67,19 @@ def _quantize(t: torch.Tensor, grp: torch.Tensor, groups: int, q, rowwise: bool,
         stochastic_rounding=q.stochastic_rounding, rng_seed=seed, swizzle=False)
 
 
+def _quantize_experts(w: torch.Tensor, qw, rowwise: bool, columnwise: bool):
+    """:func:`_quantize` of every expert's ``w [E, N, K]`` as one ``[E·N, K]`` tensor, each
+    expert a group with its own amaxes."""
+    e, n, k = w.shape
+    grp = torch.arange(e, device=w.device, dtype=torch.int32).repeat_interleave(n)
+    return _quantize(w.reshape(e * n, k), grp, e, qw, rowwise, columnwise)
+
+
 def _experts(w: torch.Tensor, qw):
     """``(data [E, N, K/2], scale, amax [E])``: every expert's ``w [E, N, K]`` quantized rowwise
     as one ``[E·N, K]`` tensor, each expert with its own amax."""
     e, n, k = w.shape
-    grp = torch.arange(e, device=w.device, dtype=torch.int32).repeat_interleave(n)
-    data, scale, _, _, amax, _ = _quantize(w.reshape(e * n, k), grp, e, qw, True, False)
+    data, scale, _, _, amax, _ = _quantize_experts(w, qw, True, False)
     return data.view(e, n, k // 2), scale, amax
 
 
@@ -82,8 +89,7 @@ def _experts_t(w: torch.Tensor, qw):
     quantize (the same 1x16 blocks along N, 16x16 tiles and amaxes), each expert's columns
     moved into its own rows by whole-row copies instead of a transposed copy of the weight."""
     e, n, k = w.shape
-    grp = torch.arange(e, device=w.device, dtype=torch.int32).repeat_interleave(n)
-    _, _, data, scale, _, amax = _quantize(w.reshape(e * n, k), grp, e, qw, False, True)
+    _, _, data, scale, _, amax = _quantize_experts(w, qw, False, True)
     nb = n // _BLOCK
     data = rows_moved(data.view(k, e, n // 2))
     rows = scale[:k, :e * nb].view(k, e, nb).transpose(0, 1).reshape(e * k, nb)
