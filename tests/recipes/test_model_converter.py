@@ -33,6 +33,16 @@ def _train(model, steps, hook=None):
     return losses
 
 
+def _assert_same_training(got, want):
+    """The first step's loss bitwise (the same quantizers, GEMMs and values), the later ones
+    within 1%: the same script run alone in a fresh process beside a loaded test session gave
+    another third loss once in 150 runs (torch's fp32 CPU arithmetic is not bitwise
+    reproducible under load), and each FP8-quantized layer turns a last-bit difference into a
+    quantization step that the following steps grow."""
+    assert got[0] == want[0]
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+
+
 def test_a_converted_model_trains_quantized_in_a_loop_without_autocast():
     converter = QuantConverter("mxfp8")
     model = converter.convert(_model())
@@ -45,7 +55,7 @@ def test_a_converted_model_trains_quantized_in_a_loop_without_autocast():
     # the same as the same loop inside autocast with the recipe
     plain = qr.convert(_model())
     with qr.autocast(recipe=qr.MXFP8BlockScaling()):
-        assert _train(plain, 4) == losses
+        _assert_same_training(_train(plain, 4), losses)
 
 
 def test_options_go_to_the_named_recipe_and_not_to_an_object():
@@ -77,7 +87,7 @@ def test_the_quant_layers_a_model_already_has_train_quantized_in_the_loop(build)
     losses = _train(model, 2, converter.post_optimizer_hook)
     assert sum(qr.gemm_paths().values()) == 2 * (2 + 3 * (len(quant) - 1))
     with qr.autocast(recipe=recipe):  # the same as the same loop inside autocast
-        assert _train(build(), 2) == losses
+        _assert_same_training(_train(build(), 2), losses)
 
 
 def _stub_torchtitan(monkeypatch):
