@@ -24,4 +24,4 @@ def test_contract_method_matches_the_reference(name):
 def test_registry_uses_the_contract():
     assert backends.FUNCTIONS == FUNCTIONS
     assert isinstance(backends.get("reference"), Backend)
-    assert len(FUNCTIONS) == 26
+    assert len(FUNCTIONS) == 27

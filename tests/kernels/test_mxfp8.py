@@ -31,6 +31,25 @@ def test_mxfp8_quantize_dequantize(fp8, shape, dtype, two_d, swizzle):
         assert_same(B.mxfp8_dequantize(d, s, **kw), ref.mxfp8_dequantize(d.cpu(), s.cpu(), **kw))
 
 
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("shape,dtype", [((70, 96), torch.float32), ((40, 64), torch.bfloat16),
+                                         ((33, 160), torch.float16), ((0, 32), torch.bfloat16)])
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_mxfp8_quantize_decoded(fp8, shape, dtype, two_d, out):
+    """The values of each direction without its bytes: the reference's, which are its
+    dequantize of its quantize (NaN, Inf, subnormals, saturation and partial 32-row blocks of
+    ``make_input`` included)."""
+    x = make_input(*shape, dtype, seed=5)
+    for rw, cw in ((True, True), (True, False), (False, True), (False, False)):
+        kw = dict(fp8_dtype=fp8, rowwise=rw, columnwise=cw, with_2d_quantization=two_d,
+                  dtype=out)
+        got = B.mxfp8_quantize_decoded(x.to(DEVICE), **kw)
+        want = ref.mxfp8_quantize_decoded(x, **kw)
+        for name, g, w in zip(("row_values", "col_values"), got, want, strict=True):
+            assert_same(g, w, what=name)
+
+
 def test_mxfp8_rejects_bad_k():
     with pytest.raises(ValueError, match="32"):
         B.mxfp8_quantize(torch.zeros(4, 48, device=DEVICE), fp8_dtype=DType.E4M3, rowwise=True,

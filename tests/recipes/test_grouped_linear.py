@@ -265,6 +265,29 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
     assert empty.shape == (0, N)
 
 
+@pytest.mark.parametrize("two_d", [False, True], ids=["1x32", "32x32"])
+def test_grouped_mm_decodes_mxfp8_in_one_pass_without_bytes(monkeypatch, two_d):
+    """On the ``"grouped_mm"`` route MXFP8 operands are only multiplied as bf16 values, so no
+    FP8 bytes are made (``quantize_decoded``, one pass per operand): the same values, outputs
+    and gradients as quantizing and then dequantizing."""
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    m, x, gy, _ = _data(COUNTS, bias=False)
+    recipe = qr.MXFP8BlockScaling(enable_2d_quantization=two_d)
+    byte_calls = []
+    real_quantize = MXFP8Quantizer.quantize
+    monkeypatch.setattr(MXFP8Quantizer, "quantize",
+                        lambda self, *a, **k: byte_calls.append(1) or real_quantize(self, *a, **k))
+    qr.reset_grouped_gemm_paths()
+    got = _grouped(m, x, gy, COUNTS, recipe)
+    assert qr.grouped_gemm_paths() == {"grouped_mm": 3} and not byte_calls
+    monkeypatch.setattr(MXFP8Quantizer, "quantize_decoded", lambda self, *a, **k: None)
+    want = _grouped(m, x, gy, COUNTS, recipe)
+    assert byte_calls
+    _assert_equal(got, want)
+
+
 @pytest.mark.parametrize("n, path", [(256, "grouped_mm"), (64, "per_group")])
 def test_fp8_blocks_take_grouped_mm_when_the_experts_close_the_weight_blocks(monkeypatch, n,
                                                                              path):

@@ -78,6 +78,13 @@ class Backend(Protocol):
                          columnwise: bool, swizzled: bool, dtype: torch.dtype) -> torch.Tensor:
         """``[M, K]`` in ``dtype`` from one direction's data and scales."""
 
+    def mxfp8_quantize_decoded(self, x: torch.Tensor, *, fp8_dtype: DType, rowwise: bool,
+                               columnwise: bool, with_2d_quantization: bool,
+                               dtype: torch.dtype) -> Tensors2:
+        """``(row_values [M, K], col_values [M, K])`` in ``dtype``: :meth:`mxfp8_dequantize` of
+        each asked direction of :meth:`mxfp8_quantize`, in one pass that writes no FP8 bytes
+        (for a consumer of decoded values only)."""
+
     # ------------------------------------------------------------------- FP8 blocks (§6)
     def fp8_block_quantize(self, x: torch.Tensor, *, fp8_dtype: DType, block_scaling_dim: int,
                            force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,

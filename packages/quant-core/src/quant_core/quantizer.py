@@ -310,6 +310,15 @@ class Quantizer(metaclass=QuantizerMeta):
         """Dequantize a storage this quantizer (or an equal one) produced."""
         return storage.dequantize(dtype=dtype)
 
+    def quantize_decoded(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool,
+                         dtype: torch.dtype, backend: str | None = None):
+        """``(rowwise values | None, columnwise values | None)`` of 2-D ``x`` in ``dtype``: what
+        dequantizing each asked direction of :meth:`quantize` gives, made in one pass that
+        writes no quantized bytes, for a consumer of values only (a high-precision GEMM of
+        decoded operands). ``None`` where the format has no such pass: quantize, then
+        dequantize."""
+        return None
+
     def calibrate(self, x: torch.Tensor) -> None:
         """No-op: only delayed scaling records calibration statistics."""
 

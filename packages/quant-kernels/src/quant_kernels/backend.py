@@ -73,6 +73,7 @@ class TritonBackend:
     fp8_dequantize = staticmethod(fp8_tensor.fp8_dequantize)
     mxfp8_quantize = staticmethod(mxfp8.mxfp8_quantize)
     mxfp8_dequantize = staticmethod(mxfp8.mxfp8_dequantize)
+    mxfp8_quantize_decoded = staticmethod(mxfp8.mxfp8_quantize_decoded)
     fp8_block_quantize = staticmethod(fp8_block.fp8_block_quantize)
     fp8_block_dequantize = staticmethod(fp8_block.fp8_block_dequantize)
     nvfp4_amax = staticmethod(nvfp4.nvfp4_amax)

@@ -42,15 +42,20 @@ def _rcp(IS_E4M3: tl.constexpr):
 def _mxfp8_kernel(
     x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
-    IS_E4M3: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    IS_E4M3: tl.constexpr, DECODED: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile of :func:`mxfp8_quantize`, both directions from one read.
 
     x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
-    rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy).
-    rs_ptr: uint8 E8M0 rowwise scales ``[roundup(M, 128), RS_C]``, zero-initialised.
-    cd_ptr: uint8 FP8 columnwise data ``[M, K]`` (not transposed), written when ``COL``.
-    cs_ptr: uint8 E8M0 columnwise scales ``[CS_SW_C, CS_C]``, zero-initialised.
+    rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy); with
+        ``DECODED`` their values ``[M, K]`` in the dtype of code ``OUT``.
+    rs_ptr: uint8 E8M0 rowwise scales ``[roundup(M, 128), RS_C]``, zero-initialised (not
+        written with ``DECODED``).
+    cd_ptr: uint8 FP8 columnwise data ``[M, K]`` (not transposed), written when ``COL``; with
+        ``DECODED`` their values, as ``rd_ptr``.
+    cs_ptr: uint8 E8M0 columnwise scales ``[CS_SW_C, CS_C]``, zero-initialised (not written
+        with ``DECODED``).
     M: rows of x.
     K: columns of x (a multiple of 32).
     RS_C: dim 1 of the rowwise scales, ``roundup(K/32, 4)``.
@@ -61,6 +66,9 @@ def _mxfp8_kernel(
     TWO_D: 32x32 blocks, one scale for both directions.
     SWIZZLE: scales in the GEMM swizzle (columnwise: that of the transposed scale matrix).
     IS_E4M3: E4M3 data, else E5M2.
+    DECODED: write each quantized element's value (FP8 value times its block's scale)
+        instead of its byte, and no scales.
+    OUT: the values' dtype code (``out_code``), read with ``DECODED``.
     BM: tile rows (a multiple of 32).
     BK: tile columns (a multiple of 32).
     """
@@ -84,14 +92,18 @@ def _mxfp8_kernel(
                             [BM, BK])
         q = fp8_rne_sat(xf * s_full, IS_E4M3)
         eb = e.to(tl.uint8)
+        d_full = tl.reshape(tl.broadcast_to(e8m0_decode(eb)[:, None, :, None],
+                                            [BM // 32, 32, BK // 32, 32]), [BM, BK])
         if ROW:
-            tl.store(rd_ptr + offs, q, mask=mask)
+            _store_q(rd_ptr, offs, q, d_full, mask, IS_E4M3, DECODED, OUT)
+        if ROW and not DECODED:
             e_rows = tl.reshape(tl.broadcast_to(eb[:, None, :], [BM // 32, 32, BK // 32]),
                                 [BM, BK // 32])
             so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
             tl.store(rs_ptr + so, e_rows, mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
         if COL:
-            tl.store(cd_ptr + offs, q, mask=mask)
+            _store_q(cd_ptr, offs, q, d_full, mask, IS_E4M3, DECODED, OUT)
+        if COL and not DECODED:
             e_cols = tl.reshape(tl.broadcast_to(eb[:, :, None], [BM // 32, BK // 32, 32]),
                                 [BM // 32, BK])
             if SWIZZLE:
@@ -102,14 +114,15 @@ def _mxfp8_kernel(
     else:  # 1D: one 32-row slab at a time, so column blocks reduce over axis 0 (no reshape)
         for r in tl.static_range(BM // 32):
             _mxfp8_slab(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
-                        pid_m * (BM // 32) + r, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, BK)
+                        pid_m * (BM // 32) + r, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, DECODED,
+                        OUT, BK)
 
 
 @triton.jit
 def _mxfp8_slab(
     x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, rk, kb,
     ROW: tl.constexpr, COL: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr,
-    BK: tl.constexpr,
+    DECODED: tl.constexpr, OUT: tl.constexpr, BK: tl.constexpr,
 ):
     """1D blocks of the 32 rows of block-row ``rb`` and columns ``rk``: rowwise 1x32 blocks
     along K, columnwise 32x1 blocks as a plain max over axis 0 of the loaded tile."""
@@ -124,20 +137,37 @@ def _mxfp8_slab(
         e = e8m0_roundup(t * _rcp(IS_E4M3))
         s = e8m0_encode_mult(e)
         s_full = tl.reshape(tl.broadcast_to(s[:, :, None], [32, BK // 32, 32]), [32, BK])
-        tl.store(rd_ptr + offs, fp8_rne_sat(xf * s_full, IS_E4M3), mask=mask)
-        so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
-        tl.store(rs_ptr + so, e.to(tl.uint8), mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
+        d_full = tl.reshape(tl.broadcast_to(e8m0_decode(e)[:, :, None], [32, BK // 32, 32]),
+                            [32, BK])
+        _store_q(rd_ptr, offs, fp8_rne_sat(xf * s_full, IS_E4M3), d_full, mask, IS_E4M3,
+                 DECODED, OUT)
+        if not DECODED:
+            so = scale_offset(rm[:, None], kb[None, :], RS_C, SWIZZLE)
+            tl.store(rs_ptr + so, e.to(tl.uint8),
+                     mask=(rm[:, None] < M) & (kb[None, :] < K // 32))
     if COL:
         e = e8m0_roundup(nan_to_0(tl.max(a, axis=0)) * _rcp(IS_E4M3))
-        tl.store(cd_ptr + offs, fp8_rne_sat(xf * e8m0_encode_mult(e)[None, :], IS_E4M3),
-                 mask=mask)
-        if SWIZZLE:
-            so = scale_offset(rk, rb, CS_SW_C, True)
-        else:
-            so = scale_offset(rb, rk, CS_C, False)
-        # the slab's own bound as a vector, as the mask of a vector store must be
-        slab_in = (rb + tl.zeros_like(rk)) < (M + 31) // 32
-        tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & slab_in)
+        _store_q(cd_ptr, offs, fp8_rne_sat(xf * e8m0_encode_mult(e)[None, :], IS_E4M3),
+                 e8m0_decode(e)[None, :], mask, IS_E4M3, DECODED, OUT)
+        if not DECODED:
+            if SWIZZLE:
+                so = scale_offset(rk, rb, CS_SW_C, True)
+            else:
+                so = scale_offset(rb, rk, CS_C, False)
+            # the slab's own bound as a vector, as the mask of a vector store must be
+            slab_in = (rb + tl.zeros_like(rk)) < (M + 31) // 32
+            tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & slab_in)
+
+
+@triton.jit
+def _store_q(ptr, offs, q, scale, mask, IS_E4M3: tl.constexpr, DECODED: tl.constexpr,
+             OUT: tl.constexpr):
+    """Store the FP8 bytes ``q``, or with ``DECODED`` their values ``fp8(q) * scale`` (exact
+    in fp32) in the dtype of code ``OUT``."""
+    if DECODED:
+        tl.store(ptr + offs, to_out(fp8_decode(q, IS_E4M3) * scale, OUT), mask=mask)
+    else:
+        tl.store(ptr + offs, q, mask=mask)
 
 
 def mxfp8_quantize(
@@ -153,10 +183,7 @@ def mxfp8_quantize(
     ``[M, K]`` (columnwise not transposed) and E8M0 scales in the zero-padded shapes of
     ``quant_core.shapes``, swizzled in place when ``swizzle`` (columnwise: the swizzle of the
     transposed scale matrix). Mirrors ``reference.mxfp8_quantize``."""
-    check_input_dtype(x, "mxfp8_quantize")
-    check_fp8(fp8_dtype, "fp8_dtype")
-    m, k = x.shape
-    check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")
+    m, k = _checked(x, fp8_dtype, "mxfp8_quantize")
     dev = x.device
     rd = rs = cd = cs = None
     rs_shape = shapes.mxfp8_rowwise_scale_shape(m, k)
@@ -167,22 +194,60 @@ def mxfp8_quantize(
     if columnwise:
         cd = torch.empty((m, k), dtype=torch.uint8, device=dev)
         cs = torch.zeros(cs_shape, dtype=torch.uint8, device=dev)
+    _launch(x, rd, rs, cd, cs, rs_shape[1], cs_shape[1], cs_shape[0], fp8_dtype,
+            with_2d_quantization, SWIZZLE=swizzle, DECODED=False, OUT=0)
+    return rd, rs, cd, cs
+
+
+def mxfp8_quantize_decoded(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    rowwise: bool,
+    columnwise: bool,
+    with_2d_quantization: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The quantize kernel writing each element's decoded value in ``dtype`` instead of its
+    byte, and no scales: one read of ``x`` and one write per direction, where quantize then
+    dequantize read and write the bytes in between. Mirrors
+    ``reference.mxfp8_quantize_decoded``."""
+    m, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
+    rv = torch.empty((m, k), dtype=dtype, device=x.device) if rowwise else None
+    cv = torch.empty((m, k), dtype=dtype, device=x.device) if columnwise else None
+    _launch(x, rv, None, cv, None, 0, 0, 0, fp8_dtype, with_2d_quantization, SWIZZLE=False,
+            DECODED=True, OUT=out_code(dtype))
+    return rv, cv
+
+
+def _checked(x: torch.Tensor, fp8_dtype: DType, where: str) -> tuple[int, int]:
+    check_input_dtype(x, where)
+    check_fp8(fp8_dtype, "fp8_dtype")
+    m, k = x.shape
+    check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")
+    return m, k
+
+
+def _launch(x, rd, rs, cd, cs, rs_c, cs_c, cs_sw_c, fp8_dtype, two_d, **flags) -> None:
+    """:func:`_mxfp8_kernel` over ``x`` for the directions whose output (``rd``, ``cd``) is
+    given; nothing for an empty ``x``."""
+    rowwise, columnwise = rd is not None, cd is not None
+    m, k = x.shape
     if m == 0 or k == 0 or not (rowwise or columnwise):
-        return rd, rs, cd, cs
-    if rowwise and columnwise and not with_2d_quantization:
+        return
+    if rowwise and columnwise and not two_d:
         cfg, kw = launch_config("mxfp8_fused")
     else:
-        cfg, kw = launch_config("mxfp8_col" if (columnwise or with_2d_quantization) else "mxfp8")
+        cfg, kw = launch_config("mxfp8_col" if (columnwise or two_d) else "mxfp8")
     grid = (ceil_div(m, cfg["BM"]), ceil_div(k, cfg["BK"]))
-    dummy = rd if rd is not None else cd
+    dummy = rd if rowwise else cd
     launch(
         _mxfp8_kernel, grid,
-        x, rd if rowwise else dummy, rs if rowwise else dummy, cd if columnwise else dummy,
-        cs if columnwise else dummy, m, k, rs_shape[1], cs_shape[1], cs_shape[0],
-        ROW=rowwise, COL=columnwise, TWO_D=with_2d_quantization, SWIZZLE=swizzle,
-        IS_E4M3=fp8_dtype == DType.E4M3, **kw,
+        x, dummy, rs if rs is not None else dummy, cd if columnwise else dummy,
+        cs if cs is not None else dummy, m, k, rs_c, cs_c, cs_sw_c,
+        ROW=rowwise, COL=columnwise, TWO_D=two_d, IS_E4M3=fp8_dtype == DType.E4M3, **flags,
+        **kw,
     )
-    return rd, rs, cd, cs
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from .grouped_gemm import (
     nvfp4_grouped_rows_gemm,
     nvfp4_grouped_tokens_gemm,
 )
-from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from .mxfp8 import mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_decoded
 from .nvfp4 import nvfp4_amax, nvfp4_dequantize
 from .nvfp4_4over6 import nvfp4_4over6_quantize
 from .nvfp4_dispatch import nvfp4_quantize
@@ -44,7 +44,8 @@ from .swizzle import swizzle_scales, unswizzle_scales
 
 __all__ = [
     "amax", "current_scale", "fp8_quantize", "fp8_current_quantize", "fp8_dequantize",
-    "mxfp8_quantize", "mxfp8_dequantize", "fp8_block_quantize", "fp8_block_dequantize",
+    "mxfp8_quantize", "mxfp8_dequantize", "mxfp8_quantize_decoded", "fp8_block_quantize",
+    "fp8_block_dequantize",
     "nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_gemm", "nvfp4_gemm",
     "fp8_group_quantize_rows", "fp8_group_quantize_experts", "grouped_rows_gemm",
     "fp8_grouped_rows_gemm",

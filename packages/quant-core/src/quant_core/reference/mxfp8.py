@@ -111,3 +111,25 @@ def mxfp8_dequantize(
         per_block = scale[:m, : k // BLOCK]
     per_element = expand_blocks(e8m0_to_scale(per_block), block_rows, block_cols, m, k)
     return (fp8_decode(data, fp8_dtype) * per_element).to(dtype).contiguous()
+
+
+def mxfp8_quantize_decoded(
+    x: torch.Tensor,
+    *,
+    fp8_dtype: DType,
+    rowwise: bool,
+    columnwise: bool,
+    with_2d_quantization: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(row_values [M, K], col_values [M, K])`` in ``dtype`` (``None`` for a direction not
+    asked for): what :func:`mxfp8_dequantize` gives for each direction of
+    :func:`mxfp8_quantize` of ``x``, for a consumer that multiplies decoded values and never
+    reads the FP8 bytes (a bf16 GEMM on hardware without MXFP8 tensor cores)."""
+    row_data, row_scale, col_data, col_scale = mxfp8_quantize(
+        x, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise,
+        with_2d_quantization=with_2d_quantization, swizzle=False)
+    return tuple(
+        None if data is None else mxfp8_dequantize(
+            data, scale, fp8_dtype=fp8_dtype, columnwise=col, swizzled=False, dtype=dtype)
+        for data, scale, col in ((row_data, row_scale, False), (col_data, col_scale, True)))

@@ -149,20 +149,20 @@ def _batched_takes(quantizers, device: torch.device, dtypes, widths, experts_q=N
 def _decoded(t: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     """bf16 values of ``t [m, k]`` quantized by ``q`` (one call), read from its columnwise
     buffers when ``columnwise``."""
-    meta = quantizer_meta(q)
-    if meta[0] == HP:
-        return t
-    m, k = t.shape
-    return dequantize(q.quantize(t).buffer_list(t), meta, m, k, columnwise, torch.bfloat16)
+    return _decoded_pair(t, q, not columnwise, columnwise)[columnwise]
 
 
 def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool):
     """``(rowwise values | None, columnwise values | None)`` of ``t`` quantized once by ``q``
-    (its usages as it has them)."""
-    meta = quantizer_meta(q)
-    if meta[0] == HP:
+    in the asked directions: in one pass where the quantizer has one
+    (``Quantizer.quantize_decoded``), else its buffers dequantized."""
+    if quantizer_meta(q)[0] == HP:
         return (t if row else None), (t if col else None)
-    m, k = t.shape
+    values = q.quantize_decoded(t, rowwise=row, columnwise=col, dtype=torch.bfloat16)
+    if values is not None:
+        return values
+    q = q.with_usage(row, col)
+    meta, (m, k) = quantizer_meta(q), t.shape
     bufs = q.quantize(t).buffer_list(t)
     return tuple(dequantize(bufs, meta, m, k, c, torch.bfloat16) if want else None
                  for c, want in ((False, row), (True, col)))
@@ -179,8 +179,7 @@ def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q):
     """``(bf16 values of x quantized rowwise by q, the ends of its groups' rows)``: the rows
     where they are when ``q`` quantizes rows apart, else the padded layout (``lay.ends``)."""
     if x.shape[0] and q.rows_quantize_apart():
-        rowwise = q if quantizer_meta(q)[0] == HP else q.with_usage(True, False)
-        return _decoded(x, rowwise, False), lay.offs
+        return _decoded(x, q, False), lay.offs
     return _decoded(fp8.padded(x, lay), q, False), lay.ends
 
 
