@@ -85,6 +85,23 @@ _BAD_CALLS += [  # a float64 x: the same TypeError from every backend (a KeyErro
     ]
 ]
 
+_U8 = torch.zeros(32, 32, dtype=torch.uint8)
+_BAD_CALLS += [  # decoded values asked in an integer dtype: the same ValueError everywhere
+    (name, args, dict(kwargs, dtype=torch.int32), f"{name}: dtype must be one of")
+    for name, args, kwargs in [
+        ("fp8_dequantize", (_U8, torch.ones(1)), dict(fp8_dtype=DType.E4M3)),
+        ("mxfp8_dequantize", (_U8, torch.zeros(128, 4, dtype=torch.uint8)),
+         dict(fp8_dtype=DType.E4M3, columnwise=False, swizzled=False)),
+        ("mxfp8_quantize_decoded", (torch.zeros(32, 32),),
+         dict(fp8_dtype=DType.E4M3, rowwise=True, columnwise=False,
+              with_2d_quantization=False)),
+        ("fp8_block_dequantize", (_U8, torch.ones(32, 1)),
+         dict(fp8_dtype=DType.E4M3, block_scaling_dim=1, columnwise=False)),
+        ("nvfp4_dequantize", (_U8[:, :16], torch.zeros(128, 4, dtype=torch.uint8),
+                              torch.ones(1)), dict(swizzled=False)),
+    ]
+]
+
 
 @pytest.mark.parametrize("name, args, kwargs, message", _BAD_CALLS)
 def test_bad_arguments_refused_like_the_reference(monkeypatch, name, args, kwargs, message):

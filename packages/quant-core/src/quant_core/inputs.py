@@ -37,6 +37,14 @@ def check_input_dtype(x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: input dtype must be one of {allowed}; got {x.dtype}")
 
 
+def check_output_dtype(dtype: torch.dtype, what: str) -> None:
+    """``ValueError`` unless ``dtype``, the dtype asked of decoded values, is fp32, bf16 or fp16:
+    the dequantizing functions of the reference and of every backend check it with this rule."""
+    if dtype not in INPUT_DTYPES:
+        allowed = ", ".join(str(d) for d in INPUT_DTYPES)
+        raise ValueError(f"{what}: dtype must be one of {allowed}; got {dtype}")
+
+
 def check_dense(x: torch.Tensor, what: str) -> None:
     """``TypeError`` unless ``x`` has the dense ``torch.strided`` layout (sparse COO/CSR/... and
     other layouts have no contiguous buffer to quantize)."""

@@ -9,7 +9,12 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_block_scaling_dim, check_input_dtype, check_row_index
+from quant_core.inputs import (
+    check_block_scaling_dim,
+    check_input_dtype,
+    check_output_dtype,
+    check_row_index,
+)
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch, out_code
@@ -259,6 +264,7 @@ def fp8_block_dequantize(
 ) -> torch.Tensor:
     """``float(fp8(data)) * scale_inv`` per block, cast to ``dtype``, ``[M, K]`` (columnwise data
     ``[K, M]`` is transposed back). Mirrors ``reference.fp8_block_dequantize``."""
+    check_output_dtype(dtype, "fp8_block_dequantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     check_block_scaling_dim(block_scaling_dim)
     m, k = (data.shape[1], data.shape[0]) if columnwise else tuple(data.shape)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype
+from quant_core.inputs import check_input_dtype, check_output_dtype
 from quant_core.shapes import ceil_div
 
 from ._amax import amax, amax_partials
@@ -215,6 +215,7 @@ def fp8_dequantize(
     data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType, dtype: torch.dtype
 ) -> torch.Tensor:
     """``float(fp8(data)) * scale_inv`` cast (RNE) to ``dtype``; any shape of ``data``."""
+    check_output_dtype(dtype, "fp8_dequantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=dtype, device=data.device)

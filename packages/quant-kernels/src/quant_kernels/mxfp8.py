@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype, check_k_multiple
+from quant_core.inputs import check_input_dtype, check_k_multiple, check_output_dtype
 from quant_core.shapes import ceil_div
 
 from ._common import launch, out_code
@@ -212,6 +212,7 @@ def mxfp8_quantize_decoded(
     byte, and no scales: one read of ``x`` and one write per direction, where quantize then
     dequantize read and write the bytes in between. Mirrors
     ``reference.mxfp8_quantize_decoded``."""
+    check_output_dtype(dtype, "mxfp8_quantize_decoded")
     m, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
     rv = torch.empty((m, k), dtype=dtype, device=x.device) if rowwise else None
     cv = torch.empty((m, k), dtype=dtype, device=x.device) if columnwise else None
@@ -307,6 +308,7 @@ def mxfp8_dequantize(
 ) -> torch.Tensor:
     """``float(fp8(data)) * 2^(e - 127)`` cast to ``dtype``, ``[M, K]``; swizzled scales are read
     through the swizzle index directly. Mirrors ``reference.mxfp8_dequantize``."""
+    check_output_dtype(dtype, "mxfp8_dequantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     m, k = data.shape
     check_k_multiple(k, shapes.MXFP8_BLOCK, "MXFP8")

@@ -19,6 +19,7 @@ from quant_core.inputs import (
     check_input_dtype,
     check_k_multiple,
     check_nvfp4_variant,
+    check_output_dtype,
     check_rht_input,
 )
 from quant_core.reference.nvfp4_common import row_amax
@@ -414,6 +415,7 @@ def nvfp4_dequantize(
     ``e2m1(code) * fp32(fp32(float(e4m3_b) * amax) * fp32(1/(6 * e4m3_max)))``, RNE cast;
     ``amax`` ``(1,)``, or ``(M,)`` for a row-scaled tensor. Mirrors
     ``reference.nvfp4_dequantize``."""
+    check_output_dtype(dtype, "nvfp4_dequantize")
     m, k = data.shape[0], data.shape[1] * 2
     if amax.numel() not in (1, m):
         return reference.nvfp4_dequantize(data, scale, amax, swizzled=swizzled, dtype=dtype,

@@ -6,7 +6,12 @@ import torch
 
 from .. import shapes
 from ..dtypes import DType, check_fp8
-from ..inputs import check_block_scaling_dim, check_input_dtype, check_row_index
+from ..inputs import (
+    check_block_scaling_dim,
+    check_input_dtype,
+    check_output_dtype,
+    check_row_index,
+)
 from ._blocks import block_amax, expand_blocks
 from ._rounding import compute_scale_from_amax, div_rn, fp8_decode, fp8_encode, to_fp32
 from .pad import gathered_rows, zero_pad
@@ -104,6 +109,7 @@ def fp8_block_dequantize(
     ``data`` is ``[M, K]`` rowwise or ``[K, M]`` columnwise (transposed back); ``scale_inv`` is in
     the GEMM-ready layout ``fp8_block_quantize`` returns (padding ignored).
     """
+    check_output_dtype(dtype, "fp8_block_dequantize")
     check_block_scaling_dim(block_scaling_dim)
     values = fp8_decode(data, fp8_dtype)
     if columnwise:

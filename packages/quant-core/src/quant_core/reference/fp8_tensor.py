@@ -8,7 +8,7 @@ import torch
 
 from ..constants import FLT_MAX  # the value_for_inf of current scaling (also imported from here)
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype
+from ..inputs import check_input_dtype, check_output_dtype
 from ._rounding import (
     compute_scale_from_amax,
     div_rn,
@@ -110,4 +110,5 @@ def fp8_dequantize(
     data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType, dtype: torch.dtype
 ) -> torch.Tensor:
     """``float(fp8(data)) * scale_inv`` in fp32, cast (RNE) to ``dtype``; any shape of ``data``."""
+    check_output_dtype(dtype, "fp8_dequantize")
     return (fp8_decode(data, fp8_dtype) * scale_inv.to(torch.float32).reshape(())).to(dtype)

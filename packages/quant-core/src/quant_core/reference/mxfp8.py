@@ -7,7 +7,7 @@ import torch
 from .. import shapes
 from ..constants import RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype, check_k_multiple
+from ..inputs import check_input_dtype, check_k_multiple, check_output_dtype
 from ._blocks import block_amax, expand_blocks
 from ._rounding import (
     e8m0_roundup,
@@ -95,6 +95,7 @@ def mxfp8_dequantize(
     ``scale`` is the padded E8M0 buffer of ``mxfp8_quantize``; ``swizzled`` ones are unswizzled
     first (columnwise: the transposed matrix was swizzled). Byte 0 is 2^-127, byte 255 NaN.
     """
+    check_output_dtype(dtype, "mxfp8_dequantize")
     m, k = data.shape
     check_k_multiple(k, BLOCK, "MXFP8")
     if swizzled:
@@ -126,6 +127,7 @@ def mxfp8_quantize_decoded(
     asked for): what :func:`mxfp8_dequantize` gives for each direction of
     :func:`mxfp8_quantize` of ``x``, for a consumer that multiplies decoded values and never
     reads the FP8 bytes (a bf16 GEMM on hardware without MXFP8 tensor cores)."""
+    check_output_dtype(dtype, "mxfp8_quantize_decoded")
     row_data, row_scale, col_data, col_scale = mxfp8_quantize(
         x, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise,
         with_2d_quantization=with_2d_quantization, swizzle=False)

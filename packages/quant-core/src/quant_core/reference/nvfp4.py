@@ -21,7 +21,12 @@ import torch
 from .. import shapes
 from ..constants import E2M1_MAX, FLT_MAX, RCP_NVFP4_GLOBAL_MAX, rcp_f32
 from ..dtypes import DType
-from ..inputs import check_input_dtype, check_k_multiple, check_nvfp4_variant
+from ..inputs import (
+    check_input_dtype,
+    check_k_multiple,
+    check_nvfp4_variant,
+    check_output_dtype,
+)
 from ._rounding import (
     e2m1_decode,
     e2m1_encode,
@@ -184,6 +189,7 @@ def nvfp4_dequantize(
     is fp32 ``(1,)``, or ``(M,)`` for a row-scaled tensor (each row its own). A last partial
     block (the columnwise form of a tensor whose M is not a multiple of 16, read as a row
     operand) uses its block's scale."""
+    check_output_dtype(dtype, "nvfp4_dequantize")
     if swizzled:
         from .swizzle import unswizzle_scales
 
