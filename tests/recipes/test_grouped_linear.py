@@ -478,3 +478,29 @@ def test_opcheck_grouped_ops():
         bspecs = [quantizer_spec(q) for q in (qg, qx, qw)]
         torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
                               (gy, x, lay, w, bspecs, True, align, True, True, True))
+
+
+def test_opcheck_grouped_ops_on_the_grouped_mm_route(monkeypatch):
+    """``torch.library.opcheck`` of the grouped ops with MXFP8 operands (1x32, and 32x32 weight
+    tiles) on the ``"grouped_mm"`` route, whose operands are quantized straight into values."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.DERIVES_IN_GRAPH:
+        pytest.skip("torch 2.10 reads no member of a baked quantizer (grouped ops need its key)")
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    from quant_recipes.moe.fp8 import layout
+    from quant_recipes.moe.ops import quantizer_spec
+
+    m, x, gy, _ = _data(COUNTS)
+    w = m.weight.detach()
+    lay = layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], 32).tensors()
+    for qw in (MXFP8Quantizer(), MXFP8Quantizer(with_2d_quantization=True)):
+        qx = qg = MXFP8Quantizer()
+        qr.reset_grouped_gemm_paths()
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
+                              (x, lay, w, None, [quantizer_spec(q) for q in (qx, qw)], 32))
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
+                              (gy, x, lay, w, [quantizer_spec(q) for q in (qg, qx, qw)], True,
+                               32, True, True, False))
+        assert set(qr.grouped_gemm_paths()) == {"grouped_mm"}
