@@ -140,6 +140,19 @@ def peer_rows(x: torch.Tensor, times: dict, copy_bw: float) -> list[dict]:
     return rows
 
 
+def _no_swizzle(kw: dict) -> dict:
+    return {k: v for k, v in kw.items() if k != "swizzle"}
+
+
+def _quantize_then_decode(x: torch.Tensor, mx: dict) -> tuple:
+    """What one pass of ``mxfp8_quantize_decoded`` replaces: the bytes of both directions, then
+    each direction's values."""
+    rd, rs, cd, cs = B.mxfp8_quantize(x, rowwise=True, columnwise=True, **mx)
+    return tuple(B.mxfp8_dequantize(d, s, fp8_dtype=mx["fp8_dtype"], columnwise=c,
+                                    swizzled=mx["swizzle"], dtype=torch.bfloat16)
+                 for d, s, c in ((rd, rs, False), (cd, cs, True)))
+
+
 def cases(x: torch.Tensor) -> list[tuple]:
     """(name, target share, configs to sweep, fn, minimal bytes) of every benchmarked kernel."""
     N = x.numel()
@@ -170,6 +183,12 @@ def cases(x: torch.Tensor) -> list[tuple]:
         ("MXFP8 row + col fused", 0.85, ("mxfp8_fused",),
          lambda: B.mxfp8_quantize(x, rowwise=True, columnwise=True, **mx),
          2 * N + 2 * N + 2 * s32),
+        ("MXFP8 row + col into bf16 values (quantize_decoded)", 0.85, ("mxfp8_fused",),
+         lambda: B.mxfp8_quantize_decoded(x, rowwise=True, columnwise=True,
+                                          dtype=torch.bfloat16, **_no_swizzle(mx)),
+         2 * N + 4 * N),
+        ("MXFP8 row + col, then both dequantized (the two-step peer)", None, ("mxfp8_fused",),
+         lambda: _quantize_then_decode(x, mx), 2 * N + 4 * N),
         ("FP8 block 1x128 rowwise", 0.88, ("fp8_block",),
          lambda: B.fp8_block_quantize(x, block_scaling_dim=1, rowwise=True, columnwise=False,
                                       **blk), 2 * N + N + s128),
