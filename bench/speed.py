@@ -241,11 +241,12 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
         compile_counters.clear()
         compile_phases.clear()
         t0 = time.perf_counter()
-        for i in range(measure.WARMUP):
-            step(data[i], record=False)
-        measure.sync(device)
+        with TtirTimer() as ttir:
+            for i in range(measure.WARMUP):
+                step(data[i], record=False)
+            measure.sync(device)
         row["compile_s"] = round(time.perf_counter() - t0, 1)
-        row.update(compile_breakdown())
+        row.update(compile_breakdown(), ttir=ttir.summary())
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times = []
@@ -267,6 +268,41 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
     return row
 
 
+class TtirTimer:
+    """Counts and times torch's TTIR generations while open: every Triton launch recorded into
+    a traced graph (quant's kernels lowering) has its TTIR generated to find the tensors it
+    writes, once per launch and trace, so per-layer compiles pay it in every layer."""
+
+    def __enter__(self):
+        self.calls, self.seconds, self._module = 0, 0.0, None
+        try:
+            from torch._higher_order_ops import triton_kernel_wrap as module
+        except ImportError:
+            return self
+        original = getattr(module, "generate_ttir", None)
+        if original is None:
+            return self
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - t
+
+        self._module, self._original = module, original
+        module.generate_ttir = timed
+        return self
+
+    def __exit__(self, *exc):
+        if self._module is not None:
+            self._module.generate_ttir = self._original
+
+    def summary(self) -> dict:
+        return {"calls": self.calls, "s": round(self.seconds, 1)}
+
+
 def compile_breakdown() -> dict:
     """Where the warm-up's compile time went: graphs compiled, Inductor's FX graph cache (hits,
     misses, bypasses: a layer whose graph misses compiles again in full), and the five longest
@@ -277,6 +313,13 @@ def compile_breakdown() -> dict:
                     key=lambda kv: -kv[1])[:5]
     return {"graphs": compile_counters["stats"].get("unique_graphs", 0), "fx_cache": cache,
             "compile_phases": {name: round(t, 1) for name, t in phases}}
+
+
+def _compile_cell(r: dict) -> str:
+    """Compile + warm-up seconds, with the TTIR generations' share where there were any."""
+    ttir = r.get("ttir") or {}
+    extra = f" (TTIR: {ttir['calls']} in {ttir['s']} s)" if ttir.get("calls") else ""
+    return f"{r.get('compile_s', '-')}{extra}"
 
 
 def model_table(rows: list[dict]) -> str:
@@ -295,7 +338,7 @@ def model_table(rows: list[dict]) -> str:
         ref = f" ({base['loss']:.4f})" if base else ""
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
                      f"{act} | {r.get('kernels', '-')} | {r.get('syncs', '-')} | {gpu} | "
-                     f"{r.get('compile_s', '-')} | {r['loss']:.4f}{ref} |")
+                     f"{_compile_cell(r)} | {r['loss']:.4f}{ref} |")
     return "\n".join(lines)
 
 
