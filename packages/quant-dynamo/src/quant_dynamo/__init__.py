@@ -60,6 +60,7 @@ from quant_core import backends as _backends
 
 from ._api import probe as _probe
 from ._specialize import install as _install_specialisation
+from ._write_analysis import install as _install_kept_write_analyses
 from .capture import lower as lower_to_kernels
 from .fx_repr import rebuild_quantizer
 from .ops import amax, buffer_names, qdq, quantize, quantize_with_amax
@@ -83,6 +84,9 @@ DERIVES_IN_GRAPH: bool = _probe().mode not in ("repr", "none")
 
 # Symbolic (dynamic=True) scalars passed to a registered class become guarded constants.
 _install_specialisation(_is_registered_class)
+
+# Per-layer compiles record the same kernel launches in every layer: analyse each signature once.
+_install_kept_write_analyses()
 
 # A traced quantize looks its backend up; loading the registry and choosing do not trace.
 _backends.preload()

@@ -1,0 +1,80 @@
+"""One write analysis per signature of quant's kernels, not one per recorded launch.
+
+A Triton launch recorded into a traced graph (the kernels lowering, :mod:`.capture`) is analysed
+by torch for the tensors it writes: torch generates the kernel's TTIR and walks it, at
+functionalization and again where Inductor lowers the launch, for every launch of every trace.
+Compiling per decoder layer (``layer.compile()``) traces the same launches in every layer, so
+the same analysis runs layers x launches times (about 0.1 s each). Its result depends only on
+the kernel, the dtypes of its tensor arguments and the values of its other arguments
+(constexprs included), so for quant's own kernels (modules of ``quant_kernels``) :func:`install`
+keeps it per such signature for the life of the process. Other kernels, and launches with an
+argument of any other kind (a symbolic size, Inductor's IR nodes), are analysed as torch does.
+
+The analysis is ``identify_accessed_tensors`` on torch 2.13+ and ``identify_mutated_tensors``
+before (``torch._higher_order_ops.triton_kernel_wrap``); where neither exists nothing is
+installed and :func:`install` returns False.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+_SCALARS = (bool, int, float, str, type(None), torch.dtype)
+#: The module prefix of the kernels whose analyses are kept.
+KERNEL_MODULES = "quant_kernels"
+
+
+def signature(kernel: Any, kwargs: dict[str, Any], tma_metadata: Any) -> tuple | None:
+    """What the write analysis of a launch of ``kernel`` with ``kwargs`` depends on: the kernel,
+    each tensor argument's dtype and every other argument's value; None for a kernel outside
+    :data:`KERNEL_MODULES` or an argument of another kind."""
+    fn = getattr(kernel, "fn", None)
+    if not getattr(fn, "__module__", "").startswith(KERNEL_MODULES):
+        return None
+    parts = []
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            parts.append((name, "tensor", value.dtype))
+        elif isinstance(value, _SCALARS):
+            parts.append((name, type(value).__name__, value))
+        else:
+            return None
+    return kernel, tuple(parts), repr(tma_metadata)
+
+
+def _kept(analysis: Callable) -> Callable:
+    results: dict[tuple, Any] = {}
+
+    @functools.wraps(analysis)
+    def kept(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
+        key = signature(kernel, kwargs, tma_descriptor_metadata)
+        if key is None or args or kw:
+            return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+        if key not in results:
+            results[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+        return copy.deepcopy(results[key])  # callers own what they are given
+
+    kept.quant_kept_analyses = results
+    return kept
+
+
+def install() -> bool:
+    """Keep the write analyses of quant's kernels per signature (see the module docstring);
+    False where this torch has no such analysis. Installing twice changes nothing."""
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap as wrap
+    except ImportError:
+        return False
+    for name in _ANALYSES:
+        analysis = getattr(wrap, name, None)
+        if callable(analysis):
+            if not hasattr(analysis, "quant_kept_analyses"):
+                setattr(wrap, name, _kept(analysis))
+            return True
+    return False
