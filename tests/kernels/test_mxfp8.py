@@ -50,6 +50,35 @@ def test_mxfp8_quantize_decoded(fp8, shape, dtype, two_d, out):
             assert_same(g, w, what=name)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_mxfp8_quantize_decoded_through_a_row_index(index_dtype, two_d):
+    """``rows``: the values of the tensor made of x's rows in that order, zero rows for -1
+    (a padded layout: partial and whole 32-row blocks, repeated rows, an index longer than x)."""
+    x = make_input(45, 96, torch.bfloat16, seed=6)
+    rows = torch.tensor([3, 0, -1, 44, 7, 7, *range(10, 40), -1, -1, 2, *range(44, 10, -3)],
+                        dtype=index_dtype)
+    for rw, cw in ((True, True), (True, False), (False, True)):
+        kw = dict(fp8_dtype=DType.E4M3, rowwise=rw, columnwise=cw, with_2d_quantization=two_d,
+                  dtype=torch.bfloat16)
+        got = B.mxfp8_quantize_decoded(x.to(DEVICE), rows=rows.to(DEVICE), **kw)
+        want = ref.mxfp8_quantize_decoded(x, rows=rows, **kw)
+        gathered = ref.mxfp8_quantize_decoded(
+            torch.where((rows >= 0)[:, None], x[rows.clamp(min=0)], 0), **kw)
+        for name, g, w, v in zip(("row_values", "col_values"), got, want, gathered, strict=True):
+            assert_same(g, w, what=name)
+            assert_same(w, v, what=name)
+
+
+def test_mxfp8_quantize_decoded_refuses_a_bad_row_index():
+    kw = dict(fp8_dtype=DType.E4M3, rowwise=True, columnwise=False, with_2d_quantization=False,
+              dtype=torch.bfloat16)
+    x = torch.zeros(4, 32, device=DEVICE)
+    for impl in (ref, B):
+        with pytest.raises(TypeError, match="rows must be a 1D int32/int64 tensor"):
+            impl.mxfp8_quantize_decoded(x, rows=torch.zeros(4, device=DEVICE), **kw)
+
+
 def test_mxfp8_rejects_bad_k():
     with pytest.raises(ValueError, match="32"):
         B.mxfp8_quantize(torch.zeros(4, 48, device=DEVICE), fp8_dtype=DType.E4M3, rowwise=True,

@@ -248,9 +248,12 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
     if not grouped_gemm.grouped_mm_available("cpu"):
         pytest.skip("torch._grouped_mm does not run on this CPU")
     m, x, gy, _ = _data(COUNTS, bias=False)
-    padded = []
+    padded = []  # a padded layout read: copied (high precision) or through its row index
     real = grouped_gemm.fp8.padded
     monkeypatch.setattr(grouped_gemm.fp8, "padded", lambda t, lay: padded.append(1) or real(t, lay))
+    decoded = MXFP8Quantizer.quantize_decoded
+    monkeypatch.setattr(MXFP8Quantizer, "quantize_decoded", lambda self, t, **k: (
+        padded.append(1) if k.get("rows") is not None else None) or decoded(self, t, **k))
     with qr.autocast(enabled=recipe is not None, recipe=recipe):
         got = m(x, counts=torch.tensor(COUNTS))
         assert not padded
@@ -268,8 +271,9 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
 @pytest.mark.parametrize("two_d", [False, True], ids=["1x32", "32x32"])
 def test_grouped_mm_decodes_mxfp8_in_one_pass_without_bytes(monkeypatch, two_d):
     """On the ``"grouped_mm"`` route MXFP8 operands are only multiplied as bf16 values, so no
-    FP8 bytes are made (``quantize_decoded``, one pass per operand): the same values, outputs
-    and gradients as quantizing and then dequantizing."""
+    FP8 bytes are made (``quantize_decoded``, one pass per operand, reading the rows of a padded
+    operand through the layout's row index: no padded copy either): the same values, outputs
+    and gradients as padding, quantizing and then dequantizing."""
     monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
     if not grouped_gemm.grouped_mm_available("cpu"):
         pytest.skip("torch._grouped_mm does not run on this CPU")
@@ -279,12 +283,16 @@ def test_grouped_mm_decodes_mxfp8_in_one_pass_without_bytes(monkeypatch, two_d):
     real_quantize = MXFP8Quantizer.quantize
     monkeypatch.setattr(MXFP8Quantizer, "quantize",
                         lambda self, *a, **k: byte_calls.append(1) or real_quantize(self, *a, **k))
+    padded = []
+    real_padded = grouped_gemm.fp8.padded
+    monkeypatch.setattr(grouped_gemm.fp8, "padded",
+                        lambda t, lay: padded.append(1) or real_padded(t, lay))
     qr.reset_grouped_gemm_paths()
     got = _grouped(m, x, gy, COUNTS, recipe)
-    assert qr.grouped_gemm_paths() == {"grouped_mm": 3} and not byte_calls
+    assert qr.grouped_gemm_paths() == {"grouped_mm": 3} and not byte_calls and not padded
     monkeypatch.setattr(MXFP8Quantizer, "quantize_decoded", lambda self, *a, **k: None)
     want = _grouped(m, x, gy, COUNTS, recipe)
-    assert byte_calls
+    assert byte_calls and padded
     _assert_equal(got, want)
 
 

@@ -80,10 +80,12 @@ class Backend(Protocol):
 
     def mxfp8_quantize_decoded(self, x: torch.Tensor, *, fp8_dtype: DType, rowwise: bool,
                                columnwise: bool, with_2d_quantization: bool,
-                               dtype: torch.dtype) -> Tensors2:
+                               dtype: torch.dtype, rows: torch.Tensor | None = None) -> Tensors2:
         """``(row_values [M, K], col_values [M, K])`` in ``dtype``: :meth:`mxfp8_dequantize` of
         each asked direction of :meth:`mxfp8_quantize`, in one pass that writes no FP8 bytes
-        (for a consumer of decoded values only)."""
+        (for a consumer of decoded values only). With ``rows`` (int32/int64 ``[P]``, ``M = P``)
+        the tensor quantized is ``x``'s rows in that order, a zero row for each
+        ``rows[p] < 0``."""
 
     # ------------------------------------------------------------------- FP8 blocks (§6)
     def fp8_block_quantize(self, x: torch.Tensor, *, fp8_dtype: DType, block_scaling_dim: int,

@@ -311,12 +311,14 @@ class Quantizer(metaclass=QuantizerMeta):
         return storage.dequantize(dtype=dtype)
 
     def quantize_decoded(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool,
-                         dtype: torch.dtype, backend: str | None = None):
+                         dtype: torch.dtype, rows: torch.Tensor | None = None,
+                         backend: str | None = None):
         """``(rowwise values | None, columnwise values | None)`` of 2-D ``x`` in ``dtype``: what
         dequantizing each asked direction of :meth:`quantize` gives, made in one pass that
         writes no quantized bytes, for a consumer of values only (a high-precision GEMM of
-        decoded operands). ``None`` where the format has no such pass: quantize, then
-        dequantize."""
+        decoded operands); with ``rows`` (int32/int64 ``[P]``), of the tensor made of ``x``'s
+        rows in that order, a zero row for each ``rows[p] < 0``. ``None`` where the format has
+        no such pass: quantize, then dequantize."""
         return None
 
     def calibrate(self, x: torch.Tensor) -> None:

@@ -9,7 +9,12 @@ import triton
 import triton.language as tl
 from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype, check_k_multiple, check_output_dtype
+from quant_core.inputs import (
+    check_input_dtype,
+    check_k_multiple,
+    check_output_dtype,
+    check_row_index,
+)
 from quant_core.shapes import ceil_div
 
 from ._common import launch, out_code
@@ -40,14 +45,16 @@ def _rcp(IS_E4M3: tl.constexpr):
 
 @triton.jit
 def _mxfp8_kernel(
-    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
-    IS_E4M3: tl.constexpr, DECODED: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr,
+    IS_E4M3: tl.constexpr, DECODED: tl.constexpr, OUT: tl.constexpr, GATHER: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile of :func:`mxfp8_quantize`, both directions from one read.
 
-    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16).
+    x_ptr: input x ``[M, K]``, contiguous (fp32, bf16 or fp16); with ``GATHER`` any rows, row
+        ``p`` of the quantized tensor being row ``src[p]`` of x.
+    src_ptr: int32/int64 ``[M]`` source rows when ``GATHER`` (-1: a zero row; else a dummy).
     rd_ptr: uint8 FP8 rowwise data ``[M, K]``, written when ``ROW`` (else a dummy); with
         ``DECODED`` their values ``[M, K]`` in the dtype of code ``OUT``.
     rs_ptr: uint8 E8M0 rowwise scales ``[roundup(M, 128), RS_C]``, zero-initialised (not
@@ -69,6 +76,7 @@ def _mxfp8_kernel(
     DECODED: write each quantized element's value (FP8 value times its block's scale)
         instead of its byte, and no scales.
     OUT: the values' dtype code (``out_code``), read with ``DECODED``.
+    GATHER: read the rows through ``src_ptr``.
     BM: tile rows (a multiple of 32).
     BK: tile columns (a multiple of 32).
     """
@@ -80,7 +88,11 @@ def _mxfp8_kernel(
         rm = pid_m * BM + tl.arange(0, BM)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
         offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
+            loads, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
+            x = tl.load(x_ptr + loads, mask=lmask, other=0.0)
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         xf = widen(x)
         a = abs_for_max(x)
         rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
@@ -113,23 +125,33 @@ def _mxfp8_kernel(
             tl.store(cs_ptr + so, e_cols, mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
     else:  # 1D: one 32-row slab at a time, so column blocks reduce over axis 0 (no reshape)
         for r in tl.static_range(BM // 32):
-            _mxfp8_slab(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C,
-                        pid_m * (BM // 32) + r, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, DECODED,
-                        OUT, BK)
+            rb = pid_m * (BM // 32) + r
+            rm = rb * 32 + tl.arange(0, 32)
+            if GATHER:
+                src = tl.load(src_ptr + rm, mask=rm < M, other=-1)
+            else:
+                src = rm
+            _mxfp8_slab(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb,
+                        src, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, DECODED, OUT, GATHER, BK)
 
 
 @triton.jit
 def _mxfp8_slab(
-    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, rk, kb,
+    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, src, rk, kb,
     ROW: tl.constexpr, COL: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr,
-    DECODED: tl.constexpr, OUT: tl.constexpr, BK: tl.constexpr,
+    DECODED: tl.constexpr, OUT: tl.constexpr, GATHER: tl.constexpr, BK: tl.constexpr,
 ):
     """1D blocks of the 32 rows of block-row ``rb`` and columns ``rk``: rowwise 1x32 blocks
-    along K, columnwise 32x1 blocks as a plain max over axis 0 of the loaded tile."""
+    along K, columnwise 32x1 blocks as a plain max over axis 0 of the loaded tile. With
+    ``GATHER`` the rows are read from rows ``src`` of x (-1: a zero row)."""
     rm = rb * 32 + tl.arange(0, 32)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if GATHER:
+        loads, lmask = _gathered(src, rk, K)
+        x = tl.load(x_ptr + loads, mask=lmask & mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     xf = widen(x)
     a = abs_for_max(x)
     if ROW:
@@ -157,6 +179,14 @@ def _mxfp8_slab(
             # the slab's own bound as a vector, as the mask of a vector store must be
             slab_in = (rb + tl.zeros_like(rk)) < (M + 31) // 32
             tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & slab_in)
+
+
+@triton.jit
+def _gathered(src, rk, K):
+    """(offsets into x, load mask) of rows ``src`` of x (-1: a zero row, nothing loaded)."""
+    src = src.to(tl.int64)
+    mask = (src[:, None] >= 0) & (rk[None, :] < K)
+    return tl.maximum(src, 0)[:, None] * K + rk[None, :], mask
 
 
 @triton.jit
@@ -207,17 +237,22 @@ def mxfp8_quantize_decoded(
     columnwise: bool,
     with_2d_quantization: bool,
     dtype: torch.dtype,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The quantize kernel writing each element's decoded value in ``dtype`` instead of its
     byte, and no scales: one read of ``x`` and one write per direction, where quantize then
-    dequantize read and write the bytes in between. Mirrors
-    ``reference.mxfp8_quantize_decoded``."""
+    dequantize read and write the bytes in between; with ``rows``, x's rows read through that
+    index (no gathered copy). Mirrors ``reference.mxfp8_quantize_decoded``."""
     check_output_dtype(dtype, "mxfp8_quantize_decoded")
-    m, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
+    check_input_dtype(x, "mxfp8_quantize_decoded")
+    if rows is not None:
+        check_row_index(x, rows, "mxfp8_quantize_decoded")
+    _, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
+    m = x.shape[0] if rows is None else rows.shape[0]
     rv = torch.empty((m, k), dtype=dtype, device=x.device) if rowwise else None
     cv = torch.empty((m, k), dtype=dtype, device=x.device) if columnwise else None
-    _launch(x, rv, None, cv, None, 0, 0, 0, fp8_dtype, with_2d_quantization, SWIZZLE=False,
-            DECODED=True, OUT=out_code(dtype))
+    _launch(x, rv, None, cv, None, 0, 0, 0, fp8_dtype, with_2d_quantization, rows=rows,
+            SWIZZLE=False, DECODED=True, OUT=out_code(dtype))
     return rv, cv
 
 
@@ -229,11 +264,12 @@ def _checked(x: torch.Tensor, fp8_dtype: DType, where: str) -> tuple[int, int]:
     return m, k
 
 
-def _launch(x, rd, rs, cd, cs, rs_c, cs_c, cs_sw_c, fp8_dtype, two_d, **flags) -> None:
-    """:func:`_mxfp8_kernel` over ``x`` for the directions whose output (``rd``, ``cd``) is
-    given; nothing for an empty ``x``."""
+def _launch(x, rd, rs, cd, cs, rs_c, cs_c, cs_sw_c, fp8_dtype, two_d, rows=None,
+            **flags) -> None:
+    """:func:`_mxfp8_kernel` over ``x`` (over its rows ``rows``, when given) for the directions
+    whose output (``rd``, ``cd``) is given; nothing for an empty result."""
     rowwise, columnwise = rd is not None, cd is not None
-    m, k = x.shape
+    m, k = x.shape if rows is None else (rows.shape[0], x.shape[1])
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return
     if rowwise and columnwise and not two_d:
@@ -244,10 +280,10 @@ def _launch(x, rd, rs, cd, cs, rs_c, cs_c, cs_sw_c, fp8_dtype, two_d, **flags) -
     dummy = rd if rowwise else cd
     launch(
         _mxfp8_kernel, grid,
-        x, dummy, rs if rs is not None else dummy, cd if columnwise else dummy,
-        cs if cs is not None else dummy, m, k, rs_c, cs_c, cs_sw_c,
-        ROW=rowwise, COL=columnwise, TWO_D=two_d, IS_E4M3=fp8_dtype == DType.E4M3, **flags,
-        **kw,
+        x, dummy if rows is None else rows, dummy, rs if rs is not None else dummy,
+        cd if columnwise else dummy, cs if cs is not None else dummy, m, k, rs_c, cs_c,
+        cs_sw_c, ROW=rowwise, COL=columnwise, TWO_D=two_d, IS_E4M3=fp8_dtype == DType.E4M3,
+        GATHER=rows is not None, **flags, **kw,
     )
 
 

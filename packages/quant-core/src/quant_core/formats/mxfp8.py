@@ -138,12 +138,12 @@ class MXFP8Quantizer(Quantizer):
             "_columnwise_data": cd, "_columnwise_scale_inv": cs,
         })
 
-    def quantize_decoded(self, x, *, rowwise, columnwise, dtype, backend=None):
+    def quantize_decoded(self, x, *, rowwise, columnwise, dtype, rows=None, backend=None):
         """The backend's one-pass ``mxfp8_quantize_decoded``."""
         x2d = as_2d(x, *self.shape_rule())
         return backends.get(backend, x.device).mxfp8_quantize_decoded(
             x2d, fp8_dtype=self.dtype, rowwise=rowwise, columnwise=columnwise,
-            with_2d_quantization=self.with_2d_quantization, dtype=dtype)
+            with_2d_quantization=self.with_2d_quantization, dtype=dtype, rows=rows)
 
     def inner_tensor_specs(self, shape):
         m, k = m_k(shape)

@@ -7,7 +7,12 @@ import torch
 from .. import shapes
 from ..constants import RCP_E4M3, RCP_E5M2
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype, check_k_multiple, check_output_dtype
+from ..inputs import (
+    check_input_dtype,
+    check_k_multiple,
+    check_output_dtype,
+    check_row_index,
+)
 from ._blocks import block_amax, expand_blocks
 from ._rounding import (
     e8m0_roundup,
@@ -17,7 +22,7 @@ from ._rounding import (
     fp8_encode,
     to_fp32,
 )
-from .pad import zero_pad
+from .pad import gathered_rows, zero_pad
 from .swizzle import swizzle_scales, unswizzle_scales
 
 BLOCK = shapes.MXFP8_BLOCK
@@ -122,12 +127,19 @@ def mxfp8_quantize_decoded(
     columnwise: bool,
     with_2d_quantization: bool,
     dtype: torch.dtype,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(row_values [M, K], col_values [M, K])`` in ``dtype`` (``None`` for a direction not
     asked for): what :func:`mxfp8_dequantize` gives for each direction of
     :func:`mxfp8_quantize` of ``x``, for a consumer that multiplies decoded values and never
-    reads the FP8 bytes (a bf16 GEMM on hardware without MXFP8 tensor cores)."""
+    reads the FP8 bytes (a bf16 GEMM on hardware without MXFP8 tensor cores). With ``rows``
+    (int32/int64 ``[P]``, ``M = P``) the tensor quantized is ``x``'s rows in that order, a zero
+    row for each ``rows[p] < 0`` (a grouped operand's padded layout)."""
     check_output_dtype(dtype, "mxfp8_quantize_decoded")
+    check_input_dtype(x, "mxfp8_quantize_decoded")
+    if rows is not None:
+        check_row_index(x, rows, "mxfp8_quantize_decoded")
+        x = gathered_rows(x, rows)
     row_data, row_scale, col_data, col_scale = mxfp8_quantize(
         x, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise,
         with_2d_quantization=with_2d_quantization, swizzle=False)

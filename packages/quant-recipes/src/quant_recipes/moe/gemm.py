@@ -146,21 +146,26 @@ def _batched_takes(quantizers, device: torch.device, dtypes, widths, experts_q=N
             and (experts_q is None or widths[0] % experts_q.row_alignment() == 0))
 
 
-def _decoded(t: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
-    """bf16 values of ``t [m, k]`` quantized by ``q`` (one call), read from its columnwise
-    buffers when ``columnwise``."""
-    return _decoded_pair(t, q, not columnwise, columnwise)[columnwise]
+def _decoded(t: torch.Tensor, q, columnwise: bool, lay: fp8.Layout | None = None
+             ) -> torch.Tensor:
+    """bf16 values of ``t [m, k]`` (of its padded layout ``lay``, when given) quantized by
+    ``q`` (one call), read from its columnwise buffers when ``columnwise``."""
+    return _decoded_pair(t, q, not columnwise, columnwise, lay)[columnwise]
 
 
-def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool):
-    """``(rowwise values | None, columnwise values | None)`` of ``t`` quantized once by ``q``
-    in the asked directions: in one pass where the quantizer has one
-    (``Quantizer.quantize_decoded``), else its buffers dequantized."""
+def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool, lay: fp8.Layout | None = None):
+    """``(rowwise values | None, columnwise values | None)`` of ``t`` (of its padded layout
+    ``lay``, when given) quantized once by ``q`` in the asked directions: in one pass where
+    the quantizer has one (``Quantizer.quantize_decoded``, which reads the rows of ``t``
+    through the layout's row index: no padded copy), else its buffers dequantized."""
     if quantizer_meta(q)[0] == HP:
+        t = t if lay is None else fp8.padded(t, lay)
         return (t if row else None), (t if col else None)
-    values = q.quantize_decoded(t, rowwise=row, columnwise=col, dtype=torch.bfloat16)
+    values = q.quantize_decoded(t, rowwise=row, columnwise=col, dtype=torch.bfloat16,
+                                rows=None if lay is None else lay.src)
     if values is not None:
         return values
+    t = t if lay is None else fp8.padded(t, lay)
     q = q.with_usage(row, col)
     meta, (m, k) = quantizer_meta(q), t.shape
     bufs = q.quantize(t).buffer_list(t)
@@ -180,7 +185,7 @@ def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q):
     where they are when ``q`` quantizes rows apart, else the padded layout (``lay.ends``)."""
     if x.shape[0] and q.rows_quantize_apart():
         return _decoded(x, q, False), lay.offs
-    return _decoded(fp8.padded(x, lay), q, False), lay.ends
+    return _decoded(x, q, False, lay), lay.ends
 
 
 def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
@@ -201,15 +206,15 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
 
 def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool):
     """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
-    g_row, g_col = _decoded_pair(fp8.padded(gy, lay), qg, dgrad, wgrad and col)
+    g_row, g_col = _decoded_pair(gy, qg, dgrad, wgrad and col, lay)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
-        g_col = g_row if g_row is not None else _decoded(fp8.padded(gy, lay), qg, False)
+        g_col = g_row if g_row is not None else _decoded(gy, qg, False, lay)
     dx = dw = None
     if dgrad:
         dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
         count_path("grouped_mm")
     if wgrad:
-        xv = _decoded(fp8.padded(x, lay), qx, col)
+        xv = _decoded(x, qx, col, lay)
         dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)
         count_path("grouped_mm")
     return dx, dw
