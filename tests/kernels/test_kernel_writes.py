@@ -24,7 +24,7 @@ def test_no_quantize_kernel_writes_its_input():
     if not any(hasattr(wrap, f) for f in ("identify_accessed_tensors",
                                           "identify_mutated_tensors")):
         pytest.skip("this torch has no TTIR mutation analysis")
-    run_as_script(__file__, min_ok=9, timeout=600)
+    run_as_script(__file__, min_ok=12, timeout=600)
 
 
 def _writes_analysis():
@@ -51,6 +51,7 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(256, 256, dtype=torch.bfloat16, device=dev)
     one = torch.ones(1, device=dev)
+    rows = torch.tensor([3, -1, *range(200)], dtype=torch.int32, device=dev)  # a padded layout
     calls = {
         "fp8_current": lambda: B.fp8_current_quantize(
             x, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0, rowwise=True,
@@ -64,6 +65,15 @@ def main() -> int:
         "fp8_block_2d": lambda: B.fp8_block_quantize(
             x, fp8_dtype=DType.E4M3, block_scaling_dim=2, force_pow_2_scales=True,
             amax_epsilon=0.0, rowwise=True, columnwise=True),
+        "fp8_block_rows": lambda: B.fp8_block_quantize(
+            x, fp8_dtype=DType.E4M3, block_scaling_dim=1, force_pow_2_scales=True,
+            amax_epsilon=0.0, rowwise=True, columnwise=True, rows=rows),
+        "mxfp8_values": lambda: B.mxfp8_quantize_decoded(
+            x, fp8_dtype=DType.E4M3, rowwise=True, columnwise=True, with_2d_quantization=False,
+            dtype=torch.bfloat16, rows=rows),
+        "mxfp8_values_2d": lambda: B.mxfp8_quantize_decoded(
+            x, fp8_dtype=DType.E4M3, rowwise=True, columnwise=True, with_2d_quantization=True,
+            dtype=torch.bfloat16, rows=rows),
         "nvfp4_amax_rht": lambda: B.nvfp4_amax(x, rowwise=True, columnwise=True, with_rht=True,
                                                rht_sign_mask=0xD7E8),
         "nvfp4_rht": lambda: B.nvfp4_quantize(
@@ -78,8 +88,9 @@ def main() -> int:
             names = [p.name for p in kernel.params]
             bound = {k: v for k, v in (dict(zip(names, args, strict=False)) | kwargs).items()
                      if k in names}
+            read_only = {t.untyped_storage().data_ptr() for t in (x, rows)}
             inputs = {k for k, v in bound.items() if isinstance(v, torch.Tensor)
-                      and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()}
+                      and v.untyped_storage().data_ptr() in read_only}
             writes = writes_of(kernel, bound)
             wrong = inputs & writes
             bad += bool(wrong)

@@ -1,4 +1,5 @@
-"""Index helpers for the GEMM scale swizzle (`numerics.md` §5), shared by MXFP8 and NVFP4."""
+"""Index helpers: the GEMM scale swizzle (`numerics.md` §5), shared by MXFP8 and NVFP4, and the
+rows of a quantize read through a row index (a grouped operand's padded layout)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,19 @@ def scale_offset(i, j, C, SWIZZLE: tl.constexpr):
         return swizzle_offset(i, j, C)
     else:
         return i * C + j
+
+
+@triton.jit
+def load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER: tl.constexpr):
+    """Rows ``rm``, columns ``rk`` of a row-major x with K columns (0 outside ``M`` rows and
+    ``K`` columns); with ``GATHER`` the rows ``src[rm]`` of x (``src_ptr``: int32/int64, -1 a
+    zero row). Only loads: what it returns feeds stored values, never a store's address, so
+    torch's write analysis of a recorded launch reads neither pointer as written."""
+    if GATHER:
+        src = tl.load(src_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
+        offs = tl.maximum(src, 0)[:, None] * K + rk[None, :]
+        mask = (src[:, None] >= 0) & (rk[None, :] < K)
+    else:
+        offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+    return tl.load(x_ptr + offs, mask=mask, other=0.0)

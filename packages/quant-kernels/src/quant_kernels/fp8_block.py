@@ -18,6 +18,7 @@ from quant_core.inputs import (
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch, out_code
+from ._layout import load_rows
 from ._rounding import (
     abs_for_max,
     fp8_decode,
@@ -78,11 +79,8 @@ def _fp8_block_kernel(
     if TWO_D:
         acc = tl.zeros([SLAB, BK], tl.float32)
         for r in range(BM // SLAB):  # a real loop: unrolled, the reloads would be CSEd
-            rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            lmask = mask
-            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
-                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
-            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
+            rm, mask = _slab(pid_m, r, rk, M, K, BM, SLAB)
+            x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
             acc = tl.maximum(acc, abs_for_max(x))  # acc starts at 0: never NaN
         s_t = scale_from_amax(tl.max(tl.max(acc, axis=1), axis=0), eps, FP8_MAX, POW2, VINF)
         s_inv = scale_inverse(s_t, POW2)
@@ -91,11 +89,8 @@ def _fp8_block_kernel(
         if COL:
             tl.store(cs_ptr + pid_k * CS_C + pid_m, s_inv)
         for r in range(BM // SLAB):
-            rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            lmask = mask
-            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
-                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
-            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
+            rm, mask = _slab(pid_m, r, rk, M, K, BM, SLAB)
+            x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
             xf = widen(x)
             if ROW:
                 tl.store(rd_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
@@ -109,11 +104,8 @@ def _fp8_block_kernel(
         # pass 1: the rowwise 1x128 blocks lie inside a slab; column maxima accumulate
         acc = tl.zeros([SLAB, BK], tl.float32)
         for r in range(BM // SLAB):
-            rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-            lmask = mask
-            if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
-                offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
-            x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
+            rm, mask = _slab(pid_m, r, rk, M, K, BM, SLAB)
+            x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
             if ROW:
                 s = scale_from_amax(nan_to_0(tl.max(abs_for_max(x), axis=1)), eps, FP8_MAX,
                                     POW2, VINF)
@@ -127,11 +119,8 @@ def _fp8_block_kernel(
             s_c = scale_from_amax(tl.max(acc, axis=0), eps, FP8_MAX, POW2, VINF)
             tl.store(cs_ptr + pid_m * CS_C + rk, scale_inverse(s_c, POW2), mask=rk < K)
             for r in range(BM // SLAB):
-                rm, mask, offs = _slab(pid_m, r, rk, M, K, BM, SLAB)
-                lmask = mask
-                if GATHER:
-                    offs, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
-                x = tl.load(x_ptr + offs, mask=lmask, other=0.0)
+                rm, mask = _slab(pid_m, r, rk, M, K, BM, SLAB)
+                x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
                 q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)
                 tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
                          tl.trans(q).to(cd_ptr.dtype.element_ty, bitcast=True),
@@ -140,22 +129,13 @@ def _fp8_block_kernel(
 
 @triton.jit
 def _slab(pid_m, r, rk, M, K, BM: tl.constexpr, SLAB: tl.constexpr):
-    """Slab ``r`` (``SLAB`` rows) of the ``BM``-row tile ``pid_m``: (rows, mask, offsets into x).
-    The kernel loads x itself: torch's mutation analysis of a recorded launch attributes every
-    pointer a helper takes to the stores that use its results, so a helper that took ``x_ptr``
-    and returned the rows would mark x as written (an input copy per call, no CUDA graphs)."""
+    """Slab ``r`` (``SLAB`` rows) of the ``BM``-row tile ``pid_m``: (rows, store mask). It takes
+    no pointer: torch's write analysis of a recorded launch attributes the pointers a helper
+    takes to the stores whose addresses use its results, so a helper given ``x_ptr`` that
+    returned the rows the stores use would mark x as written (an input copy per call, no CUDA
+    graphs). The rows are loaded by ``load_rows``, whose results feed only stored values."""
     rm = pid_m * BM + r * SLAB + tl.arange(0, SLAB)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    return rm, mask, rm[:, None].to(tl.int64) * K + rk[None, :]
-
-
-@triton.jit
-def _gathered(src, rk, K):
-    """(offsets into x, load mask) of a slab whose rows come from rows ``src`` of x (-1: a zero
-    row, nothing loaded)."""
-    src = src.to(tl.int64)
-    mask = (src[:, None] >= 0) & (rk[None, :] < K)
-    return tl.maximum(src, 0)[:, None] * K + rk[None, :], mask
+    return rm, (rm[:, None] < M) & (rk[None, :] < K)
 
 
 def fp8_block_quantize(

@@ -18,7 +18,7 @@ from quant_core.inputs import (
 from quant_core.shapes import ceil_div
 
 from ._common import launch, out_code
-from ._layout import scale_offset
+from ._layout import load_rows, scale_offset
 from ._rounding import (
     RCP_E4M3,
     RCP_E5M2,
@@ -88,11 +88,7 @@ def _mxfp8_kernel(
         rm = pid_m * BM + tl.arange(0, BM)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
         offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-        if GATHER:  # the source rows loaded here: a helper given src_ptr would mark it written
-            loads, lmask = _gathered(tl.load(src_ptr + rm, mask=rm < M, other=-1), rk, K)
-            x = tl.load(x_ptr + loads, mask=lmask, other=0.0)
-        else:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
         xf = widen(x)
         a = abs_for_max(x)
         rb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
@@ -125,33 +121,24 @@ def _mxfp8_kernel(
             tl.store(cs_ptr + so, e_cols, mask=(rb[:, None] < mb_total) & (rk[None, :] < K))
     else:  # 1D: one 32-row slab at a time, so column blocks reduce over axis 0 (no reshape)
         for r in tl.static_range(BM // 32):
-            rb = pid_m * (BM // 32) + r
-            rm = rb * 32 + tl.arange(0, 32)
-            if GATHER:
-                src = tl.load(src_ptr + rm, mask=rm < M, other=-1)
-            else:
-                src = rm
-            _mxfp8_slab(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb,
-                        src, rk, kb, ROW, COL, SWIZZLE, IS_E4M3, DECODED, OUT, GATHER, BK)
+            _mxfp8_slab(x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C,
+                        CS_SW_C, pid_m * (BM // 32) + r, rk, kb, ROW, COL, SWIZZLE, IS_E4M3,
+                        DECODED, OUT, GATHER, BK)
 
 
 @triton.jit
 def _mxfp8_slab(
-    x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, src, rk, kb,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, CS_SW_C, rb, rk, kb,
     ROW: tl.constexpr, COL: tl.constexpr, SWIZZLE: tl.constexpr, IS_E4M3: tl.constexpr,
     DECODED: tl.constexpr, OUT: tl.constexpr, GATHER: tl.constexpr, BK: tl.constexpr,
 ):
     """1D blocks of the 32 rows of block-row ``rb`` and columns ``rk``: rowwise 1x32 blocks
     along K, columnwise 32x1 blocks as a plain max over axis 0 of the loaded tile. With
-    ``GATHER`` the rows are read from rows ``src`` of x (-1: a zero row)."""
+    ``GATHER`` the rows are read through ``src_ptr`` (``load_rows``)."""
     rm = rb * 32 + tl.arange(0, 32)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    if GATHER:
-        loads, lmask = _gathered(src, rk, K)
-        x = tl.load(x_ptr + loads, mask=lmask & mask, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
     xf = widen(x)
     a = abs_for_max(x)
     if ROW:
@@ -179,14 +166,6 @@ def _mxfp8_slab(
             # the slab's own bound as a vector, as the mask of a vector store must be
             slab_in = (rb + tl.zeros_like(rk)) < (M + 31) // 32
             tl.store(cs_ptr + so, e.to(tl.uint8), mask=(rk < K) & slab_in)
-
-
-@triton.jit
-def _gathered(src, rk, K):
-    """(offsets into x, load mask) of rows ``src`` of x (-1: a zero row, nothing loaded)."""
-    src = src.to(tl.int64)
-    mask = (src[:, None] >= 0) & (rk[None, :] < K)
-    return tl.maximum(src, 0)[:, None] * K + rk[None, :], mask
 
 
 @triton.jit
@@ -244,11 +223,10 @@ def mxfp8_quantize_decoded(
     dequantize read and write the bytes in between; with ``rows``, x's rows read through that
     index (no gathered copy). Mirrors ``reference.mxfp8_quantize_decoded``."""
     check_output_dtype(dtype, "mxfp8_quantize_decoded")
-    check_input_dtype(x, "mxfp8_quantize_decoded")
+    m, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
     if rows is not None:
         check_row_index(x, rows, "mxfp8_quantize_decoded")
-    _, k = _checked(x, fp8_dtype, "mxfp8_quantize_decoded")
-    m = x.shape[0] if rows is None else rows.shape[0]
+        m = rows.shape[0]
     rv = torch.empty((m, k), dtype=dtype, device=x.device) if rowwise else None
     cv = torch.empty((m, k), dtype=dtype, device=x.device) if columnwise else None
     _launch(x, rv, None, cv, None, 0, 0, 0, fp8_dtype, with_2d_quantization, rows=rows,

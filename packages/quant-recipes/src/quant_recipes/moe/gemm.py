@@ -158,14 +158,15 @@ def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool, lay: fp8.Layout | No
     ``lay``, when given) quantized once by ``q`` in the asked directions: in one pass where
     the quantizer has one (``Quantizer.quantize_decoded``, which reads the rows of ``t``
     through the layout's row index: no padded copy), else its buffers dequantized."""
-    if quantizer_meta(q)[0] == HP:
-        t = t if lay is None else fp8.padded(t, lay)
-        return (t if row else None), (t if col else None)
-    values = q.quantize_decoded(t, rowwise=row, columnwise=col, dtype=torch.bfloat16,
-                                rows=None if lay is None else lay.src)
+    meta = quantizer_meta(q)
+    values = None if meta[0] == HP else q.quantize_decoded(
+        t, rowwise=row, columnwise=col, dtype=torch.bfloat16,
+        rows=None if lay is None else lay.src)
     if values is not None:
         return values
     t = t if lay is None else fp8.padded(t, lay)
+    if meta[0] == HP:
+        return (t if row else None), (t if col else None)
     q = q.with_usage(row, col)
     meta, (m, k) = quantizer_meta(q), t.shape
     bufs = q.quantize(t).buffer_list(t)
