@@ -1,7 +1,8 @@
 """quant-dynamo keeps torch's write analysis of quant's recorded Triton launches per signature
 (``quant_dynamo._write_analysis``): the second launch of a kernel with the same argument dtypes
-and scalars generates no TTIR and gets the same answer; another dtype or another kernel is
-analysed as torch does.
+and scalars generates no TTIR and gets the same answer, also traced through ``wrap_triton``
+(which wraps every launch given ``num_warps`` in a new autotuner); another dtype or another
+kernel is analysed as torch does.
 
 torch's analysis compiles real TTIR, which the interpreter cannot give: this module runs itself
 in a subprocess without ``TRITON_INTERPRET``, for an sm_90 target on a CPU machine (as
@@ -31,7 +32,25 @@ def test_quant_kernels_are_analysed_once_per_signature():
         from _sm90 import run_as_script
     finally:
         sys.path.remove(_KERNELS_TESTS)
-    run_as_script(__file__, min_ok=4, timeout=600)
+    run_as_script(__file__, min_ok=5, timeout=600)
+
+
+def traced_launches(backend, dtype) -> int:
+    """Trace one FP8 current-scaling quantize the way a compiled graph records it
+    (functionalized, under ``capture()``, through ``wrap_triton``); the launches recorded."""
+    import torch
+    from quant_core.kernel_capture import capture
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def quantize(x):
+        with capture():
+            return backend.fp8_current_quantize(x, fp8_dtype=dtype.E4M3,
+                                                force_pow_2_scales=False, amax_epsilon=0.0,
+                                                rowwise=True, columnwise=True)
+
+    graph = make_fx(torch.func.functionalize(quantize), tracing_mode="fake")(
+        torch.randn(256, 256, dtype=torch.bfloat16))
+    return sum("triton_kernel_wrapper" in str(n.target) for n in graph.graph.nodes)
 
 
 def main() -> int:
@@ -65,7 +84,22 @@ def main() -> int:
         generated[0] += 1
         return generate(*args, **kwargs)
 
+    bad = 0
+
+    def check(ok: bool, what: str) -> None:
+        nonlocal bad
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+
     wrap.generate_ttir = counted
+    traced = []
+    for _ in range(2):
+        before = generated[0]
+        traced.append((traced_launches(B, DType), generated[0] - before))
+    check(traced[0][0] > 0 and traced[0][1] == traced[0][0] and traced[1] == (traced[0][0], 0),
+          f"traced twice through wrap_triton (num_warps given: torch wraps each launch in a new "
+          f"autotuner): {traced[0][1]} then {traced[1][1]} TTIR generations for "
+          f"{traced[0][0]} launches")
     launches = record_launches()
 
     def analysed(x):
@@ -84,13 +118,6 @@ def main() -> int:
         made = generated[0] - before
         return [(g, writes(fresh, kernel, kw)) for g, (kernel, kw) in zip(got, bound,
                                                                           strict=True)], made
-
-    bad = 0
-
-    def check(ok: bool, what: str) -> None:
-        nonlocal bad
-        bad += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
 
     first, made = analysed(torch.randn(256, 256, dtype=torch.bfloat16))
     check(made == len(first) > 0 and all(k == f for k, f in first),

@@ -32,20 +32,51 @@ KERNEL_MODULES = "quant_kernels"
 
 def signature(kernel: Any, kwargs: dict[str, Any], tma_metadata: Any) -> tuple | None:
     """What the write analysis of a launch of ``kernel`` with ``kwargs`` depends on: the kernel,
-    each tensor argument's dtype and every other argument's value; None for a kernel outside
-    :data:`KERNEL_MODULES` or an argument of another kind."""
+    the launch configs it is wrapped in, each tensor argument's dtype and every other argument's
+    value; None for a kernel outside :data:`KERNEL_MODULES` or an argument of another kind.
+
+    torch wraps a launch given ``num_warps`` or ``num_stages`` in a new one-config ``Autotuner``
+    per launch, so the key is the wrapped JIT function and the configs' values, not the
+    wrapper."""
+    kernel, configs = _unwrapped(kernel)
     fn = getattr(kernel, "fn", None)
-    if not getattr(fn, "__module__", "").startswith(KERNEL_MODULES):
+    if configs is None or not getattr(fn, "__module__", "").startswith(KERNEL_MODULES):
         return None
+    args = _values(kwargs)
+    if args is None:
+        return None
+    return kernel, configs, args, repr(tma_metadata)
+
+
+def _values(mapping: dict[str, Any]) -> tuple | None:
+    """``mapping`` as a sorted tuple, tensors as their dtype; None if a value is of another
+    kind."""
     parts = []
-    for name, value in sorted(kwargs.items()):
+    for name, value in sorted(mapping.items()):
         if isinstance(value, torch.Tensor):
             parts.append((name, "tensor", value.dtype))
         elif isinstance(value, _SCALARS):
             parts.append((name, type(value).__name__, value))
         else:
             return None
-    return kernel, tuple(parts), repr(tma_metadata)
+    return tuple(parts)
+
+
+def _unwrapped(kernel: Any) -> tuple[Any, tuple | None]:
+    """``(the JIT function inside kernel's autotuners, their configs' values)``; the configs
+    are None where a wrapper or config is of a kind the key cannot hold (heuristics, hooks)."""
+    from triton.runtime.autotuner import Autotuner
+
+    configs = []
+    while isinstance(kernel, Autotuner):
+        for config in kernel.configs:
+            fields = {k: v for k, v in vars(config).items() if k != "kwargs"}
+            values, options = _values(config.kwargs), _values(fields)
+            if values is None or options is None:
+                return kernel, None
+            configs.append((values, options))
+        kernel = kernel.fn
+    return kernel, tuple(configs)
 
 
 def _kept(analysis: Callable) -> Callable:
