@@ -1,6 +1,7 @@
-"""Block-scaled GEMMs as exact bf16 dequantization plus the bf16 tensor-core GEMM of cuBLAS: the
-fastest MXFP8 / NVFP4 path measured on Hopper, which has no block-scaled tensor cores
-(bench/RESULTS.md, section "GEMMs and the training step").
+"""Block-scaled GEMMs as exact bf16 dequantization plus a bf16 tensor-core GEMM (cuBLAS, or
+``torch._grouped_mm`` for MXFP8's bf16 outputs): the fastest MXFP8 / NVFP4 path measured on
+Hopper, which has no block-scaled tensor cores (bench/RESULTS.md, section "GEMMs and the
+training step").
 
 Every MXFP8 element ``fp8 * 2^(e - 127)`` and every NVFP4 element ``e2m1 * e4m3`` is a bf16 value
 (MXFP8: unless it falls below 2^-130, where bf16 runs out of subnormal bits), so one memory-bound
@@ -10,12 +11,13 @@ one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts on
 with a bf16 output and no bias needs no epilogue: ``torch._grouped_mm`` (one group) accumulates
 in fp32 and rounds each sum once into bf16 itself, so no fp32 product is written and read again
 (:func:`_bf16_out`). Each operand is dequantized in its stored memory order; a transposed row
-operand is handed to the GEMM as a transposed view, never copied. When the output needs an epilogue, the fp32 product is never held
-whole: it is computed and finished in blocks of output rows of at most
-:data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized block by block too.
-Each output element is still one fp32 accumulation of the same exact products, so the blocks
-change nothing but cuBLAS's choice of order. In a compiled graph an NVFP4 GEMM that needs blocks is
-not recorded: it stays an opaque op whose eager body runs the blocks (:func:`_rows_per_block`).
+operand is handed to the GEMM as a transposed view, never copied. When the output needs an
+epilogue, the fp32 product is never held whole: it is computed and finished in blocks of output
+rows of at most :data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized
+block by block too. Each output element is still one fp32 accumulation of the same exact
+products, so the blocks change nothing but cuBLAS's choice of order. In a compiled graph an
+NVFP4 GEMM that needs blocks is not recorded: it stays an opaque op whose eager body runs the
+blocks (:func:`_rows_per_block`).
 """
 
 from __future__ import annotations
