@@ -15,7 +15,6 @@ import pytest
 import torch
 from _kernels_util import DEVICE
 from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer, reference
-from quant_core.grouped_mm import grouped_mm_runs
 from quant_kernels import _gemm, dequant_gemm, mxfp8, mxfp8_gemm, nvfp4_gemm
 from quant_kernels._common import interpreting
 from quant_kernels.backend import BACKEND
@@ -243,9 +242,8 @@ def test_recorded_dequant_gemm_that_needs_blocks(monkeypatch, fmt):
         gemm = dequant_gemm.nvfp4_gemm_dequant
     else:
         args = (ra.data, ra.scale, rb.data, rb.scale)
-        # fp16: a bf16 output of these aligned widths takes torch._grouped_mm, with no product
         kw = dict(a_dtype=DType.E4M3, b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
-                  bias=None, out_dtype=torch.float16)
+                  bias=None, out_dtype=torch.bfloat16)
         gemm = dequant_gemm.mxfp8_gemm_dequant
     monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
     monkeypatch.setattr(dequant_gemm, "MAX_FP32_PRODUCT_BYTES", 4 * n * 128)
@@ -265,55 +263,6 @@ def test_recorded_dequant_gemm_that_needs_blocks(monkeypatch, fmt):
     with capture():
         gemm(*args, **kw)  # one block: its launches are recorded
     assert dequant_gemm._epilogue_kernel in launches
-
-
-@pytest.mark.parametrize("ta, tb, shape", [
-    (False, False, (64, 96, 128)),    # fprop x @ Wᵀ
-    (False, True, (80, 64, 96)),      # dgrad gy @ W (W's columnwise operand)
-    (True, True, (64, 96, 208)),      # wgrad gyᵀ @ x
-])
-def test_mxfp8_bf16_output_comes_from_grouped_mm_without_a_product(monkeypatch, ta, tb, shape):
-    """A bf16 MXFP8 GEMM without bias, every dimension a multiple of 16, is one
-    ``torch._grouped_mm`` of the dequantized operands (transposed ones as views): no fp32
-    product and no epilogue launch, and the reference's bytes on exact operands (within the
-    accumulation bound otherwise). A bias, another output dtype or an unaligned width keeps the
-    fp32 product and its epilogue."""
-    if not grouped_mm_runs(DEVICE):
-        pytest.skip("torch._grouped_mm does not run here")
-    m, n, k = shape
-    mms, grouped = [], []
-    real_mm, real_grouped = dequant_gemm._mm_fp32, torch._grouped_mm
-    monkeypatch.setattr(dequant_gemm, "_mm_fp32", lambda a, b: mms.append(1) or real_mm(a, b))
-    monkeypatch.setattr(torch, "_grouped_mm",
-                        lambda *a, **kw: grouped.append(1) or real_grouped(*a, **kw))
-    q = MXFP8Quantizer(DType.E4M3)
-    for integer in (True, False):
-        x = _x(k, m, 1, integer) if ta else _x(m, k, 1, integer)
-        w = _x(k, n, 2, integer) if tb else _x(n, k, 2, integer)
-        ra, rb = _operands(q, x, w, ta, tb)
-        args = (ra.data, ra.scale, rb.data, rb.scale)
-        kw = dict(a_dtype=ra.fp_dtype, b_dtype=rb.fp_dtype, a_swizzled=False, b_swizzled=False)
-        mms.clear(), grouped.clear()
-        got = dequant_gemm.mxfp8_gemm_dequant(*args, **kw, bias=None, out_dtype=torch.bfloat16)
-        ref = reference.mxfp8_gemm(*args, **kw, bias=None, out_dtype=torch.bfloat16)
-        assert (mms, grouped) == ([], [1]) and got.dtype == torch.bfloat16
-        if integer:
-            assert torch.equal(got, ref)
-        else:
-            av = reference.gemm._mxfp8_operand(ra.data, ra.scale, ra.fp_dtype, False)
-            bv = reference.gemm._mxfp8_operand(rb.data, rb.scale, rb.fp_dtype, False)
-            assert _within_bound(got, ref, av.abs(), bv.abs(), k)
-        for other in (dict(bias=_bias(n, 3), out_dtype=torch.bfloat16),
-                      dict(bias=None, out_dtype=torch.float16)):
-            mms.clear(), grouped.clear()
-            dequant_gemm.mxfp8_gemm_dequant(*args, **kw, **other)
-            assert (mms, grouped) == ([1], []), other
-    ra, rb = _operands(q, _x(72, 64, 4, True), _x(96, 64, 5, True), False, False)
-    mms.clear(), grouped.clear()
-    dequant_gemm.mxfp8_gemm_dequant(ra.data, ra.scale, rb.data, rb.scale, a_dtype=DType.E4M3,
-                                    b_dtype=DType.E4M3, a_swizzled=False, b_swizzled=False,
-                                    bias=None, out_dtype=torch.bfloat16)
-    assert (mms, grouped) == ([1], [])  # M = 72: not a multiple of 16
 
 
 def test_unit_amax_decodes_every_e4m3_scale_exactly():

@@ -1,23 +1,19 @@
-"""Block-scaled GEMMs as exact bf16 dequantization plus a bf16 tensor-core GEMM (cuBLAS, or
-``torch._grouped_mm`` for MXFP8's bf16 outputs): the fastest MXFP8 / NVFP4 path measured on
-Hopper, which has no block-scaled tensor cores (bench/RESULTS.md, section "GEMMs and the
-training step").
+"""Block-scaled GEMMs as exact bf16 dequantization plus the bf16 tensor-core GEMM of cuBLAS: the
+fastest MXFP8 / NVFP4 path measured on Hopper, which has no block-scaled tensor cores
+(bench/RESULTS.md, section "GEMMs and the training step").
 
 Every MXFP8 element ``fp8 * 2^(e - 127)`` and every NVFP4 element ``e2m1 * e4m3`` is a bf16 value
 (MXFP8: unless it falls below 2^-130, where bf16 runs out of subnormal bits), so one memory-bound
 pass writes both operands in bf16, ``torch.mm`` multiplies them with fp32 accumulation and fp32
 output (``aten::mm.dtype``, so no reduced-precision split-K reduction can round a partial sum), and
-one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts once. An MXFP8 GEMM
-with a bf16 output and no bias needs no epilogue: ``torch._grouped_mm`` (one group) accumulates
-in fp32 and rounds each sum once into bf16 itself, so no fp32 product is written and read again
-(:func:`_bf16_out`). Each operand is dequantized in its stored memory order; a transposed row
-operand is handed to the GEMM as a transposed view, never copied. When the output needs an
-epilogue, the fp32 product is never held whole: it is computed and finished in blocks of output
-rows of at most :data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized
-block by block too. Each output element is still one fp32 accumulation of the same exact
-products, so the blocks change nothing but cuBLAS's choice of order. In a compiled graph an
-NVFP4 GEMM that needs blocks is not recorded: it stays an opaque op whose eager body runs the
-blocks (:func:`_rows_per_block`).
+one fused epilogue applies NVFP4's per-tensor scales, adds the bias and casts once. Each operand is
+dequantized in its stored memory order; a transposed row operand is handed to cuBLAS as a
+transposed view, never copied. When the output needs an epilogue, the fp32 product is never held
+whole: it is computed and finished in blocks of output rows of at most
+:data:`MAX_FP32_PRODUCT_BYTES`, and a contiguous first operand is dequantized block by block too.
+Each output element is still one fp32 accumulation of the same exact products, so the blocks
+change nothing but cuBLAS's choice of order. In a compiled graph an NVFP4 GEMM that needs blocks is
+not recorded: it stays an opaque op whose eager body runs the blocks (:func:`_rows_per_block`).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import triton
 import triton.language as tl
 from quant_core.constants import NVFP4_GLOBAL_MAX
 from quant_core.dtypes import DType
-from quant_core.grouped_mm import grouped_mm_runs
 from quant_core.kernel_capture import NotCapturable, capturing
 from quant_core.shapes import ceil_div
 
@@ -210,31 +205,9 @@ def _nvfp4_rows(data, scale, swizzled: bool):
     return lambda r0, r1: _nvfp4_bf16(data[r0:r1], scale[r0:], swizzled)
 
 
-def _bf16_out(m: int, n: int, k: int, bias, out_dtype, device: torch.device) -> bool:
-    """Whether a dequantized GEMM's bf16 output comes straight from ``torch._grouped_mm`` (one
-    group): no bias, every dimension a multiple of 16 (its alignment), and a device where it
-    runs. It rounds each fp32 sum once, as the epilogue would, so neither the fp32 product nor
-    the epilogue's pass over it is needed."""
-    return (out_dtype == torch.bfloat16 and bias is None
-            and all(isinstance(d, int) and d % 16 == 0 for d in (m, n, k))
-            and grouped_mm_runs(device.type))
-
-
-def _grouped_mm_bf16(av: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
-    """``av @ bvᵀ`` in bf16 (fp32 accumulation, one rounding) by ``torch._grouped_mm``, one
-    group of every row."""
-    offs = torch.full((1,), av.shape[0], dtype=torch.int32, device=av.device)
-    return torch._grouped_mm(av, bv.t().unsqueeze(0), offs=offs)
-
-
 def mxfp8_gemm_dequant(a, a_scale, b, b_scale, *, a_dtype, b_dtype, a_swizzled, b_swizzled,
                        bias, out_dtype) -> torch.Tensor:
-    """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and a bf16 GEMM: cuBLAS
-    into fp32 and one epilogue, or ``torch._grouped_mm`` straight into a bf16 output
-    (:func:`_bf16_out`)."""
-    if _bf16_out(a.shape[0], b.shape[0], a.shape[1], bias, out_dtype, a.device):
-        return _grouped_mm_bf16(_mxfp8_bf16(a, a_scale, a_dtype, a_swizzled),
-                                _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled))
+    """``quant_core.reference.mxfp8_gemm`` through bf16 dequantization and cuBLAS."""
     direct = out_dtype == torch.float32 and bias is None  # the fp32 product is the output
     rows = _rows_per_block(a.shape[0], b.shape[0], direct, recorded_blocks=False)
     bv = _mxfp8_bf16(b, b_scale, b_dtype, b_swizzled)

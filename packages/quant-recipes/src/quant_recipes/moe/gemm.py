@@ -43,10 +43,11 @@ gradient.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from quant_core import backends
-from quant_core.grouped_mm import grouped_mm_runs
 from quant_core.shapes import roundup
 
 from .. import operands
@@ -113,10 +114,25 @@ def quantized(x: torch.Tensor, q) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- the grouped_mm path
+@functools.cache
+def _grouped_mm_runs(device_type: str) -> bool:
+    """``torch._grouped_mm`` exists and runs a small bf16 problem on this device type."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros((32, 16), dtype=torch.bfloat16, device=device_type)
+        b = torch.zeros((2, 16, 16), dtype=torch.bfloat16, device=device_type)
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=device_type)
+        torch._grouped_mm(a, b, offs=offs)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def grouped_mm_available(device: torch.device) -> bool:
     """Whether the ``"grouped_mm"`` path may run on ``device``."""
     device = torch.device(device)
-    return device.type in GROUPED_MM_DEVICES and grouped_mm_runs(device.type)
+    return device.type in GROUPED_MM_DEVICES and _grouped_mm_runs(device.type)
 
 
 def _batched_takes(quantizers, device: torch.device, dtypes, widths, experts_q=None) -> bool:
