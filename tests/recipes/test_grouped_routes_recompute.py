@@ -53,11 +53,21 @@ def _inputs(counts, seed=1):
     return x, torch.randn(sum(counts), N, generator=gen).to(torch.bfloat16)
 
 
-def _step(m, x, gy, counts, recipe):
+def _under(m, recipe):
+    """``m``'s forward inside ``autocast(recipe)``, as ``forward(x, counts)``."""
+
+    def forward(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts)
+
+    return forward
+
+
+def _step(forward, m, x, gy, counts):
+    """``(y, dx, dw)`` of one step of ``forward(x, counts)`` over ``m``'s parameters."""
     xi = x.clone().requires_grad_()
     m.zero_grad(set_to_none=True)
-    with qr.autocast(recipe=recipe):
-        y = m(xi, counts=torch.tensor(counts))
+    y = forward(xi, torch.tensor(counts))
     y.backward(gy)
     return y.detach(), xi.grad, m.weight.grad
 
@@ -73,7 +83,7 @@ def test_activation_checkpointing_equals_the_plain_step(route, inside):
     m = _layer(len(COUNTS))
     x, gy = _inputs(COUNTS)
     qr.reset_grouped_gemm_paths()
-    want = _step(m, x, gy, COUNTS, recipe)
+    want = _step(_under(m, recipe), m, x, gy, COUNTS)
     assert qr.grouped_gemm_paths() == {path: 3}
     xi = x.clone().requires_grad_()
     m.zero_grad(set_to_none=True)
@@ -98,24 +108,15 @@ def test_dynamic_compile_over_token_counts_equals_eager(route):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     m = _layer(len(OTHER_COUNTS[0]))
-
-    def forward(x, counts):
-        with qr.autocast(recipe=recipe):
-            return m(x, counts=counts)
-
+    forward = _under(m, recipe)
     compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend=counter)
     frames = []
     for seed, counts in enumerate(OTHER_COUNTS + ([12, 0, 33, 0, 5, 64, 0],)):
         x, gy = _inputs(counts, seed)
-        results = []
-        for fn in (compiled, forward):
-            xi = x.clone().requires_grad_()
-            m.zero_grad(set_to_none=True)
-            qr.reset_grouped_gemm_paths()
-            y = fn(xi, torch.tensor(counts))
-            y.backward(gy)
-            results.append((y.detach(), xi.grad, m.weight.grad))
+        got = _step(compiled, m, x, gy, counts)
+        qr.reset_grouped_gemm_paths()
+        want = _step(forward, m, x, gy, counts)
         assert qr.grouped_gemm_paths() == {path: 3}  # the eager step's route
-        _assert_equal(*results)
+        _assert_equal(got, want)
         frames.append(counter.frame_count)
     assert frames[0] <= 2 and frames[1:] == [frames[0]] * 2
