@@ -59,7 +59,8 @@ def _ends(counts, pad_to: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
 @pytest.mark.parametrize("padded", [False, True])
-def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded, fast_accum):
     counts = [0, 37, 1, 0, 70]
     total, k, n = sum(counts), 96, 80
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -73,12 +74,13 @@ def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded):
     args = (a, sa[:, 0], b, sb, offs, a_ends)
     kw = {"total": total, "a_dtype": a_dtype, "b_dtype": b_dtype}
     want = reference.fp8_grouped_rows_gemm(*args, **kw)
-    got = kern.fp8_grouped_rows_gemm(*(t.to(DEVICE) for t in args), **kw)
+    got = kern.fp8_grouped_rows_gemm(*(t.to(DEVICE) for t in args), **kw, fast_accum=fast_accum)
     assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
-def test_tokens_gemm_matches_reference(a_dtype, b_dtype):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum):
     counts = [16, 0, 80, 144, 0]  # whole contraction chunks and partial ones
     ends = _ends(counts)
     r, m, n = int(ends[-1]), 72, 40
@@ -88,33 +90,47 @@ def test_tokens_gemm_matches_reference(a_dtype, b_dtype):
     args = (a, sa, b, sb, ends)
     kw = {"a_dtype": a_dtype, "b_dtype": b_dtype}
     want = reference.fp8_grouped_tokens_gemm(*args, **kw)
-    got = kern.fp8_grouped_tokens_gemm(*(t.to(DEVICE) for t in args), **kw)
+    got = kern.fp8_grouped_tokens_gemm(*(t.to(DEVICE) for t in args), **kw,
+                                       fast_accum=fast_accum)
     assert torch.equal(got.cpu(), want)
     assert not want[1].any() and not want[4].any()  # the groups without tokens: zeros
 
 
+def _fast_bound(k: int) -> float:
+    """:data:`SUM_BOUND` with fast accumulation: on Hopper the tensor core's own accumulator
+    sums the whole contraction (``k * 2^-14`` of the sum of magnitudes, the promoted bound with
+    one slice of ``k``); elsewhere fp32 sums."""
+    return max(k, 32) * 2.0**-14 if DEVICE == "cuda" else SUM_BOUND
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_any_finite_values_within_the_accumulation_bound(out_dtype):
+@pytest.mark.parametrize("k, fast_accum", [(128, False), (128, True), (2048, False),
+                                           (2048, True)])
+def test_any_finite_values_within_the_accumulation_bound(out_dtype, k, fast_accum):
     """Full-range values: the kernel sums in another order (and on Hopper with the tensor core's
-    own partial sums): the results agree within :data:`SUM_BOUND` of the sum of magnitudes."""
-    counts = [33, 0, 64]
+    own partial sums): the results agree within :data:`SUM_BOUND` of the sum of magnitudes,
+    :func:`_fast_bound` with ``fast_accum``."""
+    counts = [33, 0, 64] if k == 128 else [17, 0, 15]
     offs = torch.tensor(counts).cumsum(0)
-    a = _bytes((sum(counts), 128), DType.E5M2, 9, False)
-    b = _bytes((3, 48, 128), DType.E4M3, 10, False)
+    a = _bytes((sum(counts), k), DType.E5M2, 9, False)
+    b = _bytes((3, 48, k), DType.E4M3, 10, False)
     sa, sb = _scales(3, 11), _scales(3, 12)
     kw = {"total": sum(counts), "a_dtype": DType.E5M2, "b_dtype": DType.E4M3,
           "out_dtype": out_dtype}
     want = reference.fp8_grouped_rows_gemm(a, sa, b, sb, offs, offs, **kw).float()
     got = kern.fp8_grouped_rows_gemm(*(t.to(DEVICE) for t in (a, sa, b, sb, offs, offs)),
-                                     **kw).float().cpu()
+                                     **kw, fast_accum=fast_accum).float().cpu()
     mags = reference.fp8_grouped_rows_gemm(
         a.view(torch.float8_e5m2).float().abs().to(torch.float8_e5m2).view(torch.uint8), sa,
         b.view(torch.float8_e4m3fn).float().abs().to(torch.float8_e4m3fn).view(torch.uint8),
         sb, offs, offs, **{**kw, "out_dtype": torch.float32})
     ulp = 2.0**-23 if out_dtype == torch.float32 else 2.0**-8
     ratio = float(((got - want).abs() / mags).max())
-    print(f"max |got - want| / sum |a b|: {ratio:.3e} ({ratio / 2.0**-23:.1f} fp32 ulps)")
-    assert ratio <= SUM_BOUND + ulp
+    print(f"K {k}, fast_accum {fast_accum}: max |got - want| / sum |a b|: {ratio:.3e} "
+          f"({ratio / 2.0**-23:.1f} fp32 ulps)")
+    bound = SUM_BOUND if k == 128 and not fast_accum else (
+        _fast_bound(k) if fast_accum else max(SUM_BOUND, k * 2.0**-23))
+    assert ratio <= bound + ulp
 
 
 def test_empty_problems():

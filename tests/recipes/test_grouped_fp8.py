@@ -21,6 +21,8 @@ from quant_recipes.moe import gemm as grouped_gemm
 
 K, N, ALIGN = 64, 32, 16
 COUNTS = [5, 0, 1, 37, 16, 0, 22]  # ragged, empty groups, a group of one row, an exact one
+#: ``(GEMM shape, fast_accum)`` of every emulated ``torch._scaled_grouped_mm`` call.
+FAST_ACCUM: list[tuple[str, bool]] = []
 
 QUANTIZERS = {
     "e4m3": dict(dtype=DType.E4M3),
@@ -142,10 +144,13 @@ def test_padded_rows_hold_their_rows_and_zeros(counts):
 
 
 # ------------------------------------------------------------------- the grouped GEMMs
-def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False):
+def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum=False,
+                                aligned_rows=False):
     """``torch._scaled_grouped_mm``'s rowwise semantics, with the checks of its CUDA kernel:
     ``(acc * scale_a) * scale_b`` per row and column, acc the fp32 sum of the FP8 products
-    (``aligned_rows``: a kernel that also needs 16-row group ends when the rows are grouped)."""
+    (``aligned_rows``: a kernel that also needs 16-row group ends when the rows are grouped).
+    ``fast_accum`` is recorded in :data:`FAST_ACCUM` (``"rows"`` or ``"tokens"``)."""
+    FAST_ACCUM.append(("rows" if b.dim() == 3 else "tokens", fast_accum))
     assert a.dtype == torch.float8_e4m3fn or a.dtype == torch.float8_e5m2
     assert b.dtype == torch.float8_e4m3fn and offs.dtype == torch.int32
     assert a.stride(-1) == 1 and b.stride(-2) == 1, "A row-major, B column-major"
@@ -172,7 +177,7 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, aligned_rows=False
     return out.to(torch.bfloat16)
 
 
-def _emulated_scaled_mm(a, b, scale_a, scale_b, out):
+def _emulated_scaled_mm(a, b, scale_a, scale_b, out, fast_accum=False):
     """``torch._scaled_mm`` into ``out`` (tensor scales), with cuBLAS's requirements: A row-major
     and B column-major with 16-byte aligned rows and columns, widths multiples of 16, scale
     pointers on 16-byte boundaries (a slice of a packed scale vector is refused there)."""
@@ -197,6 +202,7 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_grouped_mm",
                         lambda *a: _emulated_scaled_grouped_mm(*a, aligned_rows=aligned))
+    FAST_ACCUM.clear()
     monkeypatch.setattr(grouped_fp8_gemm, "scaled_mm", _emulated_scaled_mm)
     monkeypatch.setattr(grouped_fp8_gemm, "OWN_KERNEL_MIN_EXPERTS", 0)
     monkeypatch.setattr(grouped_fp8_gemm, "ROUTE", "scaled_grouped_mm")
@@ -227,6 +233,32 @@ def test_grouped_gemms_equal_the_per_group_path(emulated):
     assert paths == {"per_group": 3}
     for a, b in zip(got, want, strict=True):  # the order of the fp32 sums and of the scales
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("gemm, split, want", [
+    (None, None, [("rows", True), ("rows", False), ("tokens", False)]),
+    ("fp8_gemm_fprop", True, [("rows", False), ("rows", False), ("tokens", False)]),
+    ("fp8_gemm_dgrad", False, [("rows", True), ("rows", True), ("tokens", False)]),
+    ("fp8_gemm_wgrad", False, [("rows", True), ("rows", False), ("tokens", True)])])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_grouped_gemm_accumulates_as_the_recipes_mmparams_say(emulated, gemm, split, want,
+                                                                   compiled):
+    """Float8CurrentScaling's ``fp8_gemm_fprop=MMParams(False)`` (TransformerEngine's default)
+    gives the forward GEMM the tensor cores' fast accumulation; dgrad and wgrad split theirs
+    (``MMParams(True)``); each field changes its own GEMM only, eagerly and compiled."""
+    fields = {} if gemm is None else {gemm: qr.MMParams(use_split_accumulator=split)}
+    recipe = qr.Float8CurrentScaling(fp8_format=qr.Format.E4M3, **fields)
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
+
+    def step(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts)
+
+    fn = torch.compile(step, fullgraph=True, backend=_compiled_counter()) if compiled else step
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16, requires_grad=True)
+    fn(x, torch.tensor(COUNTS)).backward(torch.randn(sum(COUNTS), N, dtype=torch.bfloat16))
+    assert FAST_ACCUM == want
 
 
 def test_e5m2_gradients_run_the_backends_grouped_gemm(emulated):

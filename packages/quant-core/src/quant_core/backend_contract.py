@@ -180,21 +180,25 @@ class Backend(Protocol):
     def fp8_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                               b: torch.Tensor, b_scale_inv: torch.Tensor, offs: torch.Tensor,
                               a_ends: torch.Tensor, *, total: int, a_dtype: DType,
-                              b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
-                              ) -> torch.Tensor:
+                              b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16,
+                              fast_accum: bool = False) -> torch.Tensor:
         """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are ``(a_g @ b[g]ᵀ) * a_scale_inv[g]
         * b_scale_inv[g]``, ``a_g`` group ``g``'s rows of ``a [R, K]`` from row ``a_ends[g-1]``
         on, ``b [E, N, K]``; uint8 FP8 bytes, fp32 ``[E]`` scale-inverses (any stride),
-        int32/int64 ``[E]`` cumulative ends. A fast backend reads no group bound on the host."""
+        int32/int64 ``[E]`` cumulative ends. A fast backend reads no group bound on the host.
+        ``fast_accum``: FP8 tensor cores may accumulate the whole contraction at their own
+        width (the recipe's ``MMParams``); a backend without them accumulates in fp32."""
 
     def fp8_grouped_tokens_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                                 b: torch.Tensor, b_scale_inv: torch.Tensor, ends: torch.Tensor,
                                 *, a_dtype: DType, b_dtype: DType,
-                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                                out_dtype: torch.dtype = torch.bfloat16,
+                                fast_accum: bool = False) -> torch.Tensor:
         """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
         b_scale_inv[g]`` over columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]``, ``b [N, R]``
         (zeros for a group without columns); every group starts at a multiple of 16 columns
-        (the padded layout of a grouped layer; a fast backend may read 16-byte vectors)."""
+        (the padded layout of a grouped layer; a fast backend may read 16-byte vectors).
+        ``fast_accum`` as :meth:`fp8_grouped_rows_gemm`'s."""
 
     def fp8_block_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                                     b: torch.Tensor, b_scale_inv: torch.Tensor,

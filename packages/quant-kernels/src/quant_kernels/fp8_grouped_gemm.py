@@ -350,16 +350,20 @@ def check_tokens_shapes(name: str, a: torch.Tensor, b: torch.Tensor, r: str = "R
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
 
 
-def _flags(dtypes, out_dtype: torch.dtype, kw) -> dict:
+def _flags(dtypes, out_dtype: torch.dtype, kw, fast_accum: bool = False) -> dict:
     """The constexprs of a launch: the operands' FP8 dtypes (``None``: decoded operands, which
-    take no ``PROMOTE`` from their config), the output's code and the config's keywords."""
-    return {"PROMOTE": 0, "A_E4M3": dtypes[0] == DType.E4M3, "B_E4M3": dtypes[1] == DType.E4M3,
-            "OUT": out_code(out_dtype), **kw}
+    take no ``PROMOTE`` from their config), the output's code and the config's keywords;
+    ``fast_accum``: no promotion (``PROMOTE`` -1, the tensor cores' own accumulation)."""
+    flags = {"PROMOTE": 0, "A_E4M3": dtypes[0] == DType.E4M3,
+             "B_E4M3": dtypes[1] == DType.E4M3, "OUT": out_code(out_dtype), **kw}
+    if fast_accum:
+        flags["PROMOTE"] = -1
+    return flags
 
 
 def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-              offs: torch.Tensor, a_ends: torch.Tensor, total: int, dtypes, out_dtype, config
-              ) -> torch.Tensor:
+              offs: torch.Tensor, a_ends: torch.Tensor, total: int, dtypes, out_dtype, config,
+              fast_accum: bool = False) -> torch.Tensor:
     """The launch of a grouped rows GEMM of checked operands ``a [R, K]``, ``b [E, N, K]``:
     uint8 FP8 bytes of ``dtypes`` (``(a_dtype, b_dtype)``), or decoded exactly (bf16 on a GPU,
     fp32 under the interpreter; ``dtypes`` ``(None, None)``); ``sa``, ``sb`` the fp32 per-group
@@ -373,7 +377,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     cfg, kw = config
     row_tiles = ceil_div(total, cfg["BM"]) + experts
     grid = (row_tiles * ceil_div(n, cfg["BN"]),)
-    flags = {**_flags(dtypes, out_dtype, kw), "EP2": triton.next_power_of_2(experts)}
+    flags = {**_flags(dtypes, out_dtype, kw, fast_accum), "EP2": triton.next_power_of_2(experts)}
     scales = (sa, sb, offs, a_ends, out, n, k, experts, row_tiles, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b.view(experts * n, k)), dtypes,
                         ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
@@ -385,7 +389,8 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
 
 
 def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                ends: torch.Tensor, dtypes, out_dtype, config) -> torch.Tensor:
+                ends: torch.Tensor, dtypes, out_dtype, config, fast_accum: bool = False
+                ) -> torch.Tensor:
     """The launch of a grouped tokens GEMM of checked operands ``a [M, R]``, ``b [N, R]``, as
     :func:`rows_gemm`'s."""
     (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
@@ -394,7 +399,7 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
         return out
     cfg, kw = config
     grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
-    flags = _flags(dtypes, out_dtype, kw)
+    flags = _flags(dtypes, out_dtype, kw, fast_accum)
     rest = (sa, sb, ends, out, m, n, r, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
     if tma is None:
@@ -409,31 +414,34 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                           b_scale_inv: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
                           *, total: int, a_dtype: DType, b_dtype: DType,
-                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                          out_dtype: torch.dtype = torch.bfloat16,
+                          fast_accum: bool = False) -> torch.Tensor:
     """``out [total, N]``: for each group ``g``, rows ``offs[g-1]:offs[g]`` are
     ``(a_g @ b[g]ᵀ) * a_scale_inv[g] * b_scale_inv[g]`` with ``a_g`` the group's rows of
     ``a [R, K]`` from row ``a_ends[g-1]`` on, ``b [E, N, K]`` (uint8 FP8 bytes of ``a_dtype`` /
     ``b_dtype``; ``offs``, ``a_ends`` ``[E]`` cumulative ends, ``offs[-1] == total``). Rows of
-    ``a`` outside the groups are not read."""
+    ``a`` outside the groups are not read. ``fast_accum``: on FP8 tensor cores, no promotion
+    to the fp32 accumulator (Hopper's fast accumulation over the whole contraction)."""
     name = "fp8_grouped_rows_gemm"
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("offs", offs), ("a_ends", a_ends)), a_dtype, b_dtype, out_dtype)
     check_rows_shapes(name, a, b, offs, a_ends)
     return rows_gemm(a, a_scale_inv, b, b_scale_inv, offs, a_ends, total, (a_dtype, b_dtype),
-                     out_dtype, launch_config("fp8_grouped_rows_gemm"))
+                     out_dtype, launch_config("fp8_grouped_rows_gemm"), fast_accum)
 
 
 def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                             b_scale_inv: torch.Tensor, ends: torch.Tensor, *, a_dtype: DType,
-                            b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
-                            ) -> torch.Tensor:
+                            b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16,
+                            fast_accum: bool = False) -> torch.Tensor:
     """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
     b_scale_inv[g]`` over its columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]`` and
     ``b [N, R]`` (uint8 FP8 bytes; ``ends`` ``[E]`` cumulative, every group starting at a multiple
-    of 16 columns: the padded layout of a grouped layer). A group without columns gives zeros."""
+    of 16 columns: the padded layout of a grouped layer). A group without columns gives zeros.
+    ``fast_accum`` as :func:`fp8_grouped_rows_gemm`'s."""
     name = "fp8_grouped_tokens_gemm"
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("ends", ends),), a_dtype, b_dtype, out_dtype)
     check_tokens_shapes(name, a, b)
     return tokens_gemm(a, a_scale_inv, b, b_scale_inv, ends, (a_dtype, b_dtype), out_dtype,
-                       launch_config("fp8_grouped_tokens_gemm"))
+                       launch_config("fp8_grouped_tokens_gemm"), fast_accum)

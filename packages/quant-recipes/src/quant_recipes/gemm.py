@@ -134,24 +134,28 @@ def operand(bufs, meta, shape, transposed: bool, columnwise: bool):
 
 
 def _fast(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb, bias,
-          out_dtype):
+          out_dtype, fast_accum):
     """``(out, path)`` of the fast path for these operands, or None (see :func:`operand`)."""
     ra = operand(a_bufs, a_meta, a_shape, transa, a_col)
     rb = operand(b_bufs, b_meta, b_shape, not transb, b_col)
-    return fast_gemm(ra, rb, bias, out_dtype) if ra is not None and rb is not None else None
+    if ra is None or rb is None:
+        return None
+    return fast_gemm(ra, rb, bias, out_dtype, fast_accum)
 
 
 def qgemm_impl(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb,
-               bias, out_dtype):
+               bias, out_dtype, fast_accum=False):
     """``op(A) @ op(B) (+ bias)`` with ``op`` = transpose when ``trans``; A is ``a_shape``
-    logically (``[m, k]``), from its columnwise buffers when ``a_col``."""
+    logically (``[m, k]``), from its columnwise buffers when ``a_col``. ``fast_accum``: an FP8
+    per-tensor GEMM on FP8 tensor cores may accumulate at their own width (the recipe's
+    ``MMParams``); every other path accumulates in fp32."""
     (am, ak), (bm, bk) = a_shape, b_shape
     if a_meta[0] == HP and b_meta[0] == HP:
         path = "high_precision"
     else:
         path = "emulated"
         fast = _fast(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col,
-                     transb, bias, out_dtype)
+                     transb, bias, out_dtype, fast_accum)
         if fast is not None:
             out, path = fast
             _record(path)
@@ -169,18 +173,18 @@ _lib = torch.library.Library("quant_recipes", "FRAGMENT")
 _lib.define(
     "qgemm(Tensor[] a, int[] a_meta, SymInt[] a_shape, bool a_col, bool transa, "
     "Tensor[] b, int[] b_meta, SymInt[] b_shape, bool b_col, bool transb, Tensor? bias, "
-    "ScalarType out_dtype) -> Tensor"
+    "ScalarType out_dtype, bool fast_accum=False) -> Tensor"
 )
 
 
 def _qgemm_cpu(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, transb, bias,
-               out_dtype):
+               out_dtype, fast_accum=False):
     return qgemm_impl(list(a), list(a_meta), list(a_shape), a_col, transa, list(b), list(b_meta),
-                      list(b_shape), b_col, transb, bias, out_dtype)
+                      list(b_shape), b_col, transb, bias, out_dtype, fast_accum)
 
 
 def _qgemm_fake(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, transb, bias,
-                out_dtype):
+                out_dtype, fast_accum=False):
     rows = a_shape[1] if transa else a_shape[0]
     cols = b_shape[0] if transb else b_shape[1]
     dev = a[0].device
@@ -188,11 +192,11 @@ def _qgemm_fake(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, tr
 
 
 def _qgemm_lowered(a, a_meta, a_shape, a_col, transa, b, b_meta, b_shape, b_col, transb, bias,
-                   out_dtype):
+                   out_dtype, fast_accum=False):
     """The body recorded into a compiled graph: a fast path only (cuBLAS or the backend's GEMM
     kernel); the emulated and high-precision paths stay in the opaque op (``NotCapturable``)."""
     fast = _fast(list(a), list(a_meta), list(a_shape), a_col, transa, list(b), list(b_meta),
-                 list(b_shape), b_col, transb, bias, out_dtype)
+                 list(b_shape), b_col, transb, bias, out_dtype, fast_accum)
     if fast is None:
         raise NotCapturable("no fast GEMM path for these operands")
     _COMPILED[fast[1]] += 1
@@ -207,9 +211,9 @@ if available():
 
 
 def qgemm(a_bufs, a_meta, a_shape, a_col, transa, b_bufs, b_meta, b_shape, b_col, transb,
-          bias, out_dtype):
+          bias, out_dtype, fast_accum=False):
     """The GEMM as a custom op (recorded at run time, opaque to the compiler)."""
     return torch.ops.quant_recipes.qgemm(
         a_bufs, a_meta, list(a_shape), a_col, transa, b_bufs, b_meta, list(b_shape), b_col,
-        transb, bias, out_dtype,
+        transb, bias, out_dtype, fast_accum,
     )

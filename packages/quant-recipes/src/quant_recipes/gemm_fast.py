@@ -1,6 +1,7 @@
 """The fast GEMM paths (architecture.md contract 6): for two row operands of one format
 (``quant_core.GemmOperand``), the fastest implementation this torch, GPU and backend offer whose
-result is the reference's products accumulated in fp32, in another order.
+result is the reference's products accumulated in fp32, in another order (an FP8 per-tensor
+GEMM asked for fast accumulation, ``fast_accum``, sums at the FP8 tensor cores' own width).
 
 - ``"scaled_mm"``: FP8 per-tensor on CUDA sm >= 8.9, ``torch._scaled_mm`` (cuBLAS);
 - ``"scaled_mm_blockwise"``: FP8 1x128 / 128x128 blocks on CUDA sm 9.x where torch has block
@@ -67,7 +68,7 @@ def tensorwise_problem(device: torch.device) -> str | None:
     return None
 
 
-def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     if tensorwise_problem(ra.data.device) is not None:
         return None
     if ra.fp_dtype == rb.fp_dtype == DType.E5M2 or not _aligned(ra.rows, rb.rows, ra.k):
@@ -81,6 +82,7 @@ def _tensorwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
         _row_major(ra.fp8_view()), _row_major(rb.fp8_view()).t(),
         scale_a=ra.scale, scale_b=rb.scale,
         bias=bias if fused else None, out_dtype=out_dtype if direct else torch.float32,
+        use_fast_accum=fast_accum,
     )
     if not direct:
         out = (out + bias.to(torch.float32)).to(out_dtype)
@@ -117,7 +119,7 @@ def _blockwise_scale(op: GemmOperand):
     return s.t(), F.ScalingType.BlockWise1x128
 
 
-def _blockwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _blockwise(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     if not blockwise_available(ra.data.device) or out_dtype not in BLOCKWISE_OUT_DTYPES:
         return None
     if ra.block_scaling_dim == rb.block_scaling_dim == 2 or not _aligned(ra.rows, rb.rows, ra.k):
@@ -219,7 +221,7 @@ def _call_nvfp4(a, a_scale, b, b_scale, out_dtype):
     )
 
 
-def _native_mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _native_mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     if not _native_takes(ra, rb, out_dtype):
         return None
     out = _call_mxfp8(_row_major(ra.fp8_view()), swizzled_scale(ra, 32),
@@ -228,7 +230,7 @@ def _native_mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
     return out if bias is None else _finish(out, bias, out_dtype)
 
 
-def _native_nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _native_nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     """The fp32 product of the E2M1 x E4M3 elements, then ``(P * alpha_a) * alpha_b``: the
     reference's two per-tensor factors, not cuBLAS's one (which rounds differently)."""
     if not _native_takes(ra, rb, out_dtype):
@@ -258,14 +260,14 @@ def _block_problem(device: torch.device) -> str | None:
     return None
 
 
-def _mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _mxfp8(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     be, _ = _block_backend(ra.data.device)
     return be.mxfp8_gemm(ra.data, ra.scale, rb.data, rb.scale, a_dtype=ra.fp_dtype,
                          b_dtype=rb.fp_dtype, a_swizzled=ra.swizzled, b_swizzled=rb.swizzled,
                          bias=bias, out_dtype=out_dtype)
 
 
-def _nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype):
+def _nvfp4(ra: GemmOperand, rb: GemmOperand, bias, out_dtype, fast_accum=False):
     be, _ = _block_backend(ra.data.device)
     data = [op.data if op.data.stride(1) == 1 else op.data.contiguous() for op in (ra, rb)]
     return be.nvfp4_gemm(data[0], ra.scale, ra.amax, data[1], rb.scale, rb.amax,
@@ -354,13 +356,17 @@ def routes(device: torch.device | str) -> list[Route]:
 
 
 def fast_gemm(ra: GemmOperand, rb: GemmOperand, bias: torch.Tensor | None,
-              out_dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
+              out_dtype: torch.dtype, fast_accum: bool = False
+              ) -> tuple[torch.Tensor, str] | None:
     """``R_a @ R_bᵀ (+ bias)`` as ``out_dtype`` with its path name, or ``None`` when no fast
-    path takes these operands (mixed formats, missing features, unaligned shapes)."""
+    path takes these operands (mixed formats, missing features, unaligned shapes).
+    ``fast_accum``: the FP8 per-tensor path (``"scaled_mm"``) accumulates at the FP8 tensor
+    cores' own width (cuBLAS's fast accumulation), as the recipe's ``MMParams`` ask; the block
+    scaled and bf16 paths accumulate in fp32 regardless."""
     if ra.format != rb.format or ra.k != rb.k:
         return None
     for p in _PATHS[ra.format]:
-        out = p.gemm(ra, rb, bias, out_dtype)
+        out = p.gemm(ra, rb, bias, out_dtype, fast_accum)
         if out is not None:
             return out, _path_name(p, ra)
     return None

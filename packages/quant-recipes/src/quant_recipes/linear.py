@@ -172,9 +172,10 @@ class _QLinearFn(torch.autograd.Function):
         wb = (w.buffer_list(x) if isinstance(w, QuantizedStorage)
               else quantize_buffers(w, plan.weight, group))
         wop = tuple_new(Operand, (wb, quantizer_meta(plan.weight), (n, k)))
-        y = fprop(xop, wop, b, x.dtype)
+        y = fprop(xop, wop, b, x.dtype, fast_accum=plan.fast_accum[0])
         save_operands(ctx, x, xop, w, wop, plan)
         ctx.grad_q, ctx.group, ctx.region = plan.grad, group, region
+        ctx.fast_accum = plan.fast_accum
         ctx.columnwise, ctx.dtypes = plan.override is None, (x.dtype, w.dtype)
         ctx.has_bias = b is not None
         return y
@@ -190,9 +191,9 @@ class _QLinearFn(torch.autograd.Function):
             g = tuple_new(Operand, ([gy], list(HP_META), tuple(gy.shape)))
         (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = dgrad(g, w, ctx.columnwise, x_dtype)
+            dx = dgrad(g, w, ctx.columnwise, x_dtype, fast_accum=ctx.fast_accum[1])
         if ctx.needs_input_grad[1]:
-            dw = wgrad(g, x, ctx.columnwise, w_dtype)
+            dw = wgrad(g, x, ctx.columnwise, w_dtype, fast_accum=ctx.fast_accum[2])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         if ctx.region is not None:

@@ -27,6 +27,7 @@ from .compiling import compiling, dynamo
 from .fsdp_layout import columnwise_buffer_list
 from .gemm import HP_META, for_transposed_use, is_high_precision, qgemm
 from .module import is_value
+from .recipe import fast_accumulation
 from .reuse import shared_quantization
 from .weight_cache import cached_quantization
 
@@ -51,23 +52,27 @@ Gemm = Callable[..., torch.Tensor]
 tuple_new = tuple.__new__
 
 
-def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm):
-    """``x Wᵀ (+ bias)`` from both operands' rowwise forms."""
+def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm,
+          fast_accum: bool = False):
+    """``x Wᵀ (+ bias)`` from both operands' rowwise forms (``fast_accum``: the plan's, see
+    :class:`OperandPlan`)."""
     return gemm(x.bufs, x.meta, x.shape, False, False, w.bufs, w.meta, w.shape, False, True,
-                bias, out_dtype)
+                bias, out_dtype, fast_accum)
 
 
-def dgrad(g: Operand, w: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm):
+def dgrad(g: Operand, w: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm,
+          fast_accum: bool = False):
     """``g W``: the input gradient, ``W`` from its columnwise copy when ``columnwise`` (no
     backward override), else from its rowwise form or high-precision value."""
     return gemm(g.bufs, g.meta, g.shape, False, False, w.bufs, w.meta, w.shape, columnwise, False,
-                None, out_dtype)
+                None, out_dtype, fast_accum)
 
 
-def wgrad(g: Operand, x: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm):
+def wgrad(g: Operand, x: Operand, columnwise: bool, out_dtype: torch.dtype, gemm: Gemm = qgemm,
+          fast_accum: bool = False):
     """``gᵀ x``: the weight gradient, both from their columnwise copies when ``columnwise``."""
     return gemm(g.bufs, g.meta, g.shape, columnwise, True, x.bufs, x.meta, x.shape, columnwise,
-                False, None, out_dtype)
+                False, None, out_dtype, fast_accum)
 
 
 def amax_per_row(q: Quantizer) -> bool:
@@ -118,6 +123,9 @@ class OperandPlan(NamedTuple):
     input_bwd: Quantizer | None
     #: The backward override (None, "dequantized" or "high_precision").
     override: str | None
+    #: ``(fprop, dgrad, wgrad)``: the recipe's :func:`~quant_recipes.recipe.fast_accumulation`,
+    #: which each GEMM passes on (``qgemm``'s ``fast_accum``).
+    fast_accum: tuple[bool, bool, bool] = (False, False, False)
 
     @property
     def columnwise(self) -> bool:
@@ -157,7 +165,7 @@ def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool
         variant(qset.bwd[0], rowwise_usage=dgrad or not wgrad, columnwise_usage=wgrad),
         variant(fwd_w, rowwise_usage=False, columnwise_usage=True) if requant_w else None,
         variant(fwd_in, rowwise_usage=False, columnwise_usage=True) if requant_x else None,
-        override))
+        override, fast_accumulation(qset.recipe)))
 
 
 def requantizing_backward(plan: OperandPlan, qset, high_precision: Quantizer):

@@ -82,7 +82,11 @@ def _check_field_types(obj) -> None:
 
 @dataclass(frozen=True)
 class MMParams:
-    """GEMM parameters (kept for TransformerEngine parity; emulated GEMMs accumulate in fp32)."""
+    """Parameters of one GEMM of a step. ``use_split_accumulator=False`` lets an FP8 per-tensor
+    GEMM on FP8 tensor cores accumulate the whole contraction at the tensor cores' own width
+    (cuBLAS's fast accumulation), as TransformerEngine does; ``True`` adds their partial sums to
+    an fp32 accumulator. Emulated GEMMs, and GEMMs on other formats, accumulate in fp32 either
+    way (:func:`fast_accumulation`)."""
 
     use_split_accumulator: bool = True
 
@@ -94,6 +98,23 @@ class MMParams:
 #: reads them through a global (Dynamo cannot wrap a dataclass default that has no source).
 SPLIT = MMParams(use_split_accumulator=True)
 NO_SPLIT = MMParams(use_split_accumulator=False)
+
+#: The recipe fields of a step's three GEMMs, and TransformerEngine's split-accumulator choice
+#: for a recipe without them: the forward GEMM accumulates fast, the two backward ones split.
+_GEMM_PARAMS = (("fp8_gemm_fprop", False), ("fp8_gemm_dgrad", True), ("fp8_gemm_wgrad", True))
+
+
+def fast_accumulation(recipe: Recipe) -> tuple[bool, bool, bool]:
+    """``(fprop, dgrad, wgrad)``: whether each GEMM of a step under ``recipe`` may use the FP8
+    tensor cores' fast accumulation: ``not use_split_accumulator`` of the recipe's
+    ``fp8_gemm_*`` field, and where the recipe has none TransformerEngine's module default
+    (fprop fast, dgrad and wgrad split). Only FP8 per-tensor GEMMs on FP8 tensor cores read it
+    (numerics.md, GEMM contract)."""
+    out = []
+    for name, split in _GEMM_PARAMS:
+        params = getattr(recipe, name, None)
+        out.append(not (split if params is None else params.use_split_accumulator))
+    return out[0], out[1], out[2]
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,11 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_en
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                           b_scale_inv: torch.Tensor, offs: torch.Tensor, a_ends: torch.Tensor,
                           *, total: int, a_dtype: DType, b_dtype: DType,
-                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                          out_dtype: torch.dtype = torch.bfloat16,
+                          fast_accum: bool = False) -> torch.Tensor:
     """``out [total, N]``: rows ``offs[g-1]:offs[g]`` are group ``g``'s rows of ``a [R, K]``
     (from row ``a_ends[g-1]`` on) times ``b[g]ᵀ`` (``b [E, N, K]``), scaled by the group's
-    scale-inverses."""
+    scale-inverses. Sums in fp32 whatever ``fast_accum`` says (no FP8 tensor cores here)."""
     out = torch.zeros((total, b.shape[1]), dtype=out_dtype, device=a.device)
     for g, ((s, e), (a0, _)) in enumerate(zip(_bounds(offs), _bounds(a_ends), strict=True)):
         if e > s:
@@ -64,11 +65,12 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
 
 def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                             b_scale_inv: torch.Tensor, ends: torch.Tensor, *, a_dtype: DType,
-                            b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16
-                            ) -> torch.Tensor:
+                            b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16,
+                            fast_accum: bool = False) -> torch.Tensor:
     """``out [E, M, N]``: group ``g``'s ``a[:, s:e] @ b[:, s:e]ᵀ`` over its columns
     ``ends[g-1]:ends[g]`` of ``a [M, R]`` and ``b [N, R]``, scaled by the group's
-    scale-inverses (zeros for a group without columns)."""
+    scale-inverses (zeros for a group without columns); sums in fp32 whatever ``fast_accum``
+    says."""
     out = torch.zeros((ends.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     for g, (s, e) in enumerate(_bounds(ends)):
         p = fp8_decode(a[:, s:e], a_dtype) @ fp8_decode(b[:, s:e], b_dtype).t()

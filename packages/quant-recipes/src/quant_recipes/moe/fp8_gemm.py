@@ -5,15 +5,16 @@ Each GEMM multiplies every group on FP8 tensor cores, by one of three routes (th
 are one launch with the group bounds read on the device: nothing read on the host, so the step
 can be captured in a CUDA graph):
 
-- ``"scaled_grouped_mm"``: ``torch._scaled_grouped_mm`` (fp32 accumulation,
-  ``use_fast_accum=False``) with each row's (column's) group ``scale_inv`` as its row scale,
-  where the kernel takes the operands (probed once per device type and first-operand dtype, by
-  value: torch 2.11's takes E4M3 x E4M3 only) and :data:`ROUTE` prefers it;
+- ``"scaled_grouped_mm"``: ``torch._scaled_grouped_mm`` (fp32 accumulation, or the tensor
+  cores' fast accumulation where the recipe's ``MMParams`` ask for it) with each row's
+  (column's) group ``scale_inv`` as its row scale, where the kernel takes the operands (probed
+  once per device type and first-operand dtype, by value: torch 2.11's takes E4M3 x E4M3 only)
+  and :data:`ROUTE` prefers it;
 - ``"fp8_grouped_gemm"``: the backend's grouped FP8 GEMMs (``fp8_grouped_rows_gemm``,
   ``fp8_grouped_tokens_gemm`` of the backend contract; quant-kernels' Triton kernels on GPUs):
   any FP8 pair (the E5M2 gradients of the HYBRID backward), each group's ``scale_inv`` applied
   to its fp32 product. The reference backend's definition reads the group bounds on the host.
-- ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, fp32 accumulation) per group on
+- ``"scaled_mm_per_group"``: one ``torch._scaled_mm`` (cuBLAS, likewise) per group on
   slices of the same batched bytes, after one host read of the group bounds per backward; only
   where :data:`CUBLAS_PER_GROUP` asks for it.
 
@@ -48,11 +49,11 @@ from .paths import count_path
 SCALED_GROUPED_MM_DEVICES = {"cuda"}
 
 
-def scaled_grouped_mm(a, b, scale_a, scale_b, offs):
-    """``torch._scaled_grouped_mm`` with fp32 accumulation and a bf16 output (tests replace it
-    by an emulation on the CPU)."""
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum=False):
+    """``torch._scaled_grouped_mm`` with a bf16 output, fp32 accumulation unless
+    ``fast_accum`` (tests replace it by an emulation on the CPU)."""
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
-                                    use_fast_accum=False)
+                                    use_fast_accum=fast_accum)
 
 
 @functools.cache
@@ -114,11 +115,11 @@ OWN_KERNEL_MIN_EXPERTS = 64
 CUBLAS_PER_GROUP = False
 
 
-def scaled_mm(a, b, scale_a, scale_b, out):
-    """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation (tests replace
-    it by an emulation on the CPU)."""
+def scaled_mm(a, b, scale_a, scale_b, out, fast_accum=False):
+    """``torch._scaled_mm`` of one group into ``out`` (bf16), fp32 accumulation unless
+    ``fast_accum`` (tests replace it by an emulation on the CPU)."""
     torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                     use_fast_accum=False, out=out)
+                     use_fast_accum=fast_accum, out=out)
 
 
 def grouped_takes(qa, qb, device: torch.device, experts: int) -> bool:
@@ -186,12 +187,13 @@ def _route(qa, qb, device: torch.device, experts: int, fp32: bool = False) -> st
     return "fp8_grouped_gemm"
 
 
-def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool = False
-              ) -> torch.Tensor:
+def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool = False,
+              fast_accum: bool = False) -> torch.Tensor:
     """``[T, cols]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ``, ``b [E, cols, contraction]``
     (each expert's operand, contraction contiguous); ``a`` ``[rows, contraction]`` in the padded
     layout when ``padded``, else ``[T, contraction]``. ``groups``: :func:`_host_groups`, when the
-    caller has read them. bf16, or the fp32 products when ``fp32``."""
+    caller has read them. bf16, or the fp32 products when ``fp32``. ``fast_accum``: the tensor
+    cores may accumulate at their own width (the recipe's ``MMParams``)."""
     experts, cols = b.shape[:2]
     route = _route(qa, qb, a.device, experts, fp32)
     count_path(route)
@@ -199,39 +201,42 @@ def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool =
         out = scaled_grouped_mm(
             _fp8(a, qa), _fp8(b, qb).transpose(-2, -1),
             sa[:, 0][lay.grp if padded else lay.gid],
-            sb[:, 0, None].expand(experts, cols).contiguous(), lay.ends if padded else lay.offs)
+            sb[:, 0, None].expand(experts, cols).contiguous(), lay.ends if padded else lay.offs,
+            fast_accum)
         return out[lay.dest] if padded else out
     if route == "fp8_grouped_gemm":
         return backends.get(None, a.device).fp8_grouped_rows_gemm(
             a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
             total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype,
-            out_dtype=torch.float32 if fp32 else torch.bfloat16)
+            out_dtype=torch.float32 if fp32 else torch.bfloat16, fast_accum=fast_accum)
     out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
     av, bv = _fp8(a, qa), _fp8(b, qb)
     for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
         if e > s:
             at = ps if padded else s
-            scaled_mm(av[at:at + e - s], bv[g].t(), sa[g, :1], sb[g, :1], out[s:e])
+            scaled_mm(av[at:at + e - s], bv[g].t(), sa[g, :1], sb[g, :1], out[s:e], fast_accum)
     return out
 
 
-def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None) -> torch.Tensor:
+def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None, fast_accum: bool = False
+                ) -> torch.Tensor:
     """``[E, m, n]``: per group ``a_gᵀ b_g`` of the transposed padded copies ``at [m, rows]`` and
     ``bt [n, rows]``, the contraction over the group's padded tokens (an empty group's are
-    zeros, so is its product)."""
+    zeros, so is its product); ``fast_accum`` as :func:`rows_gemm`'s."""
     m, n = at.shape[0], bt.shape[0]
     route = _route(qa, qb, at.device, lay.groups)
     count_path(route)
     if route == "scaled_grouped_mm":
         return scaled_grouped_mm(_fp8(at, qa), _fp8(bt, qb).t(), sa[:, 0].repeat_interleave(m),
-                                 sb[:, 0].repeat_interleave(n), lay.ends)
+                                 sb[:, 0].repeat_interleave(n), lay.ends, fast_accum)
     if route == "fp8_grouped_gemm":
         return backends.get(None, at.device).fp8_grouped_tokens_gemm(
-            at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype)
+            at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype,
+            fast_accum=fast_accum)
     out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
     av, bv = _fp8(at, qa), _fp8(bt, qb)
     for g, (_, _, ps, pe) in enumerate(groups or _host_groups(lay)):
-        scaled_mm(av[:, ps:pe], bv[:, ps:pe].t(), sa[g, :1], sb[g, :1], out[g])
+        scaled_mm(av[:, ps:pe], bv[:, ps:pe].t(), sa[g, :1], sb[g, :1], out[g], fast_accum)
     return out
 
 
@@ -241,17 +246,17 @@ def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
 
 
-def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None):
+def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accum: bool = False):
     """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
     (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`;
-    the groups' padded layout ``lay``), and the transposed bytes backward's GEMMs read
-    (``keep_x_t`` for the weight gradient, ``keep_w_t`` for the input gradient) with their
-    ``scale_inv`` ``[E, SCALE_PITCH]``."""
+    the groups' padded layout ``lay``; ``fast_accum`` as :func:`rows_gemm`'s), and the
+    transposed bytes backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t``
+    for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
     fp32 = b is not None
     padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
     wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
-    y = rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded, fp32=fp32)
+    y = rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded, fp32=fp32, fast_accum=fast_accum)
     return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 
 
@@ -267,15 +272,17 @@ def weight_transposed(w, qw):
     return wt, sw
 
 
-def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool):
+def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
+             fast_dgrad: bool = False, fast_wgrad: bool = False):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
-    GEMMs read."""
+    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``."""
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
-    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups) if dgrad else None
-    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups) if wgrad else None
+    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups,
+                   fast_accum=fast_dgrad) if dgrad else None
+    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad) if wgrad else None
     return dx, dw

@@ -226,14 +226,15 @@ def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, in
     return [(g, s, m, roundup(m, align)) for g, (s, m) in enumerate(_groups(offs, total)) if m]
 
 
-def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, align: int
-                  ) -> torch.Tensor:
+def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, align: int,
+                  fast_accum: bool = False) -> torch.Tensor:
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
-    ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does;
-    ``lay`` the groups' layout padded to ``align`` rows (:func:`.fp8.layout`)."""
+    ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does
+    (``fast_accum`` its plan's); ``lay`` the groups' layout padded to ``align`` rows
+    (:func:`.fp8.layout`)."""
     (total, k), n = x.shape, w.shape[1]
     if fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
-        return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b)[0]
+        return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b, fast_accum)[0]
     for route in (fp8_block_gemm, nvfp4_gemm):
         if route.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
             return route.forward(x, lay, w, qx, qw, b)
@@ -248,14 +249,15 @@ def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, 
     wbs = [quantized(w[g], qw) for g, *_ in work]
     for xb, wb, (g, s, m, mp) in zip(xbs, wbs, work, strict=True):
         yg = operands.fprop(Operand(xb, xm, (mp, k)), Operand(wb, wm, (n, k)),
-                            None if b is None else b[g], x.dtype, qgemm_impl)
+                            None if b is None else b[g], x.dtype, qgemm_impl, fast_accum)
         y[s:s + m] = yg[:m]
     count_path("per_group")
     return y
 
 
 def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor,
-                  qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool, bias: bool):
+                  qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool, bias: bool,
+                  fast_dgrad: bool = False, fast_wgrad: bool = False):
     """``(dx, dw, db)`` of :func:`grouped_fprop` for the output gradient ``gy``: per group the
     dense Linear's backward GEMMs on ``gy`` quantized by ``qg`` and on ``x`` / ``w`` quantized
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
@@ -287,12 +289,12 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.T
         wbs = [quantized(w[g], qw) for g, *_ in work]
         for gb, wb, (_, s, m, mp) in zip(gbs, wbs, work, strict=True):
             dx[s:s + m] = operands.dgrad(Operand(gb, gm, (mp, n)), Operand(wb, wm, (n, k)),
-                                         col, x.dtype, qgemm_impl)[:m]
+                                         col, x.dtype, qgemm_impl, fast_dgrad)[:m]
         count_path("per_group")
     if wgrad:
         xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
         for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
             dw[g] = operands.wgrad(Operand(gb, gm, (mp, n)), Operand(xb, xm, (mp, k)), col,
-                                   w.dtype, qgemm_impl)
+                                   w.dtype, qgemm_impl, fast_wgrad)
         count_path("per_group")
     return dx, dw, db

@@ -44,6 +44,8 @@ from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 
 #: The quantizer of every high-precision slot.
 _HIGH_PRECISION = intern(IdentityQuantizer())
+#: The ``(fprop, dgrad, wgrad)`` accumulation flags of a high-precision step (fp32 sums).
+_NO_FAST_ACCUM = (False, False, False)
 
 
 #: Positions of the arguments of :class:`_GroupedFn` and :class:`_GroupedFP8Fn` that take
@@ -67,13 +69,14 @@ class _GroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced = args[Layout.FIELDS:]
-        y = fprop(x, lay, w, b, qx, qw, align, traced)
+        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced, fast = args[Layout.FIELDS:]
+        y = fprop(x, lay, w, b, qx, qw, align, traced, fast[0])
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         ctx.save_for_backward(x if wgrad else None, w if dgrad else None, *lay.tensors())
         ctx.shapes = (x.shape, x.dtype, w.shape, w.dtype)
         ctx.q = (qg, qx_bwd, qw_bwd)
         ctx.col, ctx.align, ctx.traced, ctx.has_bias = col, align, traced, b is not None
+        ctx.fast_accum = fast
         return y
 
     @staticmethod
@@ -86,8 +89,8 @@ class _GroupedFn(torch.autograd.Function):
         x = x if x is not None else gy.new_empty(x_shape, dtype=x_dtype)
         w = w if w is not None else gy.new_empty(w_shape, dtype=w_dtype)
         dx, dw, db = bprop(gy.contiguous(), x, Layout(*lay), w, *ctx.q, ctx.col, ctx.align,
-                           dgrad, wgrad, dbias, ctx.traced)
-        return _grads(ctx, dx, dw, db, 8)
+                           dgrad, wgrad, dbias, ctx.traced, *ctx.fast_accum[1:])
+        return _grads(ctx, dx, dw, db, 9)
 
 
 class _GroupedFP8Fn(torch.autograd.Function):
@@ -99,14 +102,14 @@ class _GroupedFP8Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t = args[Layout.FIELDS:]
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced)
+        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0])
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
                               *lay.tensors())
-        ctx.q, ctx.traced = (qg, qx, qw), traced
+        ctx.q, ctx.traced, ctx.fast_accum = (qg, qx, qw), traced, fast
         ctx.bias_dtype = None if b is None else b.dtype
         return y
 
@@ -121,9 +124,10 @@ class _GroupedFP8Fn(torch.autograd.Function):
         if ctx.requant[1]:
             wt, sw = fp8_experts_t(wt, qw, ctx.traced)
         gy = gy.contiguous()
-        dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced)
+        dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced,
+                           *ctx.fast_accum[1:])
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 6)
+        return _grads(ctx, dx, dw, db, 7)
 
 
 def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
@@ -243,7 +247,7 @@ class GroupedProjection(QuantizedModule):
             hp = _HIGH_PRECISION
             lay = _layout(offs, x.shape[0], 16, layouts)
             return _GroupedFn.apply(x, w, b, *lay.tensors(), hp, hp, hp, hp, hp, False, 16,
-                                    traced)
+                                    traced, _NO_FAST_ACCUM)
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
                              "(each expert group has its own amax)")
@@ -272,10 +276,11 @@ class GroupedProjection(QuantizedModule):
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
-                                       plan.input_bwd is None, plan.weight_bwd is None)
+                                       plan.input_bwd is None, plan.weight_bwd is None,
+                                       plan.fast_accum)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
         return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
-                                traced)
+                                traced, plan.fast_accum)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:

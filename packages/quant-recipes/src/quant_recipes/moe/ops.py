@@ -65,30 +65,33 @@ def _layout(lay) -> Layout:
     return Layout(*lay)
 
 
-def _fprop(x, lay, w, b, q, align):
-    return grouped_fprop(x, _layout(lay), w, b, *map(quantizer_of, q), align)
+def _fprop(x, lay, w, b, q, align, fast_accum=False):
+    return grouped_fprop(x, _layout(lay), w, b, *map(quantizer_of, q), align, fast_accum)
 
 
-def _fprop_fake(x, lay, w, b, q, align):
+def _fprop_fake(x, lay, w, b, q, align, fast_accum=False):
     return x.new_empty((x.shape[0], w.shape[1]))
 
 
-def _bprop(gy, x, lay, w, q, col, align, dgrad, wgrad, bias):
+def _bprop(gy, x, lay, w, q, col, align, dgrad, wgrad, bias, fast_dgrad=False,
+           fast_wgrad=False):
     return grouped_bprop(gy, x, _layout(lay), w, *map(quantizer_of, q), col, align, dgrad,
-                         wgrad, bias)
+                         wgrad, bias, fast_dgrad, fast_wgrad)
 
 
-def _bprop_fake(gy, x, lay, w, q, col, align, dgrad, wgrad, bias):
+def _bprop_fake(gy, x, lay, w, q, col, align, dgrad, wgrad, bias, fast_dgrad=False,
+                fast_wgrad=False):
     (total, k), (experts, n) = x.shape, w.shape[:2]
     return (x.new_empty((total, k) if dgrad else (0,)),
             w.new_empty((experts, n, k) if wgrad else (0,)),
             w.new_empty((experts, n) if bias else (0,)))
 
 
-_op("grouped_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, int align) -> Tensor",
-    _fprop, _fprop_fake)
+_op("grouped_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, int align, "
+    "bool fast_accum=False) -> Tensor", _fprop, _fprop_fake)
 _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool col, int align, "
-    "bool dgrad, bool wgrad, bool bias) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
+    "bool dgrad, bool wgrad, bool bias, bool fast_dgrad=False, bool fast_wgrad=False) -> "
+    "(Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
 def _rows_t(x, lay, q):
@@ -120,74 +123,81 @@ def _empty_for_none(t, like, dtype=torch.uint8):
     return like.new_empty((0,), dtype=dtype) if t is None else t
 
 
-def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t):
+def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False):
     y, xt, sx, wt, sw = fp8_gemm.forward(x, _layout(lay), w, *map(quantizer_of, q), keep_x_t,
-                                         keep_w_t, b)
+                                         keep_w_t, b, fast_accum)
     return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
 
-def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t):
+def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False):
     xt, sx = _rows_t_fake(x, lay, q[0])
     wt, sw = _experts_t_fake(w, q[1])
     return (x.new_empty((x.shape[0], w.shape[1])), xt if keep_x_t else _empty_for_none(None, x),
             sx, wt if keep_w_t else _empty_for_none(None, x), sw)
 
 
-def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad):
+def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False):
     dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
-                               wgrad)
+                               wgrad, fast_dgrad, fast_wgrad)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
-def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad):
+def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
+                    fast_wgrad=False):
     total, n = gy.shape
     return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
             gy.new_empty((lay[5].shape[0], n, xt.shape[0]) if wgrad else (0,)))
 
 
 _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
-    "bool keep_w_t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _fp8_fprop, _fp8_fprop_fake)
+    "bool keep_w_t, bool fast_accum=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _fp8_fprop, _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
-    "str[] q, bool dgrad, bool wgrad) -> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
+    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False) -> "
+    "(Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
-def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool):
+def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False):
     """:func:`grouped_fprop`, through its op when ``traced``."""
     if not traced:
-        return grouped_fprop(x, lay, w, b, qx, qw, align)
+        return grouped_fprop(x, lay, w, b, qx, qw, align, fast_accum)
     return torch.ops.quant_recipes.grouped_fprop(
-        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], align)
+        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], align, fast_accum)
 
 
 def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool,
-          bias: bool, traced: bool):
+          bias: bool, traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False):
     """:func:`grouped_bprop`, through its op when ``traced``."""
     if not traced:
-        return grouped_bprop(gy, x, lay, w, qg, qx, qw, col, align, dgrad, wgrad, bias)
+        return grouped_bprop(gy, x, lay, w, qg, qx, qw, col, align, dgrad, wgrad, bias,
+                             fast_dgrad, fast_wgrad)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     return torch.ops.quant_recipes.grouped_bprop(gy, x, lay.tensors(), w, specs, col, align,
-                                                 dgrad, wgrad, bias)
+                                                 dgrad, wgrad, bias, fast_dgrad, fast_wgrad)
 
 
-def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool):
+def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool,
+              fast_accum: bool = False):
     """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
-        return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b)
+        return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b, fast_accum)
     return torch.ops.quant_recipes.grouped_fp8_fprop(
-        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], keep_x_t, keep_w_t)
+        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], keep_x_t, keep_w_t,
+        fast_accum)
 
 
 def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-              traced: bool):
+              traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False):
     """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
-        return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad)
+        return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
+                                 fast_wgrad)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
     return torch.ops.quant_recipes.grouped_fp8_bprop(
         gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
-        specs, dgrad, wgrad)
+        specs, dgrad, wgrad, fast_dgrad, fast_wgrad)
 
 
 def fp8_rows_t(x, lay: Layout, qx, traced: bool):

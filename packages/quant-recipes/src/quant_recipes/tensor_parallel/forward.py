@@ -94,9 +94,10 @@ class TensorParallelLinearFn(torch.autograd.Function):
         xop = Operand(xb, quantizer_meta(plan.input), (m, k))
         wop = Operand(quantize_over(w, plan.weight, groups[1]), quantizer_meta(plan.weight),
                       (n, k))
-        y = fprop(xop, wop, b, x.dtype)
+        y = fprop(xop, wop, b, x.dtype, fast_accum=plan.fast_accum[0])
         save_operands(ctx, x, xop, w, wop, plan)
         ctx.grad_q, ctx.groups, ctx.columnwise = plan.grad, groups, plan.columnwise
+        ctx.fast_accum = plan.fast_accum
         ctx.dtypes, ctx.x_shape, ctx.has_bias = (x.dtype, w.dtype), tuple(x.shape), b is not None
         return y
 
@@ -111,9 +112,10 @@ class TensorParallelLinearFn(torch.autograd.Function):
             g = Operand([gy], list(HP_META), tuple(gy.shape))
         (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = dgrad(g, w, ctx.columnwise, x_dtype).reshape(ctx.x_shape)
+            dx = dgrad(g, w, ctx.columnwise, x_dtype,
+                       fast_accum=ctx.fast_accum[1]).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = wgrad(g, x, ctx.columnwise, w_dtype)
+            dw = wgrad(g, x, ctx.columnwise, w_dtype, fast_accum=ctx.fast_accum[2])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         return dx, dw, db, None, None
