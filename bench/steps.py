@@ -232,12 +232,16 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
-                  "requant_all": ("save_weight_copy", "save_input_copy")}
+                  "requant_all": ("save_weight_copy", "save_input_copy"), "split": ()}
+#: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
+#: split accumulator too (``fp8_gemm_fprop=MMParams(True)``; the default accumulates it fast).
+RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
-    "save_input_copy=False, requant_all: both) and @form (ops: the reference's torch ops for "
-    "Inductor to fuse, kernels: the recorded Triton kernels, opaque: opaque custom ops)")
+    "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True)) and @form "
+    "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
+    "kernels, opaque: opaque custom ops)")
 
 
 #: Mixture-of-experts widths, name -> (hidden, expert width, experts, top-k, heads, KV heads,
@@ -378,7 +382,7 @@ def convert_llama(config: str, model):
     elif name in OURS:
         import quant_recipes as qr
 
-        recipe = qr.recipe(name)
+        recipe = qr.recipe(name, **RECIPE_VARIANTS.get(variant, {}))
         qr.convert(model, recipe=recipe)
         from quant_recipes.moe.linear import GroupedProjection
 
