@@ -84,3 +84,45 @@ def test_accumulation_changes_no_cpu_result():
         with qr.autocast(recipe=qr.Float8CurrentScaling(fp8_gemm_fprop=qr.MMParams(split))):
             outs.append(layer(x))
     assert torch.equal(*outs)
+
+
+def test_equal_recipes_share_the_compiled_graph():
+    """The flags are read as plain booleans: a recipe whose ``MMParams`` fields are distinct but
+    equal objects (from a dict, or spelled out) runs the graph of the default one, no recompile."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.compile_supported():
+        pytest.skip("no torch.compile support for quant on this torch")
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = qr.Linear(K, N, bias=False, dtype=torch.bfloat16)
+    counter = CompileCounter()
+
+    def step(x, recipe):
+        with qr.autocast(recipe=recipe):
+            return layer(x)
+
+    fn = torch.compile(step, backend=counter, fullgraph=True)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    for recipe in (qr.Float8CurrentScaling(),
+                   qr.Float8CurrentScaling(fp8_gemm_dgrad=qr.MMParams(True)),
+                   qr.recipe("fp8_current", fp8_gemm_wgrad={"use_split_accumulator": True})):
+        fn(x, recipe).sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_a_recipe_built_in_compiled_code_keeps_its_flags(recorded):
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.compile_supported():
+        pytest.skip("no torch.compile support for quant on this torch")
+    torch.manual_seed(0)
+    layer = qr.Linear(K, N, bias=False, dtype=torch.bfloat16)
+
+    def step(x):
+        with qr.autocast(recipe=qr.Float8CurrentScaling(fp8_gemm_wgrad=qr.MMParams(False))):
+            return layer(x)
+
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    _compiled(step)(x).backward(torch.randn(M, N, dtype=torch.bfloat16))
+    assert recorded == [True, False, True]

@@ -109,7 +109,16 @@ def fast_accumulation(recipe: Recipe) -> tuple[bool, bool, bool]:
     tensor cores' fast accumulation: ``not use_split_accumulator`` of the recipe's
     ``fp8_gemm_*`` field, and where the recipe has none TransformerEngine's module default
     (fprop fast, dgrad and wgrad split). Only FP8 per-tensor GEMMs on FP8 tensor cores read it
-    (numerics.md, GEMM contract)."""
+    (numerics.md, GEMM contract).
+
+    Read from the plain tuple the recipe keeps since construction (:func:`check_common`), so
+    that compiled code guards on three booleans, not on the ``MMParams`` objects: two equal
+    recipes whose fields are distinct but equal objects share their graphs."""
+    flags = getattr(recipe, "_fast_accumulation", None)
+    return flags if flags is not None else _fast_accumulation_of(recipe)
+
+
+def _fast_accumulation_of(recipe: Recipe) -> tuple[bool, bool, bool]:
     out = []
     for name, split in _GEMM_PARAMS:
         params = getattr(recipe, name, None)
@@ -221,6 +230,8 @@ def convert_config_values(obj: Any) -> None:
 def check_common(recipe: Recipe) -> None:
     convert_config_values(recipe)
     _check_field_types(recipe)
+    # derived, not a field: equality, hashing and repr stay the fields'
+    object.__setattr__(recipe, "_fast_accumulation", _fast_accumulation_of(recipe))
     margin = getattr(recipe, "margin", 0)
     if not 0 <= margin <= MAX_MARGIN:
         raise ValueError(
