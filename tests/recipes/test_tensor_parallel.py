@@ -602,6 +602,43 @@ def _saved_for_backward(mesh, rank) -> dict:
     return out
 
 
+def _accumulation(mesh, rank) -> dict:
+    """Per style, the ``use_fast_accum`` of each cuBLAS call of a Float8CurrentScaling step
+    (fprop, dgrad, wgrad), through an emulated ``torch._scaled_mm`` (the FP8 path forced on)."""
+    from quant_recipes import gemm_fast
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    calls: list[bool] = []
+
+    def scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        out = (a.float() @ b.float()) * (scale_a * scale_b)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+
+    saved = gemm_fast.tensorwise_problem, torch._scaled_mm
+    gemm_fast.tensorwise_problem, torch._scaled_mm = (lambda device: None), scaled_mm
+    try:
+        out = {}
+        for style in ("colwise", "rowwise"):
+            k, n = (128, 256) if style == "colwise" else (256, 64)
+            torch.manual_seed(0)
+            x = torch.randn(32, k, dtype=DTYPE)
+            if style == "rowwise":
+                x = x.chunk(WORLD, -1)[rank].contiguous()
+            layer = qr.Linear(k, n, bias=False, dtype=DTYPE)
+            parallelize_module(layer, mesh, qr.QuantColwiseParallel() if style == "colwise"
+                               else qr.QuantRowwiseParallel())
+            calls.clear()
+            xi = x.clone().requires_grad_()
+            with qr.autocast(recipe=qr.Float8CurrentScaling()):
+                y = layer(xi)
+            y.float().pow(2).sum().backward()
+            out[style] = list(calls)
+        return out
+    finally:
+        gemm_fast.tensorwise_problem, torch._scaled_mm = saved
+
+
 def _edge_worker(rank, port, cases, out):
     """Each part on its own: one that raises is recorded (its test fails with the error) and
     the others still run."""
@@ -613,6 +650,7 @@ def _edge_worker(rank, port, cases, out):
         parts = {case: lambda case=case: _cases(mesh, rank, [case])[case] for case in cases}
         parts["refusals"] = lambda: _more_refusals(mesh)
         parts["saved"] = lambda: _saved_for_backward(mesh, rank)
+        parts["accumulation"] = lambda: _accumulation(mesh, rank)
         results = {}
         for key, part in parts.items():
             try:
@@ -715,3 +753,13 @@ def test_save_weight_copy_and_save_input_copy(edge):
         saved = edge[1][rank]["saved"]
         assert isinstance(saved, dict), saved
         assert len(saved) == 2 * 2 * 5 and all(saved.values()), (rank, saved)
+
+
+@pytest.mark.timeout(600)
+def test_parallel_layers_pass_each_gemms_accumulation_to_cublas(edge):
+    """Colwise and rowwise layers multiply forward with fast accumulation and backward with
+    the split accumulator, as Float8CurrentScaling's MMParams say."""
+    _, out = edge
+    for rank in range(WORLD):
+        assert out[rank]["accumulation"] == {"colwise": [True, False, False],
+                                             "rowwise": [True, False, False]}, out[rank]
