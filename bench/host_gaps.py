@@ -1,0 +1,158 @@
+"""Where the GPU waits for the host in a model's training step: the idle gaps between kernels of
+one profiled steady-state step, each put on the host-side operators that were running when the
+kernel after the gap was launched.
+
+    python3 bench/host_gaps.py --size qwen3-moe --configs bf16,fp8_current
+
+Per config: the step's wall ms, GPU busy ms, idle ms in gaps of at least ``--min-us`` and the
+operators (outermost named ones first) that launched the kernels after the largest gaps, summed.
+A gap means the host had nothing queued: the launches after it waited on Python, on a host
+synchronization, or on the allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import os
+import tempfile
+import time
+
+import measure
+import steps
+import torch
+
+#: Operator names that say nothing about which layer code ran (their children do).
+_WRAPPERS = ("ProfilerStep", "## ", "Torch-Compiled Region", "CompiledFunction",
+             "autograd::engine::evaluate_function")
+
+
+def _stacks(trace: dict):
+    """``(kernels, launch_stack)``: the kernels ``(start_us, end_us, correlation)`` in start
+    order, and per correlation id the names of the CPU operators around its launch, outermost
+    first."""
+    events = trace["traceEvents"]
+    ops = collections.defaultdict(list)
+    launches, kernels = {}, []
+    for e in events:
+        cat = e.get("cat", "")
+        if cat == "cpu_op" or cat == "user_annotation":
+            ops[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e["tid"], e["ts"])
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((e["ts"], e["ts"] + e.get("dur", 0), e["args"].get("correlation")))
+    for tid in ops:
+        ops[tid].sort()
+    starts = {tid: [o[0] for o in lst] for tid, lst in ops.items()}
+
+    def stack(corr):
+        if corr not in launches:
+            return ["?"]
+        tid, ts = launches[corr]
+        lst = ops.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), ts)
+        return [name for s, e, name in lst[:i] if s <= ts <= e] or ["?"]
+
+    kernels.sort()
+    return kernels, stack
+
+
+def _named(names: list[str]) -> str:
+    """The two outermost operators of a launch stack that are not wrappers."""
+    kept = [n for n in names if not n.startswith(_WRAPPERS)]
+    return " > ".join(kept[:2]) if kept else names[-1]
+
+
+def gaps(step, min_us: float, rows: int) -> dict:
+    """Profile one call of ``step`` and sum its GPU idle gaps by launching operators. A first
+    profiled call is not measured: compiled code may recompile once under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    kernels, stack = _stacks(trace)
+    busy = idle = 0.0
+    by_op: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    end = kernels[0][0] if kernels else 0.0
+    for s, e, corr in kernels:
+        gap = s - end
+        if gap >= min_us:
+            key = _named(stack(corr))
+            by_op[key] += gap
+            count[key] += 1
+            idle += gap
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return {"wall_ms": round(wall, 2), "busy_ms": round(busy / 1e3, 2),
+            "idle_ms": round(idle / 1e3, 2), "kernels": len(kernels),
+            "gaps": [{"op": k[:150], "count": count[k], "ms": round(v / 1e3, 3)}
+                     for k, v in by_op.most_common(rows)]}
+
+
+def run(config: str, size: str, layers: int | None, min_us: float, rows: int) -> dict:
+    torch._dynamo.reset()
+    # each compiled layer may compile once more under the profiler: room for all of them
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    device = torch.device("cuda")
+    data = steps.batches(size, measure.WARMUP + 2, device)
+    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device, layers)
+    with steps.llama_lowering(config):
+        forward = steps.convert_llama(config, model)
+        for layer in model.model.layers:
+            layer.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+
+        def step(ids):
+            loss = forward(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        for i in range(measure.WARMUP):
+            step(data[i])
+        return {"config": config, **gaps(lambda: step(data[-1]), min_us, rows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="qwen3-moe",
+                   choices=sorted([*steps.SIZES, *steps.MOE_SIZES]))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--configs", default="bf16,fp8_current")
+    p.add_argument("--min-us", type=float, default=20.0, help="smallest gap counted")
+    p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--json", metavar="OUT")
+    args = p.parse_args()
+    results = [run(c, args.size, args.layers, args.min_us, args.rows)
+               for c in args.configs.split(",")]
+    for r in results:
+        print(f"\n{r['config']}: wall {r['wall_ms']} ms, GPU busy {r['busy_ms']} ms, idle "
+              f"{r['idle_ms']} ms in gaps >= {args.min_us} us, {r['kernels']} kernels")
+        print("| operators launching the kernel after the gap | gaps | ms |")
+        print("| --- | --- | --- |")
+        for g in r["gaps"]:
+            print(f"| {g['op']} | {g['count']} | {g['ms']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
