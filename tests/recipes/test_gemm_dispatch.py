@@ -74,12 +74,15 @@ def test_transposed_rowwise_blocks_and_mixed_formats_fall_back():
     assert G.last_gemm_path() == "emulated"
 
 
-def test_qgemm_opcheck():
-    """The custom op's schema, fake kernel and autograd registration agree with the eager op."""
+@pytest.mark.parametrize("fast_accum", [None, False, True])
+def test_qgemm_opcheck(fast_accum):
+    """The custom op's schema, fake kernel and autograd registration agree with the eager op,
+    with ``fast_accum`` left to its default or given."""
     gb, gm, gs, gc, ta, xb, xm, xs, xc, tb = _wgrad_args(MXFP8Quantizer(DType.E4M3))
     bias = torch.randn(96)
+    args = (gb, gm, gs, gc, ta, xb, xm, xs, xc, tb, bias, torch.bfloat16)
     torch.library.opcheck(torch.ops.quant_recipes.qgemm.default,
-                          (gb, gm, gs, gc, ta, xb, xm, xs, xc, tb, bias, torch.bfloat16))
+                          args if fast_accum is None else (*args, fast_accum))
 
 
 @pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),

@@ -511,10 +511,13 @@ def test_opcheck_fp8_ops(emulated):
     for keep in (True, False):
         for bias in (None, b):
             torch.library.opcheck(fprop, (x, lay, w, bias, specs, keep, keep))
+    torch.library.opcheck(fprop, (x, lay, w, None, specs, True, True, True))
     _, xt, sx, wt, sw = fprop(x, lay, w, None, specs, True, True)
     for dgrad, wgrad in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs],
                                       dgrad, wgrad))
+    torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs], True,
+                                  True, True, True))
     rows_t = torch.ops.quant_recipes.grouped_fp8_rows_t.default
     experts_t = torch.ops.quant_recipes.grouped_fp8_experts_t.default
     torch.library.opcheck(rows_t, (x, lay, specs[0]))

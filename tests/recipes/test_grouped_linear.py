@@ -483,9 +483,13 @@ def test_opcheck_grouped_ops():
         for bias in (b, None):
             torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
                                   (x, lay, w, bias, specs, align))
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
+                              (x, lay, w, None, specs, align, True))
         bspecs = [quantizer_spec(q) for q in (qg, qx, qw)]
         torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
                               (gy, x, lay, w, bspecs, True, align, True, True, True))
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
+                              (gy, x, lay, w, bspecs, True, align, True, True, True, True, True))
 
 
 def test_opcheck_grouped_ops_on_the_grouped_mm_route(monkeypatch):
