@@ -64,6 +64,13 @@ def _per_group(x, counts, q):
     return out
 
 
+def _group_amaxes(x: torch.Tensor, counts) -> torch.Tensor:
+    """fp32 ``[groups]``: each group's NaN-dropping ``max |x|`` (0 for an empty group)."""
+    mags = torch.nan_to_num(x.float().abs(), nan=0.0, posinf=float("inf"))
+    return torch.stack([m.amax() if m.numel() else torch.zeros(())
+                        for m in mags.split(list(counts))])
+
+
 @pytest.mark.parametrize("row_padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qid", list(QUANTIZERS))
@@ -75,7 +82,8 @@ def test_rows_bytes_equal_the_per_group_quantize(impl, qid, dtype, row_padded):
     data, trans, sinv = grouped_fp8.quantize_rows(x, lay, q, True, True, row_padded=row_padded)
     starts = grouped_fp8.padded_starts(offs.tolist(), ALIGN)
     assert lay.ends.tolist() == [*starts[1:], lay.ends[-1].item()]
-    assert sinv.shape == (len(COUNTS), grouped_fp8.SCALE_PITCH) and not sinv[:, 1:].any()
+    assert sinv.shape == (len(COUNTS), grouped_fp8.SCALE_PITCH) and not sinv[:, 2:].any()
+    assert torch.equal(sinv[:, 1], _group_amaxes(x, COUNTS))
     assert data.shape == ((lay.rows, K) if row_padded else (x.shape[0], K))
     used = torch.zeros(lay.rows, dtype=torch.bool)
     s = 0
@@ -111,6 +119,43 @@ def test_expert_bytes_equal_one_quantize_per_expert(impl, qid, n):
         wd, wt, ws = q.quantize(w[e]).buffer_list(w[e])
         assert torch.equal(data[e], wd) and torch.equal(trans[e], wt)
         assert torch.equal(sinv[e, :1], ws)
+
+
+@pytest.mark.parametrize("qid", ["e4m3", "pow2"])
+def test_quantizing_again_from_the_kept_amaxes_gives_the_same_bytes(impl, qid):
+    """Column 1 of the scale-inverses holds each group's amax; given back (``scale_inv``), the
+    quantize runs no amax pass and makes the same bytes and scale-inverses, for rows (NaN, an
+    empty group) and experts."""
+    x = _rows(COUNTS, torch.bfloat16)
+    x[3, 5] = float("nan")
+    q = _quantizer(qid)
+    lay = grouped_fp8.layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], ALIGN)
+    first = grouped_fp8.quantize_rows(x, lay, q, True, True)
+    again = grouped_fp8.quantize_rows(x, lay, q, False, True, scale_inv=first[2])
+    assert again[0] is None
+    assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
+    w = torch.randn(3, N, K, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[:, None,
+                                                                                     None]
+    first = grouped_fp8.quantize_experts(w, q, True, True)
+    again = grouped_fp8.quantize_experts(w, q, False, True, scale_inv=first[2])
+    assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
+
+
+def test_a_given_amax_is_used_and_checked(impl):
+    """The backend casts with the amaxes it is given (twice the true ones give other
+    scale-inverses), and refuses amaxes of the wrong shape, dtype or device."""
+    w = torch.randn(2, N, K, dtype=torch.bfloat16)
+    backend = backends.get(None, w.device)
+    args = {"groups": 2, "fp8_dtype": DType.E4M3, "force_pow_2_scales": False,
+            "amax_epsilon": 0.0, "rowwise": True, "columnwise": False, "scale_pitch": 4}
+    flat = w.reshape(2 * N, K)
+    _, _, sinv = backend.fp8_group_quantize_experts(flat, **args)
+    doubled = sinv[:, 1] * 2
+    _, _, got = backend.fp8_group_quantize_experts(flat, amax=doubled, **args)
+    assert torch.equal(got[:, 1], doubled) and not torch.equal(got[:, 0], sinv[:, 0])
+    for bad in (sinv[:1, 1], sinv[:, 1].double(), sinv[:, 1].to("meta")):
+        with pytest.raises(ValueError, match="amax must be an fp32 tensor of shape"):
+            backend.fp8_group_quantize_experts(flat, amax=bad, **args)
 
 
 def test_a_layout_of_no_rows():
@@ -522,6 +567,8 @@ def test_opcheck_fp8_ops(emulated):
     experts_t = torch.ops.quant_recipes.grouped_fp8_experts_t.default
     torch.library.opcheck(rows_t, (x, lay, specs[0]))
     torch.library.opcheck(experts_t, (w, specs[1]))
+    torch.library.opcheck(rows_t, (x, lay, specs[0], sx))
+    torch.library.opcheck(experts_t, (w, specs[1], sw))
     assert all(torch.equal(a, b) for a, b in zip(rows_t(x, lay, specs[0]), (xt, sx),
                                                  strict=True))
     assert all(torch.equal(a, b) for a, b in zip(experts_t(w, specs[1]), (wt, sw), strict=True))
@@ -624,10 +671,24 @@ def _saved(fn):
 def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save_weight_copy,
                                                                   save_input_copy, compiled):
     """``save_weight_copy=False`` / ``save_input_copy=False``: backward keeps the bf16 weight /
-    input instead of its transposed FP8 bytes and quantizes it again: the same gradients, bit for
-    bit, eagerly and compiled."""
+    input instead of its transposed FP8 bytes and quantizes it again, from forward's amaxes (no
+    amax pass): the same gradients, bit for bit, eagerly and compiled."""
     recipe = qr.Float8CurrentScaling()
     want, _ = _step(COUNTS, recipe)
+    backend = backends.get(None, torch.device("cpu"))
+    again = []  # per quantize of a transposed copy alone (backward's): was the amax given?
+
+    def spy(name):
+        real = getattr(backend, name)
+
+        def quantize(*args, **kw):
+            if not kw["rowwise"]:
+                again.append((name, kw.get("amax") is not None))
+            return real(*args, **kw)
+        return quantize
+
+    for name in ("fp8_group_quantize_rows", "fp8_group_quantize_experts"):
+        emulated.setattr(backend, name, spy(name), raising=False)
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts",
                          save_weight_copy=save_weight_copy, save_input_copy=save_input_copy)
@@ -647,6 +708,9 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
     y.backward(gy)
     for a, b in zip((y.detach(), x.grad, m.weight.grad), want, strict=True):
         assert torch.equal(a, b)
+    assert sorted(again) == sorted(
+        [("fp8_group_quantize_experts", True)] * (not save_weight_copy)
+        + [("fp8_group_quantize_rows", True)] * (not save_input_copy))
     if not compiled:
         kept = {shape for dtype, shape in saved if dtype == torch.uint8}
         assert ((len(COUNTS), K, N) in kept) == save_weight_copy
@@ -709,10 +773,12 @@ def test_scale_inverse_padding_is_written_zero(impl, monkeypatch):
     x = _rows(COUNTS, torch.bfloat16)
     lay = grouped_fp8.layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], ALIGN)
     _, _, sinv = grouped_fp8.quantize_rows(x, lay, _quantizer("e4m3"), True, True)
-    assert not sinv[:, 1:].isnan().any() and not sinv[:, 1:].any()
+    assert not sinv[:, 2:].isnan().any() and not sinv[:, 2:].any()
+    assert torch.equal(sinv[:, 1], _group_amaxes(x, COUNTS))
     w = torch.randn(3, N, K, dtype=torch.bfloat16)
     sinv = grouped_fp8.quantize_experts(w, _quantizer("e4m3"), True, False)[2]
-    assert not sinv[:, 1:].isnan().any() and not sinv[:, 1:].any()
+    assert not sinv[:, 2:].isnan().any() and not sinv[:, 2:].any()
+    assert torch.equal(sinv[:, 1], _group_amaxes(w.reshape(3 * N, K), [N] * 3))
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 16), (3, 4, 12), (2, 5, 8)])

@@ -152,20 +152,24 @@ class Backend(Protocol):
     def fp8_group_quantize_rows(self, x: torch.Tensor, gid: torch.Tensor, src: torch.Tensor,
                                 grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
                                 force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                                columnwise: bool, row_padded: bool, scale_pitch: int = 1
-                                ) -> Tensors3:
+                                columnwise: bool, row_padded: bool, scale_pitch: int = 1,
+                                amax: torch.Tensor | None = None) -> Tensors3:
         """``(data, transpose [K, P], scale_inv [groups, scale_pitch])``: each group of the
         token rows ``x [T, K]`` (``gid [T]`` the group of each row) current-scaled with its own
         amax, written in the padded layout of ``P`` rows (``src [P]`` the source row of each,
         ``-1`` a zero row; ``grp [P]`` its group); ``data`` is ``[P, K]`` with ``row_padded``,
-        else ``[T, K]``. Column 0 of ``scale_inv`` holds each group's, the rest zero."""
+        else ``[T, K]``. Column 0 of ``scale_inv`` holds each group's, column 1 (a pitch of 2
+        or more) the group's amax, the rest zero. ``amax`` (fp32 ``[groups]``, any stride):
+        the groups' amaxes, given back from an earlier quantize of the same ``x`` (column 1),
+        so that no amax pass runs; the bytes are those the amaxes give."""
 
     def fp8_group_quantize_experts(self, w: torch.Tensor, *, groups: int, fp8_dtype: DType,
                                    force_pow_2_scales: bool, amax_epsilon: float,
-                                   rowwise: bool, columnwise: bool, scale_pitch: int = 1
-                                   ) -> Tensors3:
+                                   rowwise: bool, columnwise: bool, scale_pitch: int = 1,
+                                   amax: torch.Tensor | None = None) -> Tensors3:
         """``(data [E * N, K], transpose [E, K, N], scale_inv [E, scale_pitch])``: each expert's
-        rows of ``w [E * N, K]`` (``E = groups``) current-scaled with its own amax."""
+        rows of ``w [E * N, K]`` (``E = groups``) current-scaled with its own amax;
+        ``scale_inv`` and ``amax`` as :meth:`fp8_group_quantize_rows`'s."""
 
     # ------------------------------------------------- grouped GEMMs (mixture of experts)
     def grouped_rows_gemm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,

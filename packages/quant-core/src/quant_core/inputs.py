@@ -159,3 +159,16 @@ def check_nvfp4_variant(*, columnwise: bool, with_rht: bool, with_2d_quantizatio
         raise ValueError("NVFP4 with_rht and with_2d_quantization are exclusive (weights: no RHT)")
     if stochastic_rounding and rng_seed is None:
         raise ValueError("NVFP4 stochastic rounding needs rng_seed (int64 tensor of shape (1,))")
+
+
+def given_group_amax(amax: torch.Tensor, groups: int, device: torch.device,
+                     what: str) -> torch.Tensor:
+    """A caller's per-group amax for a grouped current-scaling cast, checked: fp32 ``[groups]``
+    on ``device`` (any stride; returned contiguous)."""
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(
+            amax.shape) != (groups,) or amax.device != device:
+        got = (f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"
+               if isinstance(amax, torch.Tensor) else type(amax).__name__)
+        raise ValueError(f"{what}: amax must be an fp32 tensor of shape ({groups},) (one amax "
+                         f"per group) on {device}, got {got}")
+    return amax.contiguous()

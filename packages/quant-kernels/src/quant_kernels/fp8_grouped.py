@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype
+from quant_core.inputs import check_input_dtype, given_group_amax
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch
@@ -74,12 +74,15 @@ def _group_amax_kernel(x_ptr, gid_ptr, amax_bits_ptr, R, K, GROUP_ROWS: tl.const
 def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
                             POW2: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
     """``div_rn(1, scale)`` of each group's current-scaling scale (``out [n, PITCH]`` fp32,
-    column 0; the other columns written zero, so the buffer needs no clearing first)."""
+    column 0), the amax in column 1 (``PITCH`` >= 2); the other columns written zero, so the
+    buffer needs no clearing first."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    s = scale_from_amax(tl.load(amax_ptr + i, mask=i < n, other=0.0), eps, FP8_MAX, POW2,
-                        FLT_MAX)
+    amax = tl.load(amax_ptr + i, mask=i < n, other=0.0)
+    s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
     tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=i < n)
-    for c in tl.static_range(1, PITCH):
+    if PITCH > 1:
+        tl.store(out_ptr + i * PITCH + 1, amax, mask=i < n)
+    for c in tl.static_range(2, PITCH):
         tl.store(out_ptr + i * PITCH + c, tl.zeros([BLOCK], dtype=tl.float32), mask=i < n)
 
 
@@ -158,9 +161,9 @@ def group_amax(x: torch.Tensor, groups: int, gid: torch.Tensor | None,
 
 def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bool,
                     amax_epsilon: float, pitch: int = 1) -> torch.Tensor:
-    """fp32 ``[groups, pitch]``: column 0 holds each group's ``div_rn(1, scale)``, the rest 0
-    (a pitch of 4 puts each group's scale on its own 16-byte boundary, as cuBLAS requires of a
-    scale pointer)."""
+    """fp32 ``[groups, pitch]``: column 0 holds each group's ``div_rn(1, scale)``, column 1 (a
+    pitch of 2 or more) its amax, the rest 0 (a pitch of 4 puts each group's scale on its own
+    16-byte boundary, as cuBLAS requires of a scale pointer)."""
     n = amax.shape[0]
     out = torch.empty((n, pitch), dtype=torch.float32, device=amax.device)
     block = 1024
@@ -214,11 +217,13 @@ def fp8_group_quantize(
 def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tensor,
                             grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                            columnwise: bool, row_padded: bool, scale_pitch: int = 1):
-    """The backend contract's ``fp8_group_quantize_rows``: :func:`group_amax`, the cast
-    (:func:`fp8_group_quantize`) and :func:`group_scale_inv`, three launches."""
+                            columnwise: bool, row_padded: bool, scale_pitch: int = 1,
+                            amax: torch.Tensor | None = None):
+    """The backend contract's ``fp8_group_quantize_rows``: :func:`group_amax` (unless
+    ``amax`` is given), the cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
     check_input_dtype(x, "fp8_group_quantize_rows")
-    amax = group_amax(x, groups, gid)
+    amax = (group_amax(x, groups, gid) if amax is None
+            else given_group_amax(amax, groups, x.device, "fp8_group_quantize_rows"))
     data, trans = fp8_group_quantize(
         x, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
         amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
@@ -229,12 +234,15 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
 
 def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
                                force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                               columnwise: bool, scale_pitch: int = 1):
+                               columnwise: bool, scale_pitch: int = 1,
+                               amax: torch.Tensor | None = None):
     """The backend contract's ``fp8_group_quantize_experts`` (``w [E * N, K]``, ``E =
-    groups``): per-expert amaxes, the cast and the scale-inverses, three launches."""
+    groups``): per-expert amaxes (unless ``amax`` is given), the cast and the
+    scale-inverses."""
     check_input_dtype(w, "fp8_group_quantize_experts")
     n = w.shape[0] // groups if groups else 0
-    amax = group_amax(w, groups, None, group_rows=n)
+    amax = (group_amax(w, groups, None, group_rows=n) if amax is None
+            else given_group_amax(amax, groups, w.device, "fp8_group_quantize_experts"))
     data, trans = fp8_group_quantize(
         w, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
         amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, group_rows=n)

@@ -11,8 +11,10 @@ Two row layouts (the backend contract's ``fp8_group_quantize_rows`` / ``_experts
 - **experts**: ``w [E * N, K]``, group ``r // N``; the transposed copy is each expert's
   ``[K, N]``, experts end to end (``[E, K, N]``).
 
-Scale-inverses are ``[E, scale_pitch]`` fp32, column 0 each group's ``div_rn(1, scale)``, the
-rest zero (a pitch of 4 puts each group's on a 16-byte boundary, as cuBLAS requires).
+Scale-inverses are ``[E, scale_pitch]`` fp32, column 0 each group's ``div_rn(1, scale)``,
+column 1 (a pitch of 2 or more) the group's amax, the rest zero (a pitch of 4 puts each group's
+on a 16-byte boundary, as cuBLAS requires). A caller that passes that amax back (``amax``, to
+quantize the same tensor again) gets the same bytes without the amax pass.
 """
 
 from __future__ import annotations
@@ -21,34 +23,41 @@ import torch
 
 from ..constants import FLT_MAX
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype
+from ..inputs import check_input_dtype, given_group_amax
 from ._rounding import compute_scale_from_amax, div_rn, fp8_encode, nan_to_zero_abs, to_fp32
 
 
 def _scales(x: torch.Tensor, gid: torch.Tensor, groups: int, fp8_dtype: DType,
-            force_pow_2_scales: bool, amax_epsilon: float, scale_pitch: int):
-    """``(scale [E], scale_inv [E, scale_pitch])`` of each group's amax."""
-    row_amax = nan_to_zero_abs(x).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
-    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
-    amax = amax.scatter_reduce(0, gid, row_amax.to(torch.float32), "amax")
+            force_pow_2_scales: bool, amax_epsilon: float, scale_pitch: int,
+            amax: torch.Tensor | None, what: str):
+    """``(scale [E], scale_inv [E, scale_pitch])`` of each group's amax (``amax`` when given)."""
+    if amax is None:
+        row_amax = nan_to_zero_abs(x).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+        amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+        amax = amax.scatter_reduce(0, gid, row_amax.to(torch.float32), "amax")
+    else:
+        amax = given_group_amax(amax, groups, x.device, what)
     scale = compute_scale_from_amax(amax, fp8_dtype.max, force_pow_2_scales=force_pow_2_scales,
                                     amax_epsilon=amax_epsilon, value_for_inf=FLT_MAX)
     sinv = amax.new_zeros((groups, scale_pitch))
     sinv[:, 0] = div_rn(torch.ones_like(scale), scale)
+    if scale_pitch > 1:
+        sinv[:, 1] = amax
     return scale, sinv
 
 
 def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tensor,
                             grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                            columnwise: bool, row_padded: bool, scale_pitch: int = 1):
+                            columnwise: bool, row_padded: bool, scale_pitch: int = 1,
+                            amax: torch.Tensor | None = None):
     """``(data | None, transpose [K, P] | None, scale_inv [E, scale_pitch])`` of the token rows
     ``x [T, K]`` (the tokens layout above; ``grp`` is implied by ``src`` and ``gid`` here)."""
     check_input_dtype(x, "fp8_group_quantize_rows")
     check_fp8(fp8_dtype, "fp8_dtype")
     gid = gid.to(torch.int64)
     scale, sinv = _scales(x, gid, groups, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                          scale_pitch)
+                          scale_pitch, amax, "fp8_group_quantize_rows")
     q8 = fp8_encode(to_fp32(x) * scale[gid][:, None], fp8_dtype)
     src = src.to(torch.int64)
     padded = torch.where((src >= 0)[:, None], q8[src.clamp(min=0)], 0) if q8.shape[0] else (
@@ -59,7 +68,8 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
 
 def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
                                force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                               columnwise: bool, scale_pitch: int = 1):
+                               columnwise: bool, scale_pitch: int = 1,
+                               amax: torch.Tensor | None = None):
     """``(data [E * N, K] | None, transpose [E, K, N] | None, scale_inv [E, scale_pitch])`` of
     the experts' rows ``w [E * N, K]`` (the experts layout above)."""
     check_input_dtype(w, "fp8_group_quantize_experts")
@@ -68,7 +78,7 @@ def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType
     n = rows // groups if groups else 0
     gid = torch.arange(groups, device=w.device).repeat_interleave(n)
     scale, sinv = _scales(w, gid, groups, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                          scale_pitch)
+                          scale_pitch, amax, "fp8_group_quantize_experts")
     q8 = fp8_encode(to_fp32(w) * scale[gid][:, None], fp8_dtype)
     trans = q8.view(groups, n, k).transpose(1, 2).contiguous() if columnwise else None
     return q8 if rowwise else None, trans, sinv

@@ -15,7 +15,9 @@ padded group ``g`` is the per-group path's padded operand of group ``g``. Transp
 always take the padded layout; a rowwise copy takes it or keeps the rows where they are.
 
 Scale-inverses are ``[E, SCALE_PITCH]`` fp32, column 0 the groups' ``scale_inv``: each group's
-scale starts on a 16-byte boundary, as cuBLAS requires of a scale pointer.
+scale starts on a 16-byte boundary, as cuBLAS requires of a scale pointer. Column 1 holds the
+groups' amaxes, so that a backward that quantizes the same tensor again (a layer that keeps no
+quantized copy) skips the amax pass and makes the same bytes.
 """
 
 from __future__ import annotations
@@ -146,28 +148,37 @@ def _cast_args(q) -> dict:
 
 
 def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bool,
-                  row_padded: bool = False):
+                  row_padded: bool = False, scale_inv: torch.Tensor | None = None):
     """``(data | None, transpose [K, rows] | None, scale_inv [E, SCALE_PITCH])``: each group of
     ``x [T, K]`` quantized by ``q`` with its own amax (the backend's
     ``fp8_group_quantize_rows``). ``data`` is ``[rows, K]`` in the padded layout when
-    ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero."""
+    ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero. ``scale_inv``:
+    an earlier quantize's of the same ``x`` by ``q``, whose column 1 holds the amaxes: no amax
+    pass, the same bytes."""
     return backends.get(None, x.device).fp8_group_quantize_rows(
         x.contiguous(), lay.gid, lay.src, lay.grp, groups=lay.groups, rowwise=rowwise,
-        columnwise=columnwise, row_padded=row_padded, **_cast_args(q))
+        columnwise=columnwise, row_padded=row_padded, amax=_amaxes(scale_inv), **_cast_args(q))
 
 
-def quantize_experts(w: torch.Tensor, q, rowwise: bool, columnwise: bool):
+def _amaxes(scale_inv: torch.Tensor | None) -> torch.Tensor | None:
+    """The groups' amaxes an earlier grouped quantize left in column 1 of its ``scale_inv``."""
+    return None if scale_inv is None else scale_inv[:, 1]
+
+
+def quantize_experts(w: torch.Tensor, q, rowwise: bool, columnwise: bool,
+                     scale_inv: torch.Tensor | None = None):
     """``(data [E, N, K] | None, transpose [E, K, N] | None, scale_inv [E, SCALE_PITCH])``: each
     expert's weight quantized by ``q`` (one per-tensor quantize call per expert; the backend's
-    ``fp8_group_quantize_experts``). A weight stored transposed (``w`` a transposed view of
-    ``[E, K, N]``, as GPT-OSS stores its experts) is quantized where it lies, its two layouts
-    swapped: one scale per expert makes the bytes of one layout the transpose of the other's,
-    so no contiguous copy is made."""
+    ``fp8_group_quantize_experts``; ``scale_inv`` as :func:`quantize_rows`'). A weight stored
+    transposed (``w`` a transposed view of ``[E, K, N]``, as GPT-OSS stores its experts) is
+    quantized where it lies, its two layouts swapped: one scale per expert makes the bytes of
+    one layout the transpose of the other's, so no contiguous copy is made."""
     if w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
-        trans, data, sinv = quantize_experts(w.transpose(1, 2), q, columnwise, rowwise)
+        trans, data, sinv = quantize_experts(w.transpose(1, 2), q, columnwise, rowwise,
+                                             scale_inv)
         return data, trans, sinv
     e, n, k = w.shape
     data, trans, sinv = backends.get(None, w.device).fp8_group_quantize_experts(
         w.contiguous().reshape(e * n, k), groups=e, rowwise=rowwise, columnwise=columnwise,
-        **_cast_args(q))
+        amax=_amaxes(scale_inv), **_cast_args(q))
     return None if data is None else data.view(e, n, k), trans, sinv

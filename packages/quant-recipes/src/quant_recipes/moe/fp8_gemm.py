@@ -260,15 +260,17 @@ def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accu
     return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 
 
-def input_transposed(x, lay, qx):
-    """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again."""
-    _, xt, sx = quantize_rows(x, lay, qx, False, True)
+def input_transposed(x, lay, qx, sx=None):
+    """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again
+    (``sx``: forward's scale-inverses, whose amaxes spare the amax pass)."""
+    _, xt, sx = quantize_rows(x, lay, qx, False, True, scale_inv=sx)
     return xt, sx
 
 
-def weight_transposed(w, qw):
-    """``(w_t [E, K, N], sw)``: :func:`forward`'s transposed weight bytes, quantized again."""
-    _, wt, sw = quantize_experts(w, qw, False, True)
+def weight_transposed(w, qw, sw=None):
+    """``(w_t [E, K, N], sw)``: :func:`forward`'s transposed weight bytes, quantized again
+    (``sw`` as :func:`input_transposed`'s ``sx``)."""
+    _, wt, sw = quantize_experts(w, qw, False, True, scale_inv=sw)
     return wt, sw
 
 

@@ -119,10 +119,12 @@ class _GroupedFP8Fn(torch.autograd.Function):
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
-        if ctx.requant[0]:  # the input itself was kept: its transposed bytes again
-            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced)
+        # the input (weight) itself was kept: its transposed bytes again, from forward's
+        # amaxes (column 1 of its scale-inverses), so no amax pass
+        if ctx.requant[0]:
+            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced, sx)
         if ctx.requant[1]:
-            wt, sw = fp8_experts_t(wt, qw, ctx.traced)
+            wt, sw = fp8_experts_t(wt, qw, ctx.traced, sw)
         gy = gy.contiguous()
         dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced,
                            *ctx.fast_accum[1:])

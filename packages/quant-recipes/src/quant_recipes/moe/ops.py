@@ -94,29 +94,30 @@ _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool co
     "(Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
-def _rows_t(x, lay, q):
-    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q))
+def _rows_t(x, lay, q, sx=None):
+    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q), sx)
 
 
-def _rows_t_fake(x, lay, q):
+def _rows_t_fake(x, lay, q, sx=None):
     k, (rows, experts) = x.shape[1], (lay[2].shape[0], lay[5].shape[0])
     return (x.new_empty((k, rows), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-def _experts_t(w, q):
-    return fp8_gemm.weight_transposed(w, quantizer_of(q))
+def _experts_t(w, q, sw=None):
+    return fp8_gemm.weight_transposed(w, quantizer_of(q), sw)
 
 
-def _experts_t_fake(w, q):
+def _experts_t_fake(w, q, sw=None):
     experts, n, k = w.shape
     return (w.new_empty((experts, k, n), dtype=torch.uint8),
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q) -> (Tensor, Tensor)", _rows_t,
-    _rows_t_fake)
-_op("grouped_fp8_experts_t(Tensor w, str q) -> (Tensor, Tensor)", _experts_t, _experts_t_fake)
+_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q, Tensor? sx=None) -> (Tensor, Tensor)",
+    _rows_t, _rows_t_fake)
+_op("grouped_fp8_experts_t(Tensor w, str q, Tensor? sw=None) -> (Tensor, Tensor)", _experts_t,
+    _experts_t_fake)
 
 
 def _empty_for_none(t, like, dtype=torch.uint8):
@@ -200,17 +201,17 @@ def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: b
         specs, dgrad, wgrad, fast_dgrad, fast_wgrad)
 
 
-def fp8_rows_t(x, lay: Layout, qx, traced: bool):
+def fp8_rows_t(x, lay: Layout, qx, traced: bool, sx=None):
     """:func:`~quant_recipes.moe.fp8_gemm.input_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return fp8_gemm.input_transposed(x, lay, qx)
-    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx))
+        return fp8_gemm.input_transposed(x, lay, qx, sx)
+    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx), sx)
 
 
-def fp8_experts_t(w, qw, traced: bool):
+def fp8_experts_t(w, qw, traced: bool, sw=None):
     """:func:`~quant_recipes.moe.fp8_gemm.weight_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return fp8_gemm.weight_transposed(w, qw)
-    return torch.ops.quant_recipes.grouped_fp8_experts_t(w, quantizer_spec(qw))
+        return fp8_gemm.weight_transposed(w, qw, sw)
+    return torch.ops.quant_recipes.grouped_fp8_experts_t(w, quantizer_spec(qw), sw)
