@@ -70,6 +70,56 @@ def test_only_the_columnwise_copies_are_saved(name, grads):
     y.float().sum().backward()  # and backward runs on what was kept
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("grads", ["both", "input_only", "weight_only"])
+def test_no_placeholder_for_an_absent_buffer_is_saved(name, grads):
+    """The buffers backward does not read are neither made nor saved in forward (backward puts
+    the empty stand-ins back): every saved tensor holds data, and the gradients are unchanged."""
+    torch.manual_seed(0)
+    m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    x.requires_grad_(grads in ("both", "input_only"))
+    m.weight.requires_grad_(grads in ("both", "weight_only"))
+    y, saved = _saved_in_forward(m, x, RECIPES[name]())
+    assert all(t.numel() for t in saved), [tuple(t.shape) for t in saved]
+    y.float().sum().backward()
+    assert (x.grad is not None) == x.requires_grad
+    assert (m.weight.grad is not None) == m.weight.requires_grad
+
+
+def test_a_compiled_linear_saves_no_placeholder():
+    """Compiled, the forward graph's outputs for backward hold no empty tensor either (each
+    output costs host time on every call)."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not quant_dynamo.compile_supported():
+        pytest.skip("no torch.compile support for quant on this torch")
+    from torch._dynamo.backends.common import aot_autograd
+
+    outputs = []
+
+    def forward_compiler(gm, example_inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        outputs.extend(o.meta["val"] for o in out.args[0] if hasattr(o, "meta"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    recipe = qr.Float8CurrentScaling()
+
+    def step(x):
+        with qr.autocast(recipe=recipe):
+            return m(x)
+
+    fn = torch.compile(step, fullgraph=True,
+                       backend=aot_autograd(fw_compiler=forward_compiler,
+                                            bw_compiler=lambda gm, _: gm.forward))
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    fn(x).float().sum().backward()
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    assert len(tensors) > 1 and all(t.numel() for t in tensors), [t.shape for t in tensors]
+
+
 #: The buffers of each storage that a rowwise use reads.
 ROWWISE = {
     "Float8TensorStorage": ("_data", "_scale_inv"),

@@ -163,17 +163,26 @@ class QuantizedStorage:
         return cls(shape=shape, dtype=dtype, quantizer=None, **buffers, **tags)
 
     @classmethod
-    def for_transposed_use(cls, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``bufs`` as a use from the columnwise direction reads them: the rowwise-only buffers
-        become empty when the columnwise data is present (the backward GEMMs of a Linear read
-        only that copy, so saving the rest wastes memory); otherwise ``bufs`` as they are."""
+    def unread_by_transposed_use(cls, bufs: list[torch.Tensor]) -> tuple[int, ...]:
+        """The positions in ``bufs`` that a use from the columnwise direction does not read: the
+        rowwise-only buffers when the columnwise data is present, else none."""
         if not bufs[cls._columnwise_position].numel():
-            return bufs
+            return ()
         if len(bufs) != len(cls.buffer_names):
             raise ValueError(f"{cls.__name__}: {len(bufs)} buffers, expected "
                              f"{len(cls.buffer_names)} ({', '.join(cls.buffer_names)})")
+        return cls._rowwise_only_positions
+
+    @classmethod
+    def for_transposed_use(cls, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``bufs`` as a use from the columnwise direction reads them: the buffers of
+        :meth:`unread_by_transposed_use` empty (the backward GEMMs of a Linear read only the
+        columnwise copy, so saving the rest wastes memory)."""
+        unread = cls.unread_by_transposed_use(bufs)
+        if not unread:
+            return bufs
         kept = list(bufs)
-        for i in cls._rowwise_only_positions:
+        for i in unread:
             kept[i] = absent_buffer(kept[i])
         return kept
 

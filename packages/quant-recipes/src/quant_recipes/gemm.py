@@ -114,6 +114,12 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
     return _storage(bufs, meta, (m, k)).gemm_value(columnwise, dtype)
 
 
+def unread_by_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> tuple[int, ...]:
+    """The positions in ``bufs`` that a GEMM using the operand transposed does not read (the
+    storage's ``unread_by_transposed_use``); none for a high-precision operand."""
+    return () if meta[0] == HP else _storage_type(meta).unread_by_transposed_use(bufs)
+
+
 def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:
     """``bufs`` as a GEMM that uses the operand transposed (from its columnwise direction) reads
     them (the storage's ``for_transposed_use``); high-precision operands as they are."""

@@ -25,7 +25,13 @@ from quant_core.storage import QuantizedStorage, absent_buffer
 
 from .compiling import compiling, dynamo
 from .fsdp_layout import columnwise_buffer_list
-from .gemm import HP_META, for_transposed_use, is_high_precision, qgemm
+from .gemm import (
+    HP_META,
+    for_transposed_use,
+    is_high_precision,
+    qgemm,
+    unread_by_transposed_use,
+)
 from .module import is_value
 from .recipe import fast_accumulation
 from .reuse import shared_quantization
@@ -190,14 +196,32 @@ def requantizable(q: Quantizer) -> bool:
     return is_value(q) and q.is_requantization_safe()
 
 
-def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, needed: bool):
-    """What backward keeps of a forward operand: nothing when no backward GEMM reads it (x
-    without a weight gradient, the weight without an input gradient); the columnwise copy alone
-    when the backward GEMMs use it transposed (no override); all of it for the
-    "dequantized" override, whose backward GEMMs read the rowwise forms."""
+def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, needed: bool
+                      ) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """``(kept, dropped)``: the buffers backward keeps of a forward operand, and the positions
+    of ``bufs`` it does not keep (neither saved nor made in forward: :func:`saved_operands` puts
+    absent buffers there). Nothing when no backward GEMM reads the operand (x without a weight
+    gradient, the weight without an input gradient); the columnwise copy alone when the backward
+    GEMMs use it transposed (no override); all of it for the "dequantized" override, whose
+    backward GEMMs read the rowwise forms."""
     if not needed:
-        return [absent_buffer(t) for t in bufs]
-    return for_transposed_use(bufs, meta) if override is None else bufs
+        return [], tuple(range(len(bufs)))
+    if override is not None:
+        return bufs, ()
+    dropped = unread_by_transposed_use(bufs, meta)
+    kept = []
+    for i, t in enumerate(bufs):  # a loop: Dynamo traces a comprehension as a nested function
+        if i not in dropped:
+            kept.append(t)
+    return kept, dropped
+
+
+def _with_absent(bufs: list[torch.Tensor], dropped: tuple[int, ...], like: torch.Tensor
+                 ) -> list[torch.Tensor]:
+    """``bufs`` with an absent buffer at each position of ``dropped`` (ascending)."""
+    for i in dropped:
+        bufs.insert(i, absent_buffer(like))
+    return bufs
 
 
 def save_operands(ctx, x: torch.Tensor, xop: Operand, w: torch.Tensor, wop: Operand,
@@ -213,12 +237,13 @@ def save_operands(ctx, x: torch.Tensor, xop: Operand, w: torch.Tensor, wop: Oper
     ctx.input_bwd_q = ctx.weight_bwd_q = None
     ctx.weight_stored = isinstance(w, QuantizedStorage)
     xm, wm = xop.meta, wop.meta
+    drop_x = drop_w = ()
     if override == "high_precision":
         kept_x, xm = [x], list(HP_META)
     elif plan.input_bwd is not None:  # x itself, quantized again in backward
         kept_x, ctx.input_bwd_q = [x], plan.input_bwd
     else:
-        kept_x = kept_for_backward(xop.bufs, xm, override, needs_dw)
+        kept_x, drop_x = kept_for_backward(xop.bufs, xm, override, needs_dw)
     if ctx.weight_stored:  # the weight tensor itself (FSDP2 refills its buffers)
         kept_w = [w]
         ctx.weight_q = plan.weight
@@ -228,9 +253,9 @@ def save_operands(ctx, x: torch.Tensor, xop: Operand, w: torch.Tensor, wop: Oper
         # the weight itself (a parameter: no new memory), quantized again in backward
         kept_w, ctx.weight_bwd_q = [w], plan.weight_bwd
     else:
-        kept_w = kept_for_backward(wop.bufs, wm, override, needs_dx)
+        kept_w, drop_w = kept_for_backward(wop.bufs, wm, override, needs_dx)
     ctx.save_for_backward(*kept_x, *kept_w)
-    ctx.nx = len(kept_x)
+    ctx.nx, ctx.dropped = len(kept_x), (drop_x, drop_w)
     ctx.operands = (xm, xop.shape, wm, wop.shape, w.dtype, override)
 
 
@@ -239,7 +264,8 @@ def saved_operands(ctx, like: torch.Tensor, quantize) -> tuple[Operand, Operand]
     an operand saved as is quantized again by ``quantize(tensor, quantizer, i)`` (``i``: 0 the
     input, 1 the weight); ``like`` (the output gradient) places absent buffers."""
     saved = ctx.saved_tensors
-    xb, wb = list(saved[:ctx.nx]), list(saved[ctx.nx:])
+    xb = _with_absent(list(saved[:ctx.nx]), ctx.dropped[0], like)
+    wb = _with_absent(list(saved[ctx.nx:]), ctx.dropped[1], like)
     xm, x_shape, wm, w_shape, w_dtype, override = ctx.operands
     if ctx.input_bwd_q is not None:  # the columnwise copy, from the input saved as is
         xb = quantize(xb[0], ctx.input_bwd_q, 0)
