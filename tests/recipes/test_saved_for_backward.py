@@ -55,14 +55,21 @@ def _expected(m, x, names_of, which):
     return _signature(out)
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-@pytest.mark.parametrize("grads", ["both", "input_only", "weight_only"])
-def test_only_the_columnwise_copies_are_saved(name, grads):
+def _layer_and_input(grads: str):
+    """A bf16 Linear and its input, the gradients of ``grads`` ("both", "input_only",
+    "weight_only") asked for."""
     torch.manual_seed(0)
     m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     x.requires_grad_(grads in ("both", "input_only"))
     m.weight.requires_grad_(grads in ("both", "weight_only"))
+    return m, x
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("grads", ["both", "input_only", "weight_only"])
+def test_only_the_columnwise_copies_are_saved(name, grads):
+    m, x = _layer_and_input(grads)
     y, saved = _saved_in_forward(m, x, RECIPES[name]())
     # wgrad (weight needs grad) reads the input's copy; dgrad (input needs grad) the weight's
     which = {0} if grads == "weight_only" else {1} if grads == "input_only" else {0, 1}
@@ -75,11 +82,7 @@ def test_only_the_columnwise_copies_are_saved(name, grads):
 def test_no_placeholder_for_an_absent_buffer_is_saved(name, grads):
     """The buffers backward does not read are neither made nor saved in forward (backward puts
     the empty stand-ins back): every saved tensor holds data, and the gradients are unchanged."""
-    torch.manual_seed(0)
-    m = qr.Linear(64, 32, bias=False, dtype=torch.bfloat16)
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
-    x.requires_grad_(grads in ("both", "input_only"))
-    m.weight.requires_grad_(grads in ("both", "weight_only"))
+    m, x = _layer_and_input(grads)
     y, saved = _saved_in_forward(m, x, RECIPES[name]())
     assert all(t.numel() for t in saved), [tuple(t.shape) for t in saved]
     y.float().sum().backward()
