@@ -111,12 +111,8 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int) ->
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
     data = steps.batches(size, measure.WARMUP + 2, device)
-    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device, layers)
     with steps.llama_lowering(config):
-        forward = steps.convert_llama(config, model)
-        for layer in model.model.layers:
-            layer.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        _, forward, opt = steps.compiled_training(config, size, device, layers)
 
         def step(ids):
             loss = forward(ids)

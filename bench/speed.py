@@ -215,14 +215,10 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
     (``layers``: decoder layers instead of the size's)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
-    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device, layers)
-    row: dict = {"config": config, "size": size, "layers": len(model.model.layers)}
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
-        forward = steps.convert_llama(config, model)
-        for layer in model.model.layers:
-            layer.compile()  # per block, as torchtitan compiles
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+        model, forward, opt = steps.compiled_training(config, size, device, layers)
+        row: dict = {"config": config, "size": size, "layers": len(model.model.layers)}
         losses: list[float] = []
         held: list[int] = []
 

@@ -331,6 +331,19 @@ def corpus(tokens: int) -> torch.Tensor:
     return torch.tensor(list(data[:tokens]), dtype=torch.int64)
 
 
+def compiled_training(config: str, size: str, device: torch.device, layers: int | None = None):
+    """``(model, forward, optimizer)`` of the model benchmark: ``size``'s model (Llama or
+    mixture of experts) with ``layers`` decoder layers, converted for ``config``
+    (:func:`convert_llama`), every decoder layer compiled (per block, as torchtitan compiles),
+    AdamW (fused on CUDA). Call it inside :func:`llama_lowering` of ``config``."""
+    model = (moe_model if size in MOE_SIZES else llama)(size, device, layers)
+    forward = convert_llama(config, model)
+    for layer in model.model.layers:
+        layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    return model, forward, opt
+
+
 def batches(size: str, steps: int, device: torch.device) -> list[torch.Tensor]:
     """One ``[batch, seq]`` batch per step, consecutive windows of the corpus."""
     seq, batch = seq_batch(size)

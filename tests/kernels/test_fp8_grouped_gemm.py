@@ -24,8 +24,13 @@ PAIRS = [(DType.E4M3, DType.E4M3), (DType.E5M2, DType.E4M3), (DType.E4M3, DType.
 #: least) in its own accumulator, which keeps about 14 bits, before each fp32 add: up to
 #: ``PROMOTE * 2^-14`` of the sum of magnitudes (2^-7 at the default 128, CUTLASS's and
 #: DeepGEMM's promotion interval).
-SUM_BOUND = (max(configs.config("fp8_grouped_rows_gemm")["PROMOTE"], 32) * 2.0**-14
-             if DEVICE == "cuda" else 128 * 2.0**-23)
+def _sum_bound(interval: int) -> float:
+    """The bound above for a promotion every ``interval`` contraction elements (on Hopper; fp32
+    sums of 128 terms elsewhere)."""
+    return max(interval, 32) * 2.0**-14 if DEVICE == "cuda" else 128 * 2.0**-23
+
+
+SUM_BOUND = _sum_bound(configs.config("fp8_grouped_rows_gemm")["PROMOTE"])
 
 
 @pytest.fixture(autouse=True, params=GROUPED_LOAD_FORMS, ids=GROUPED_LOAD_IDS)
@@ -96,20 +101,13 @@ def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum):
     assert not want[1].any() and not want[4].any()  # the groups without tokens: zeros
 
 
-def _fast_bound(k: int) -> float:
-    """:data:`SUM_BOUND` with fast accumulation: on Hopper the tensor core's own accumulator
-    sums the whole contraction (``k * 2^-14`` of the sum of magnitudes, the promoted bound with
-    one slice of ``k``); elsewhere fp32 sums."""
-    return max(k, 32) * 2.0**-14 if DEVICE == "cuda" else SUM_BOUND
-
-
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, fast_accum", [(128, False), (128, True), (2048, False),
                                            (2048, True)])
 def test_any_finite_values_within_the_accumulation_bound(out_dtype, k, fast_accum):
     """Full-range values: the kernel sums in another order (and on Hopper with the tensor core's
     own partial sums): the results agree within :data:`SUM_BOUND` of the sum of magnitudes,
-    :func:`_fast_bound` with ``fast_accum``."""
+    ``_sum_bound(k)`` with ``fast_accum``."""
     counts = [33, 0, 64] if k == 128 else [17, 0, 15]
     offs = torch.tensor(counts).cumsum(0)
     a = _bytes((sum(counts), k), DType.E5M2, 9, False)
@@ -128,8 +126,9 @@ def test_any_finite_values_within_the_accumulation_bound(out_dtype, k, fast_accu
     ratio = float(((got - want).abs() / mags).max())
     print(f"K {k}, fast_accum {fast_accum}: max |got - want| / sum |a b|: {ratio:.3e} "
           f"({ratio / 2.0**-23:.1f} fp32 ulps)")
-    bound = SUM_BOUND if k == 128 and not fast_accum else (
-        _fast_bound(k) if fast_accum else max(SUM_BOUND, k * 2.0**-23))
+    # fast accumulation: the tensor core's own accumulator over the whole contraction, one
+    # slice of k; the fp32 sums of a longer contraction add k terms' rounding
+    bound = max(_sum_bound(k) if fast_accum else SUM_BOUND, k * 2.0**-23)
     assert ratio <= bound + ulp
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
-from quant_recipes import gemm_fast
+from _scaled_mm import recorded_scaled_mm
 from quant_recipes.recipe import fast_accumulation
 
 M, K, N = 32, 64, 48
@@ -29,19 +29,10 @@ def test_fast_accumulation_per_gemm(recipe, want):
 
 
 @pytest.fixture
-def recorded(monkeypatch):
-    """``torch._scaled_mm`` on the CPU: the fp32 product of the FP8 values times both scales,
-    with each call's ``use_fast_accum`` appended to the returned list."""
-    calls: list[bool] = []
-
-    def scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False):
-        calls.append(use_fast_accum)
-        out = (a.float() @ b.float()) * (scale_a * scale_b)
-        return (out if bias is None else out + bias.float()).to(out_dtype)
-
-    monkeypatch.setattr(gemm_fast, "tensorwise_problem", lambda device: None)
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    return calls
+def recorded():
+    """Each ``torch._scaled_mm`` call's ``use_fast_accum`` (:func:`recorded_scaled_mm`)."""
+    with recorded_scaled_mm() as calls:
+        yield calls
 
 
 def _compiled(fn):

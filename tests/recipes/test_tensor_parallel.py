@@ -605,19 +605,10 @@ def _saved_for_backward(mesh, rank) -> dict:
 def _accumulation(mesh, rank) -> dict:
     """Per style, the ``use_fast_accum`` of each cuBLAS call of a Float8CurrentScaling step
     (fprop, dgrad, wgrad), through an emulated ``torch._scaled_mm`` (the FP8 path forced on)."""
-    from quant_recipes import gemm_fast
+    from _scaled_mm import recorded_scaled_mm
     from torch.distributed.tensor.parallel import parallelize_module
 
-    calls: list[bool] = []
-
-    def scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False):
-        calls.append(use_fast_accum)
-        out = (a.float() @ b.float()) * (scale_a * scale_b)
-        return (out if bias is None else out + bias.float()).to(out_dtype)
-
-    saved = gemm_fast.tensorwise_problem, torch._scaled_mm
-    gemm_fast.tensorwise_problem, torch._scaled_mm = (lambda device: None), scaled_mm
-    try:
+    with recorded_scaled_mm() as calls:
         out = {}
         for style in ("colwise", "rowwise"):
             k, n = (128, 256) if style == "colwise" else (256, 64)
@@ -635,8 +626,6 @@ def _accumulation(mesh, rank) -> dict:
             y.float().pow(2).sum().backward()
             out[style] = list(calls)
         return out
-    finally:
-        gemm_fast.tensorwise_problem, torch._scaled_mm = saved
 
 
 def _edge_worker(rank, port, cases, out):
