@@ -192,9 +192,8 @@ def test_a_biased_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
     torch.testing.assert_close(db, m.bias.grad, rtol=2**-7, atol=1e-3)
 
 
-def test_hf_experts_read_nothing_on_the_host():
-    """A converted Qwen3-MoE experts block: routing, grouped GEMMs and the combine, forward and
-    backward, with no synchronizing call."""
+def _hf_experts(recipe):
+    """A converted Qwen3-MoE experts block (16 experts, top-4) and a routed batch."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -202,13 +201,55 @@ def test_hf_experts_read_nothing_on_the_host():
         num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).to(DEV, torch.bfloat16)
-    recipe = qr.Float8CurrentScaling()
     qr.convert(model, recipe=recipe)
-    experts = model.model.layers[0].mlp.experts
     tokens = 300
     h = torch.randn(tokens, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     idx = torch.randint(0, 16, (tokens, 4), device=DEV)
     weights = torch.rand(tokens, 4, device=DEV, dtype=torch.bfloat16)
+    return model.model.layers[0].mlp.experts, (h, idx, weights)
+
+
+def test_hf_experts_read_nothing_on_the_host():
+    """A converted Qwen3-MoE experts block: routing, grouped GEMMs and the combine, forward and
+    backward, with no synchronizing call."""
+    recipe = qr.Float8CurrentScaling()
+    experts, args = _hf_experts(recipe)
     for guard in (contextlib.nullcontext(), no_host_sync()):
         with guard, qr.autocast(recipe=recipe):
-            experts(h, idx, weights).sum().backward()
+            experts(*args).sum().backward()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hf_experts_quantize_the_routed_rows_where_they_lie(monkeypatch, compiled):
+    """The experts block's grouped quantize reads each routed row in the hidden states (and,
+    compiled, takes the amaxes Inductor computes next to it): output and weight gradients
+    equal, bitwise, those of the block that gathers the routed rows into a copy first; the
+    input gradient (each token's routes summed in fp32, not by autograd's scatter) within the
+    roundings of the copy's bf16 scatter."""
+    from quant_recipes.moe.linear import GroupedProjection
+
+    recipe = qr.Float8CurrentScaling()
+    experts, (h, idx, weights) = _hf_experts(recipe)
+    project = GroupedProjection.project
+
+    def gathering_first(self, x, offs, w, b, layouts=None, routes=None):
+        return project(self, x if routes is None else x[routes[0]], offs, w, b, layouts)
+
+    results = []
+    for gather in (False, True):
+        if gather:
+            monkeypatch.setattr(GroupedProjection, "project", gathering_first)
+        torch._dynamo.reset()
+        fn = torch.compile(experts, fullgraph=True) if compiled else experts
+        experts.zero_grad(set_to_none=True)
+        x = h.detach().clone().requires_grad_()
+        with qr.autocast(recipe=recipe):
+            y = fn(x, idx, weights)
+        y.float().pow(2).sum().backward()
+        results.append((y, experts.gate_up_proj.grad, experts.down_proj.grad, x.grad))
+    for a, b in zip(results[0][:3], results[1][:3], strict=True):
+        assert torch.equal(a, b)
+    # the copy's scatter adds in bf16 under Inductor: a few roundings of the partial sums
+    want = results[1][3]
+    torch.testing.assert_close(results[0][3], want, rtol=2**-6,
+                               atol=2**-6 * want.abs().max().item())

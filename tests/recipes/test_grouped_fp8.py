@@ -15,9 +15,11 @@ import pytest
 import quant_recipes as qr
 import torch
 from quant_core import DType, Float8CurrentScalingQuantizer, backends
+from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
 from quant_recipes.moe import fp8 as grouped_fp8
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 from quant_recipes.moe import gemm as grouped_gemm
+from quant_recipes.moe.linear import GroupedProjection
 
 K, N, ALIGN = 64, 32, 16
 COUNTS = [5, 0, 1, 37, 16, 0, 22]  # ragged, empty groups, a group of one row, an exact one
@@ -139,6 +141,49 @@ def test_quantizing_again_from_the_kept_amaxes_gives_the_same_bytes(impl, qid):
     first = grouped_fp8.quantize_experts(w, q, True, True)
     again = grouped_fp8.quantize_experts(w, q, False, True, scale_inv=first[2])
     assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_amaxes_reduce_to_the_groups_amaxes(impl, dtype):
+    """Each row's amax (torch ops, what a compiled layer computes where the rows are made)
+    reduced per group is the amax the quantize's own pass finds (NaN dropped, Inf kept, 0 for
+    an empty group), and quantizing from it gives the same bytes."""
+    x = _rows(COUNTS, dtype)
+    q = _quantizer("e4m3")
+    lay = grouped_fp8.layout(torch.tensor(COUNTS).cumsum(0), x.shape[0], ALIGN)
+    rows = row_amaxes(x)
+    assert rows.dtype == torch.float32 and rows.shape == (x.shape[0],)
+    assert torch.equal(group_amaxes(rows, lay.gid, lay.groups), _group_amaxes(x, COUNTS))
+    want = grouped_fp8.quantize_rows(x, lay, q, True, True)
+    got = grouped_fp8.quantize_rows(x, lay, q, True, True, row_amax=rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(row_amaxes(x[:, :0]), torch.zeros(x.shape[0]))
+
+
+@pytest.mark.parametrize("row_padded", [False, True])
+@pytest.mark.parametrize("amax", ["pass", "rows", "kept"])
+def test_gathered_rows_quantize_to_the_bytes_of_their_copy(impl, row_padded, amax):
+    """Token rows given as ``x[x_rows]`` (each row of ``x`` routed to several groups, some to
+    none): the bytes and scale-inverses of quantizing the gathered copy, with the backend's own
+    amax pass, with amaxes reduced from each row's, and with kept ones; a bad index is
+    refused, naming ``x_rows``."""
+    tokens, k = 29, 3
+    torch.manual_seed(0)
+    src = torch.randn(tokens, K) * torch.logspace(-3, 3, tokens)[:, None]
+    src[4, 2], src[9, 0] = float("nan"), float("inf")
+    src = src.bfloat16()
+    (rows, _), offs = _routed(tokens, k, len(COUNTS))
+    lay = grouped_fp8.layout(offs, rows.shape[0], ALIGN)
+    q = _quantizer("e4m3")
+    want = grouped_fp8.quantize_rows(src[rows], lay, q, True, True, row_padded=row_padded)
+    given = {"pass": {}, "rows": {"row_amax": row_amaxes(src)[rows]},
+             "kept": {"scale_inv": want[2]}}[amax]
+    got = grouped_fp8.quantize_rows(src, lay, q, True, True, row_padded=row_padded,
+                                    x_rows=rows, **given)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for bad in (rows[:-1], rows.float(), rows.to("meta")):
+        with pytest.raises(ValueError, match="x_rows must be an int32/int64 tensor of shape"):
+            grouped_fp8.quantize_rows(src, lay, q, True, True, x_rows=bad)
 
 
 def test_a_given_amax_is_used_and_checked(impl):
@@ -503,22 +548,43 @@ def _compiled_counter():
     return CompileCounterWithBackend("aot_eager")
 
 
-@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
-def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
-    """The quantize-once ops compiled with ``fullgraph=True``: bitwise the eager step, one
-    frame for every routing (the groups' sizes never reach the graph)."""
-    counter = _compiled_counter()
+def _layer_steps(recipe, counter, **flags):
+    """``(layer, step, compiled step, x, gy)``: a GroupedLinear over ``COUNTS`` rows (``flags``
+    its copy flags), its step under ``recipe`` and that step compiled with ``fullgraph=True``
+    by ``counter``."""
     torch.manual_seed(0)
-    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)
-    recipe = qr.Float8CurrentScaling(fp8_format=getattr(qr.Format, fmt))
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, **flags)
 
     def step(x, counts):
         with qr.autocast(recipe=recipe):
             return m(x, counts=counts)
 
-    compiled = torch.compile(step, fullgraph=True, backend=counter)
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
     gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
+    return m, step, torch.compile(step, fullgraph=True, backend=counter), x, gy
+
+
+def _recorded_quantize_calls(monkeypatch) -> list:
+    """``(rows' shape, keywords)`` of every call of the CPU backend's
+    ``fp8_group_quantize_rows`` from now on (``amax`` and ``x_rows`` always listed)."""
+    backend = backends.get(None, "cpu")
+    quantize, calls = backend.fp8_group_quantize_rows, []
+
+    def recording(x, *args, amax=None, x_rows=None, **kw):
+        calls.append((tuple(x.shape), {**kw, "amax": amax, "x_rows": x_rows}))
+        return quantize(x, *args, amax=amax, x_rows=x_rows, **kw)
+
+    monkeypatch.setattr(backend, "fp8_group_quantize_rows", recording)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
+    """The quantize-once ops compiled with ``fullgraph=True``: bitwise the eager step, one
+    frame for every routing (the groups' sizes never reach the graph)."""
+    counter = _compiled_counter()
+    recipe = qr.Float8CurrentScaling(fp8_format=getattr(qr.Format, fmt))
+    m, step, compiled, x, gy = _layer_steps(recipe, counter)
     for counts in (COUNTS, [12] * 6 + [9], [0, 0, 81, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 60]):
         results = []
         for fn in (compiled, step):
@@ -531,6 +597,93 @@ def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
         for a, b in zip(*results, strict=True):
             assert a == b if isinstance(a, dict) else torch.equal(a, b)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("save_input_copy", [True, False])
+def test_compiled_layer_gives_the_quantize_its_rows_amaxes(emulated, monkeypatch,
+                                                           save_input_copy):
+    """Under ``torch.compile`` the layer computes each row's amax of its input and of the
+    output gradient in the graph (where Inductor fuses it into the kernel that makes them), so
+    no grouped quantize of token rows runs its own amax pass; eager code keeps the pass. The
+    same bytes either way: bitwise the eager step."""
+    calls = _recorded_quantize_calls(monkeypatch)
+    m, step, compiled, x, gy = _layer_steps(qr.Float8CurrentScaling(), _compiled_counter(),
+                                            save_input_copy=save_input_copy)
+    results = {}
+    for name, fn in (("compiled", compiled), ("eager", step)):
+        calls.clear()
+        xi = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        fn(xi, torch.tensor(COUNTS)).backward(gy)
+        results[name] = (xi.grad, m.weight.grad, [kw["amax"] is not None for _, kw in calls])
+    # forward's input; in backward, without a kept copy, the input again (from forward's
+    # amaxes); the output gradient
+    again = [] if save_input_copy else [True]
+    assert results["compiled"][2] == [True, *again, True]
+    assert results["eager"][2] == [False, *again, False]
+    for a, b in zip(results["compiled"][:2], results["eager"][:2], strict=True):
+        assert torch.equal(a, b)
+
+
+def _routed(tokens: int, k: int, experts: int, seed: int = 0):
+    """``((rows, pairs), offs)`` of a top-``k`` routing of ``tokens`` tokens to ``experts``
+    experts (the last one gets none): each token's routes sorted by expert, as a
+    mixture-of-experts block orders them; ``rows`` the token of each, ``pairs`` the sorted
+    position of each (token, slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])
+    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts), right=True)
+    return (perm // k, torch.argsort(perm)), offs
+
+
+@pytest.mark.parametrize("save_input_copy", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_routed_rows_are_quantized_where_they_lie(emulated, monkeypatch, save_input_copy,
+                                                  compiled):
+    """``project(x, ..., routes=(r, pairs))`` (a mixture-of-experts block's tokens, each routed
+    to ``k`` experts): the grouped quantize reads the rows in ``x`` (no gathered copy); the
+    output and the weight gradient equal those of the projection of the gathered copy
+    ``x[r]``, bitwise, eager and compiled, keeping the input's transposed bytes or the input;
+    the input gradient is each token's sum of its routes' gradients."""
+    if compiled:
+        _compiled_counter()
+    calls = _recorded_quantize_calls(monkeypatch)
+    tokens, k, experts = 30, 3, 7
+    routes, offs = _routed(tokens, k, experts)
+    torch.manual_seed(0)
+    proj = GroupedProjection(experts, K, N, save_input_copy=save_input_copy)
+    w = torch.randn(experts, N, K, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, K, dtype=torch.bfloat16)
+    gy = torch.randn(tokens * k, N, dtype=torch.bfloat16)
+    recipe = qr.Float8CurrentScaling()
+
+    def in_place(x, w):
+        with qr.autocast(recipe=recipe):
+            return proj.project(x, offs, w, None, routes=routes)
+
+    def on_a_copy(x, w):
+        with qr.autocast(recipe=recipe):
+            return proj.project(x, offs, w, None)
+
+    results = []
+    for fn, rows in ((in_place, x), (on_a_copy, x[routes[0]])):
+        calls.clear()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn
+        xi = rows.clone().requires_grad_()
+        w.grad = None
+        y = fn(xi, w)
+        y.backward(gy)
+        results.append((y.detach(), xi.grad, w.grad,
+                        [(shape, kw["x_rows"] is not None) for shape, kw in calls]))
+    (y, dx, dw, got_reads), (want_y, routed_dx, want_dw, copy_reads) = results
+    assert torch.equal(y, want_y) and torch.equal(dw, want_dw)
+    # each token's routes in route order; these sums are exact in fp32
+    want_dx = routed_dx.double()[routes[1]].view(tokens, k, K).sum(1).to(torch.bfloat16)
+    assert torch.equal(dx, want_dx)
+    assert all(shape == (tokens, K) and given for shape, given in got_reads[:-1])
+    assert all(shape == (tokens * k, K) and not given for shape, given in copy_reads[:-1])
+    assert len(got_reads) == (2 if save_input_copy else 3)
 
 
 def test_opcheck_fp8_ops(emulated):
@@ -563,12 +716,22 @@ def test_opcheck_fp8_ops(emulated):
                                       dgrad, wgrad))
     torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs], True,
                                   True, True, True))
+    # the rows' amaxes computed by the caller, and routed rows read where they lie
+    (rows, _), offs = _routed(x.shape[0] // 2, 2, len(COUNTS))
+    routed = grouped_fp8.layout(offs, rows.shape[0], ALIGN).tensors()
+    tokens = x[:rows.shape[0] // 2]
+    torch.library.opcheck(fprop, (x, lay, w, None, specs, True, True, False, row_amaxes(x)))
+    torch.library.opcheck(fprop, (tokens, routed, w, None, specs, False, True, False,
+                                  row_amaxes(tokens)[rows], rows))
+    torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs], True,
+                                  True, False, False, row_amaxes(gy)))
     rows_t = torch.ops.quant_recipes.grouped_fp8_rows_t.default
     experts_t = torch.ops.quant_recipes.grouped_fp8_experts_t.default
     torch.library.opcheck(rows_t, (x, lay, specs[0]))
     torch.library.opcheck(experts_t, (w, specs[1]))
     torch.library.opcheck(rows_t, (x, lay, specs[0], sx))
     torch.library.opcheck(experts_t, (w, specs[1], sw))
+    torch.library.opcheck(rows_t, (tokens, routed, specs[0], None, rows))
     assert all(torch.equal(a, b) for a, b in zip(rows_t(x, lay, specs[0]), (xt, sx),
                                                  strict=True))
     assert all(torch.equal(a, b) for a, b in zip(experts_t(w, specs[1]), (wt, sw), strict=True))

@@ -172,3 +172,16 @@ def given_group_amax(amax: torch.Tensor, groups: int, device: torch.device,
         raise ValueError(f"{what}: amax must be an fp32 tensor of shape ({groups},) (one amax "
                          f"per group) on {device}, got {got}")
     return amax.contiguous()
+
+
+def given_rows(x_rows: torch.Tensor, rows: int, device: torch.device,
+               what: str) -> torch.Tensor:
+    """A grouped cast's gather index, checked: int32/int64 ``[rows]`` on ``device`` (the row
+    of ``x`` each token row reads; any stride, returned contiguous)."""
+    if (not isinstance(x_rows, torch.Tensor) or x_rows.dtype not in (torch.int32, torch.int64)
+            or tuple(x_rows.shape) != (rows,) or x_rows.device != device):
+        got = (f"{x_rows.dtype} {tuple(x_rows.shape)} on {x_rows.device}"
+               if isinstance(x_rows, torch.Tensor) else type(x_rows).__name__)
+        raise ValueError(f"{what}: x_rows must be an int32/int64 tensor of shape ({rows},) (the "
+                         f"row of x each token row reads) on {device}, got {got}")
+    return x_rows.contiguous()

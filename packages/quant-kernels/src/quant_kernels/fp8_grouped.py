@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype, given_group_amax
+from quant_core.inputs import check_input_dtype, given_group_amax, given_rows
+from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch
@@ -88,15 +89,16 @@ def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
 
 @triton.jit
 def _group_cast_kernel(
-    x_ptr, src_ptr, grp_ptr, amax_ptr, data_ptr, t_ptr, P, K, eps,
+    x_ptr, src_ptr, grp_ptr, amax_ptr, data_ptr, t_ptr, xrows_ptr, P, K, eps,
     ROW: tl.constexpr, COL: tl.constexpr, ROW_PADDED: tl.constexpr, GROUP_ROWS: tl.constexpr,
-    IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    GATHER: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One ``[BM, BK]`` tile of output rows: ``fp8_satfinite_rne(float(x) * scale[group])``.
 
     Output row ``p`` (of ``P``) reads source row ``src[p]`` (``-1``: zeros) of group
-    ``grp[p]``; with ``GROUP_ROWS`` it reads row ``p`` of group ``p // GROUP_ROWS``.
+    ``grp[p]``, which is row ``xrows[src[p]]`` of ``x`` with ``GATHER``; with ``GROUP_ROWS``
+    it reads row ``p`` of group ``p // GROUP_ROWS``.
     data_ptr: uint8/FP8 rowwise data, row ``p`` (``ROW_PADDED`` or ``GROUP_ROWS``) or row
         ``src[p]`` written when ``ROW``.
     t_ptr: uint8/FP8 transposed data when ``COL``: ``[K, P]``, or with ``GROUP_ROWS`` each
@@ -116,7 +118,11 @@ def _group_cast_kernel(
         src = tl.load(src_ptr + rp, mask=pmask, other=-1).to(tl.int64)
         valid = src >= 0
         g = tl.load(grp_ptr + rp, mask=pmask, other=0).to(tl.int64)
-    x = tl.load(x_ptr + src[:, None] * K + rk[None, :], mask=valid[:, None] & kmask[None, :],
+    if GATHER:
+        xr = tl.load(xrows_ptr + src, mask=valid, other=0).to(tl.int64)
+    else:
+        xr = src
+    x = tl.load(x_ptr + xr[:, None] * K + rk[None, :], mask=valid[:, None] & kmask[None, :],
                 other=0.0)
     s = scale_from_amax(tl.load(amax_ptr + g, mask=pmask, other=0.0), eps, FP8_MAX, POW2, FLT_MAX)
     v = widen(x) * s[:, None]  # padding rows: 0 * a finite scale
@@ -186,14 +192,16 @@ def fp8_group_quantize(
     grp: torch.Tensor | None = None,
     row_padded: bool = False,
     group_rows: int = 0,
+    x_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(data, transpose)``: ``x``'s rows cast with their groups' current-scaling scales
     (from ``amax``, :func:`group_amax`). Tokens (``src``, ``grp`` of ``P`` padded rows): data
-    ``[P, K]`` when ``row_padded`` else ``[T, K]``, transpose ``[K, P]``. Experts
-    (``group_rows = N``, ``x [E * N, K]``): data ``[E * N, K]``, transpose ``[E, K, N]``."""
+    ``[P, K]`` when ``row_padded`` else ``[T, K]``, transpose ``[K, P]``; token row ``t`` is
+    row ``x_rows[t]`` of ``x`` where ``x_rows [T]`` is given. Experts (``group_rows = N``,
+    ``x [E * N, K]``): data ``[E * N, K]``, transpose ``[E, K, N]``."""
     check_input_dtype(x, "fp8_group_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
-    r, k = x.shape
+    r, k = x.shape[0] if x_rows is None else x_rows.shape[0], x.shape[1]
     dev = x.device
     if group_rows:
         p = r
@@ -207,9 +215,10 @@ def fp8_group_quantize(
         cfg, kw = launch_config("fp8_group_cast")
         launch(_group_cast_kernel, (ceil_div(p, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
                amax if src is None else src, amax if grp is None else grp, amax,
-               data_arg if rowwise else amax, t_arg if columnwise else amax, p, k,
-               float(amax_epsilon), ROW=rowwise, COL=columnwise, ROW_PADDED=row_padded,
-               GROUP_ROWS=group_rows, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
+               data_arg if rowwise else amax, t_arg if columnwise else amax,
+               amax if x_rows is None else x_rows, p, k, float(amax_epsilon), ROW=rowwise,
+               COL=columnwise, ROW_PADDED=row_padded, GROUP_ROWS=group_rows,
+               GATHER=x_rows is not None, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
                POW2=bool(force_pow_2_scales), **kw)
     return data, trans
 
@@ -218,16 +227,25 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
                             grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
                             columnwise: bool, row_padded: bool, scale_pitch: int = 1,
-                            amax: torch.Tensor | None = None):
+                            amax: torch.Tensor | None = None,
+                            x_rows: torch.Tensor | None = None):
     """The backend contract's ``fp8_group_quantize_rows``: :func:`group_amax` (unless
-    ``amax`` is given), the cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
-    check_input_dtype(x, "fp8_group_quantize_rows")
-    amax = (group_amax(x, groups, gid) if amax is None
-            else given_group_amax(amax, groups, x.device, "fp8_group_quantize_rows"))
+    ``amax`` is given; of gathered rows (``x_rows``), the amax of each row of ``x`` reduced per
+    group), the cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
+    what = "fp8_group_quantize_rows"
+    check_input_dtype(x, what)
+    if x_rows is not None:
+        x_rows = given_rows(x_rows, gid.shape[0], x.device, what)
+    if amax is not None:
+        amax = given_group_amax(amax, groups, x.device, what)
+    elif x_rows is None:
+        amax = group_amax(x, groups, gid)
+    else:
+        amax = group_amaxes(row_amaxes(x)[x_rows.to(torch.int64)], gid, groups)
     data, trans = fp8_group_quantize(
         x, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
         amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
-        row_padded=row_padded)
+        row_padded=row_padded, x_rows=x_rows)
     return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
                                         scale_pitch)
 

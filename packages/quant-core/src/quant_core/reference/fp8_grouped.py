@@ -23,8 +23,32 @@ import torch
 
 from ..constants import FLT_MAX
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype, given_group_amax
+from ..inputs import check_input_dtype, given_group_amax, given_rows
 from ._rounding import compute_scale_from_amax, div_rn, fp8_encode, nan_to_zero_abs, to_fp32
+
+
+def gathered(x: torch.Tensor, x_rows: torch.Tensor | None, rows: int,
+             what: str) -> torch.Tensor:
+    """``x[x_rows]`` (``x`` when ``x_rows`` is None; :func:`~quant_core.inputs.given_rows`
+    checks ``x_rows``)."""
+    if x_rows is None:
+        return x
+    return x[given_rows(x_rows, rows, x.device, what).to(torch.int64)]
+
+
+def row_amaxes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T]``: the NaN-dropping amax of each row of ``x [T, K]`` (0 for rows of no
+    columns). Plain torch ops, so that a compiler can compute them in the kernel that produces
+    ``x``."""
+    amax = nan_to_zero_abs(x).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    return amax.to(torch.float32)
+
+
+def group_amaxes(row_amax: torch.Tensor, gid: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 ``[groups]``: the largest of each group's :func:`row_amaxes` (``gid [T]`` the group
+    of each row; 0 for a group of no rows): the group's NaN-dropping amax, exactly."""
+    amax = torch.zeros(groups, dtype=torch.float32, device=row_amax.device)
+    return amax.scatter_reduce(0, gid.to(torch.int64), row_amax.to(torch.float32), "amax")
 
 
 def _scales(x: torch.Tensor, gid: torch.Tensor, groups: int, fp8_dtype: DType,
@@ -32,9 +56,7 @@ def _scales(x: torch.Tensor, gid: torch.Tensor, groups: int, fp8_dtype: DType,
             amax: torch.Tensor | None, what: str):
     """``(scale [E], scale_inv [E, scale_pitch])`` of each group's amax (``amax`` when given)."""
     if amax is None:
-        row_amax = nan_to_zero_abs(x).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
-        amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
-        amax = amax.scatter_reduce(0, gid, row_amax.to(torch.float32), "amax")
+        amax = group_amaxes(row_amaxes(x), gid, groups)
     else:
         amax = given_group_amax(amax, groups, x.device, what)
     scale = compute_scale_from_amax(amax, fp8_dtype.max, force_pow_2_scales=force_pow_2_scales,
@@ -50,11 +72,14 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
                             grp: torch.Tensor, *, groups: int, fp8_dtype: DType,
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
                             columnwise: bool, row_padded: bool, scale_pitch: int = 1,
-                            amax: torch.Tensor | None = None):
+                            amax: torch.Tensor | None = None,
+                            x_rows: torch.Tensor | None = None):
     """``(data | None, transpose [K, P] | None, scale_inv [E, scale_pitch])`` of the token rows
-    ``x [T, K]`` (the tokens layout above; ``grp`` is implied by ``src`` and ``gid`` here)."""
+    ``x [T, K]``, or ``x[x_rows]`` (the tokens layout above; ``grp`` is implied by ``src`` and
+    ``gid`` here)."""
     check_input_dtype(x, "fp8_group_quantize_rows")
     check_fp8(fp8_dtype, "fp8_dtype")
+    x = gathered(x, x_rows, gid.shape[0], "fp8_group_quantize_rows")
     gid = gid.to(torch.int64)
     scale, sinv = _scales(x, gid, groups, fp8_dtype, force_pow_2_scales, amax_epsilon,
                           scale_pitch, amax, "fp8_group_quantize_rows")

@@ -14,6 +14,12 @@ every group non-empty), in a buffer of the static ``roundup(T, align) + E * alig
 padded group ``g`` is the per-group path's padded operand of group ``g``. Transposed copies
 always take the padded layout; a rowwise copy takes it or keeps the rows where they are.
 
+Amaxes: a layer under ``torch.compile`` computes each row's amax (``row_amaxes`` of
+``quant_core.reference.fp8_grouped``, torch ops) next to the operation that makes the rows,
+where Inductor fuses it into that kernel, and the grouped quantize reduces them to the groups'
+(``group_amaxes``) instead of reading the rows once more; the maximum is exact, so the bytes
+do not change.
+
 Scale-inverses are ``[E, SCALE_PITCH]`` fp32, column 0 the groups' ``scale_inv``: each group's
 scale starts on a 16-byte boundary, as cuBLAS requires of a scale pointer. Column 1 holds the
 groups' amaxes, so that a backward that quantizes the same tensor again (a layer that keeps no
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from quant_core import Float8CurrentScalingQuantizer, backends
+from quant_core.reference.fp8_grouped import group_amaxes
 from quant_core.reference.pad import gathered_rows
 from quant_core.shapes import roundup
 
@@ -148,16 +155,22 @@ def _cast_args(q) -> dict:
 
 
 def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bool,
-                  row_padded: bool = False, scale_inv: torch.Tensor | None = None):
+                  row_padded: bool = False, scale_inv: torch.Tensor | None = None,
+                  row_amax: torch.Tensor | None = None, x_rows: torch.Tensor | None = None):
     """``(data | None, transpose [K, rows] | None, scale_inv [E, SCALE_PITCH])``: each group of
-    ``x [T, K]`` quantized by ``q`` with its own amax (the backend's
-    ``fp8_group_quantize_rows``). ``data`` is ``[rows, K]`` in the padded layout when
-    ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero. ``scale_inv``:
-    an earlier quantize's of the same ``x`` by ``q``, whose column 1 holds the amaxes: no amax
-    pass, the same bytes."""
+    ``x [T, K]`` (or of ``x[x_rows]``, read where the rows lie) quantized by ``q`` with its own
+    amax (the backend's ``fp8_group_quantize_rows``). ``data`` is ``[rows, K]`` in the padded
+    layout when ``row_padded``, else ``[T, K]`` (the rows where they are); padding is zero.
+    ``scale_inv``: an earlier quantize's of the same rows by ``q``, whose column 1 holds the
+    amaxes; ``row_amax``: the ``[T]`` rows' ``row_amaxes``, computed where the rows were made.
+    Either spares the amax pass; the bytes are the same."""
+    amax = _amaxes(scale_inv)
+    if amax is None and row_amax is not None:
+        amax = group_amaxes(row_amax, lay.gid, lay.groups)
     return backends.get(None, x.device).fp8_group_quantize_rows(
         x.contiguous(), lay.gid, lay.src, lay.grp, groups=lay.groups, rowwise=rowwise,
-        columnwise=columnwise, row_padded=row_padded, amax=_amaxes(scale_inv), **_cast_args(q))
+        columnwise=columnwise, row_padded=row_padded, amax=amax, x_rows=x_rows,
+        **_cast_args(q))
 
 
 def _amaxes(scale_inv: torch.Tensor | None) -> torch.Tensor | None:

@@ -246,24 +246,29 @@ def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
 
 
-def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accum: bool = False):
+def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accum: bool = False,
+            x_row_amax=None, x_rows=None):
     """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
     (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`;
     the groups' padded layout ``lay``; ``fast_accum`` as :func:`rows_gemm`'s), and the
     transposed bytes backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t``
-    for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``."""
+    for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``. ``x_row_amax``:
+    the amax of each of the ``T`` rows, where the caller has it; ``x_rows [T]``: the rows are
+    ``x[x_rows]``, read where they lie (:func:`.fp8.quantize_rows`)."""
     fp32 = b is not None
     padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
-    xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded)
+    xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded,
+                               row_amax=x_row_amax, x_rows=x_rows)
     wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
     y = rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded, fp32=fp32, fast_accum=fast_accum)
     return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 
 
-def input_transposed(x, lay, qx, sx=None):
+def input_transposed(x, lay, qx, sx=None, x_rows=None):
     """``(x_t [K, rows], sx)``: :func:`forward`'s transposed input bytes, quantized again
-    (``sx``: forward's scale-inverses, whose amaxes spare the amax pass)."""
-    _, xt, sx = quantize_rows(x, lay, qx, False, True, scale_inv=sx)
+    (``sx``: forward's scale-inverses, whose amaxes spare the amax pass; ``x_rows`` as
+    :func:`forward`'s)."""
+    _, xt, sx = quantize_rows(x, lay, qx, False, True, scale_inv=sx, x_rows=x_rows)
     return xt, sx
 
 
@@ -275,12 +280,14 @@ def weight_transposed(w, qw, sw=None):
 
 
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-             fast_dgrad: bool = False, fast_wgrad: bool = False):
+             fast_dgrad: bool = False, fast_wgrad: bool = False, gy_row_amax=None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
-    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``."""
+    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``;
+    ``gy_row_amax`` as :func:`forward`'s ``x_row_amax``."""
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
-    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
+    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded,
+                               row_amax=gy_row_amax)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs

@@ -29,6 +29,7 @@ import math
 
 import torch
 from quant_core.inputs import check_dense
+from quant_core.reference.fp8_grouped import row_amaxes
 from quant_core.storage import QuantizedStorage
 
 from ..compiling import compiling
@@ -97,39 +98,71 @@ class _GroupedFP8Fn(torch.autograd.Function):
     """The quantize-once FP8 current-scaling path (:mod:`.fp8_gemm`): forward keeps the
     transposed FP8 bytes of the input and the weight that backward's GEMMs read (or, without
     ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward). The
-    bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`)."""
+    bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`).
+
+    ``routes`` (``(rows, pairs)`` of :meth:`GroupedProjection.project`, or None): the layer's
+    rows are ``x[rows]``, which the grouped quantize reads where they lie (no gathered copy);
+    the input gradient of each row of ``x`` is then the sum of its routes' gradients, in route
+    order, fp32 sums (:func:`_routes_summed`)."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t, fast = args[Layout.FIELDS:]
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows, pairs = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0])
+        # gathered rows: each row of x's amax, read once, not once per row that repeats it
+        row_amax = _row_amaxes(x, traced) if rows is None else row_amaxes(x)[rows]
+        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
+                                      row_amax, rows)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
-                              *lay.tensors())
+                              rows, pairs, *lay.tensors())
         ctx.q, ctx.traced, ctx.fast_accum = (qg, qx, qw), traced, fast
         ctx.bias_dtype = None if b is None else b.dtype
+        ctx.x_shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xt, sx, wt, sw, *lay = ctx.saved_tensors
+        xt, sx, wt, sw, rows, pairs, *lay = ctx.saved_tensors
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
         # the input (weight) itself was kept: its transposed bytes again, from forward's
         # amaxes (column 1 of its scale-inverses), so no amax pass
         if ctx.requant[0]:
-            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced, sx)
+            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced, sx, rows)
         if ctx.requant[1]:
             wt, sw = fp8_experts_t(wt, qw, ctx.traced, sw)
         gy = gy.contiguous()
         dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced,
-                           *ctx.fast_accum[1:])
+                           *ctx.fast_accum[1:], _row_amaxes(gy, ctx.traced))
+        if dx is not None and pairs is not None:
+            dx = _routes_summed(dx, pairs, ctx.x_shape[0])
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 7)
+        return _grads(ctx, dx, dw, db, 9)
+
+
+def _row_amaxes(t: torch.Tensor, traced: bool) -> torch.Tensor | None:
+    """Each row's amax of the operand ``t`` in traced code, as torch ops that Inductor computes
+    in the kernel that makes ``t`` (the grouped quantize then reads ``t`` once, for the cast);
+    None in eager code, where the quantize's own amax pass is the cheaper one."""
+    return row_amaxes(t) if traced else None
+
+
+def _gathered(x: torch.Tensor, routes) -> torch.Tensor:
+    """``x[rows]`` of ``routes`` (``x`` without routes): the rows of the paths that read a
+    gathered copy (autograd sums each row's gradients)."""
+    return x if routes is None else x[routes[0]]
+
+
+def _routes_summed(d: torch.Tensor, pairs: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, K]``: each of ``n`` rows' sum of the gradients ``d [n * k, K]`` of its ``k``
+    routes (``pairs[i * k + j]`` the row of ``d`` of row ``i``'s route ``j``), summed in route
+    order in fp32 and rounded once, as a mixture-of-experts block sums its experts' outputs:
+    deterministic, unlike an accumulating scatter."""
+    return d[pairs].view(n, pairs.shape[0] // max(n, 1), d.shape[1]).sum(dim=1)
 
 
 def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
@@ -236,20 +269,26 @@ class GroupedProjection(QuantizedModule):
             raise ValueError(f"GroupedLinear: x is on {x.device} but the weight on {w.device}")
 
     def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None, layouts: dict | None = None) -> torch.Tensor:
+                b: torch.Tensor | None, layouts: dict | None = None,
+                routes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
         quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
         else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
         assumed checked (:meth:`check_input`, :meth:`offsets`). ``layouts``: the padded
         layouts of ``offs`` already made, by alignment, which this call reuses and adds to
-        (projections over the same rows share one)."""
+        (projections over the same rows share one). ``routes``: ``(rows, pairs)``, int64
+        ``[T]`` each, a mixture-of-experts block's tokens ``x [S, K]`` each routed to ``k = T /
+        S`` experts: the layer's rows are ``x[rows]`` (in expert order), and ``pairs[s * k +
+        j]`` is the layer row of token ``s``'s route ``j``. The quantize-once FP8 path reads
+        the rows where they lie; every other path gathers them first."""
         traced = compiling()
         frame = module_frame(self)
+        total = x.shape[0] if routes is None else routes[0].shape[0]
         if frame is None or not frame.enabled:
             hp = _HIGH_PRECISION
-            lay = _layout(offs, x.shape[0], 16, layouts)
-            return _GroupedFn.apply(x, w, b, *lay.tensors(), hp, hp, hp, hp, hp, False, 16,
-                                    traced, _NO_FAST_ACCUM)
+            lay = _layout(offs, total, 16, layouts)
+            return _GroupedFn.apply(_gathered(x, routes), w, b, *lay.tensors(), hp, hp, hp, hp,
+                                    hp, False, 16, traced, _NO_FAST_ACCUM)
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
                              "(each expert group has its own amax)")
@@ -273,16 +312,16 @@ class GroupedProjection(QuantizedModule):
         # keeps one, the per-group paths quantize both operands again
         qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        lay = _layout(offs, x.shape[0], align, layouts)
+        lay = _layout(offs, total, align, layouts)
         if (plan.columnwise and w.dtype == x.dtype and fp8_gemm.takes(
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
-                                       plan.fast_accum)
+                                       plan.fast_accum, *(routes or (None, None)))
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
-        return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
-                                traced, plan.fast_accum)
+        return _GroupedFn.apply(_gathered(x, routes), w, b, *lay.tensors(), qx, qw, *again,
+                                plan.columnwise, align, traced, plan.fast_accum)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:

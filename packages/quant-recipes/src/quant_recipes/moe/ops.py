@@ -94,11 +94,11 @@ _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool co
     "(Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
-def _rows_t(x, lay, q, sx=None):
-    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q), sx)
+def _rows_t(x, lay, q, sx=None, x_rows=None):
+    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q), sx, x_rows)
 
 
-def _rows_t_fake(x, lay, q, sx=None):
+def _rows_t_fake(x, lay, q, sx=None, x_rows=None):
     k, (rows, experts) = x.shape[1], (lay[2].shape[0], lay[5].shape[0])
     return (x.new_empty((k, rows), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
@@ -114,7 +114,8 @@ def _experts_t_fake(w, q, sw=None):
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q, Tensor? sx=None) -> (Tensor, Tensor)",
+_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q, Tensor? sx=None, Tensor? x_rows=None) "
+    "-> (Tensor, Tensor)",
     _rows_t, _rows_t_fake)
 _op("grouped_fp8_experts_t(Tensor w, str q, Tensor? sw=None) -> (Tensor, Tensor)", _experts_t,
     _experts_t_fake)
@@ -124,38 +125,43 @@ def _empty_for_none(t, like, dtype=torch.uint8):
     return like.new_empty((0,), dtype=dtype) if t is None else t
 
 
-def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False):
+def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax=None,
+               x_rows=None):
     y, xt, sx, wt, sw = fp8_gemm.forward(x, _layout(lay), w, *map(quantizer_of, q), keep_x_t,
-                                         keep_w_t, b, fast_accum)
+                                         keep_w_t, b, fast_accum, x_row_amax, x_rows)
     return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
 
 
-def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False):
+def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax=None,
+                    x_rows=None):
     xt, sx = _rows_t_fake(x, lay, q[0])
     wt, sw = _experts_t_fake(w, q[1])
-    return (x.new_empty((x.shape[0], w.shape[1])), xt if keep_x_t else _empty_for_none(None, x),
+    return (x.new_empty((lay[0].shape[0], w.shape[1])),
+            xt if keep_x_t else _empty_for_none(None, x),
             sx, wt if keep_w_t else _empty_for_none(None, x), sw)
 
 
-def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False):
+def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False,
+               gy_row_amax=None):
     dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
-                               wgrad, fast_dgrad, fast_wgrad)
+                               wgrad, fast_dgrad, fast_wgrad, gy_row_amax)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
 def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
-                    fast_wgrad=False):
+                    fast_wgrad=False, gy_row_amax=None):
     total, n = gy.shape
     return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
             gy.new_empty((lay[5].shape[0], n, xt.shape[0]) if wgrad else (0,)))
 
 
 _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
-    "bool keep_w_t, bool fast_accum=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool keep_w_t, bool fast_accum=False, Tensor? x_row_amax=None, Tensor? x_rows=None) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fp8_fprop, _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
-    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False) -> "
-    "(Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
+    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False, "
+    "Tensor? gy_row_amax=None) -> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
 def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False):
@@ -178,35 +184,38 @@ def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
 
 
 def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool,
-              fast_accum: bool = False):
+              fast_accum: bool = False, x_row_amax=None, x_rows=None):
     """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
-        return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b, fast_accum)
+        return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b, fast_accum,
+                                x_row_amax, x_rows)
     return torch.ops.quant_recipes.grouped_fp8_fprop(
         x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], keep_x_t, keep_w_t,
-        fast_accum)
+        fast_accum, x_row_amax, x_rows)
 
 
 def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-              traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False):
+              traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
+              gy_row_amax=None):
     """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
         return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
-                                 fast_wgrad)
+                                 fast_wgrad, gy_row_amax)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
     return torch.ops.quant_recipes.grouped_fp8_bprop(
         gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
-        specs, dgrad, wgrad, fast_dgrad, fast_wgrad)
+        specs, dgrad, wgrad, fast_dgrad, fast_wgrad, gy_row_amax)
 
 
-def fp8_rows_t(x, lay: Layout, qx, traced: bool, sx=None):
+def fp8_rows_t(x, lay: Layout, qx, traced: bool, sx=None, x_rows=None):
     """:func:`~quant_recipes.moe.fp8_gemm.input_transposed`, through its op when
     ``traced``."""
     if not traced:
-        return fp8_gemm.input_transposed(x, lay, qx, sx)
-    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx), sx)
+        return fp8_gemm.input_transposed(x, lay, qx, sx, x_rows)
+    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx), sx,
+                                                      x_rows)
 
 
 def fp8_experts_t(w, qw, traced: bool, sw=None):
