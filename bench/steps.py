@@ -232,14 +232,41 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
-                  "requant_all": ("save_weight_copy", "save_input_copy"), "split": ()}
+                  "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
+                  "copy": ()}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
 #: split accumulator too (``fp8_gemm_fprop=MMParams(True)``; the default accumulates it fast).
 RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
+
+
+@contextlib.contextmanager
+def routed_copy():
+    """The experts' FP8 grouped layers as they ran before they read the routed rows in place:
+    the routed rows gathered into a copy first, and the grouped quantize's own amax pass (no
+    row amaxes computed in the graph). Patched while a config compiles and runs (``:copy``)."""
+    from quant_recipes.moe import linear
+
+    project, row_amaxes = linear.GroupedProjection.project, linear._row_amaxes
+
+    def gathering(self, x, offs, w, b, layouts=None, routes=None):
+        return project(self, x if routes is None else x[routes[0]], offs, w, b, layouts)
+
+    linear.GroupedProjection.project = gathering
+    linear._row_amaxes = lambda t, traced: None
+    try:
+        yield
+    finally:
+        linear.GroupedProjection.project, linear._row_amaxes = project, row_amaxes
+
+
+#: ``:variant`` suffix -> a context the config compiles and runs in.
+PATCH_VARIANTS = {"copy": routed_copy}
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
-    "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True)) and @form "
+    "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True), copy: the "
+    "experts' routed rows gathered into a copy and their amax pass, as before they were read "
+    "in place) and @form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")
 
@@ -404,11 +431,18 @@ def convert_llama(config: str, model):
                 for attr in LLAMA_VARIANTS.get(variant, ()):
                     setattr(m, attr, False)
 
+        patch = PATCH_VARIANTS.get(variant, contextlib.nullcontext)
+
         def forward(ids):
-            with qr.autocast(recipe=recipe):
+            with patch(), qr.autocast(recipe=recipe):
                 return model(input_ids=ids, labels=ids).loss
 
-        forward.autocast = lambda: qr.autocast(recipe=recipe)
+        @contextlib.contextmanager
+        def autocast():
+            with patch(), qr.autocast(recipe=recipe):
+                yield
+
+        forward.autocast = autocast
         return forward
     elif name != "bf16":
         raise ValueError(f"unknown config {config!r}; known: {', '.join(LLAMA_DEFAULT)}")

@@ -158,6 +158,9 @@ def test_rows_amaxes_reduce_to_the_groups_amaxes(impl, dtype):
     got = grouped_fp8.quantize_rows(x, lay, q, True, True, row_amax=rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert torch.equal(row_amaxes(x[:, :0]), torch.zeros(x.shape[0]))
+    for bad in (rows[:-1], rows.double(), rows.to("meta")):
+        with pytest.raises(ValueError, match="row_amax must be an fp32 tensor of shape"):
+            grouped_fp8.quantize_rows(x, lay, q, True, True, row_amax=bad)
 
 
 @pytest.mark.parametrize("row_padded", [False, True])
@@ -184,6 +187,19 @@ def test_gathered_rows_quantize_to_the_bytes_of_their_copy(impl, row_padded, ama
     for bad in (rows[:-1], rows.float(), rows.to("meta")):
         with pytest.raises(ValueError, match="x_rows must be an int32/int64 tensor of shape"):
             grouped_fp8.quantize_rows(src, lay, q, True, True, x_rows=bad)
+
+
+@pytest.mark.parametrize("k", [64, 1536, 2048, 2880, 1031, 4097])
+def test_rows_amaxes_in_chunks_are_the_rows_amaxes(k):
+    """A compiled layer reduces a wide row in chunks, then over the chunks: the same amaxes
+    (NaN dropped, Inf kept), whatever divisors the width has; eager code asks for none."""
+    from quant_recipes.moe.linear import _row_amaxes
+
+    torch.manual_seed(0)
+    t = (torch.randn(6, k) * torch.logspace(-2, 2, 6)[:, None]).bfloat16()
+    t[1, k - 1], t[2, 0], t[3, k // 2] = float("nan"), float("inf"), -70000.0
+    assert torch.equal(_row_amaxes(t, traced=True), row_amaxes(t))
+    assert _row_amaxes(t, traced=False) is None
 
 
 def test_a_given_amax_is_used_and_checked(impl):
@@ -615,7 +631,9 @@ def test_compiled_layer_gives_the_quantize_its_rows_amaxes(emulated, monkeypatch
         xi = x.clone().requires_grad_()
         m.zero_grad(set_to_none=True)
         fn(xi, torch.tensor(COUNTS)).backward(gy)
-        results[name] = (xi.grad, m.weight.grad, [kw["amax"] is not None for _, kw in calls])
+        results[name] = (xi.grad, m.weight.grad,
+                         [kw["amax"] is not None or kw.get("row_amax") is not None
+                          for _, kw in calls])
     # forward's input; in backward, without a kept copy, the input again (from forward's
     # amaxes); the output gradient
     again = [] if save_input_copy else [True]

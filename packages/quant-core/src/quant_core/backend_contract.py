@@ -154,16 +154,19 @@ class Backend(Protocol):
                                 force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
                                 columnwise: bool, row_padded: bool, scale_pitch: int = 1,
                                 amax: torch.Tensor | None = None,
-                                x_rows: torch.Tensor | None = None) -> Tensors3:
+                                x_rows: torch.Tensor | None = None,
+                                row_amax: torch.Tensor | None = None) -> Tensors3:
         """``(data, transpose [K, P], scale_inv [groups, scale_pitch])``: each group of the
         token rows ``x [T, K]`` (``gid [T]`` the group of each row) current-scaled with its own
         amax, written in the padded layout of ``P`` rows (``src [P]`` the source row of each,
         ``-1`` a zero row; ``grp [P]`` its group); ``data`` is ``[P, K]`` with ``row_padded``,
         else ``[T, K]``. Column 0 of ``scale_inv`` holds each group's, column 1 (a pitch of 2
         or more) the group's amax, the rest zero. ``amax`` (fp32 ``[groups]``, any stride):
-        the groups' amaxes, given back from an earlier quantize of the same rows (column 1) or
-        reduced from their row amaxes, so that no amax pass runs; the bytes are those the
-        amaxes give. ``x_rows`` (int32/int64 ``[T]``): the token rows are ``x[x_rows]`` of an
+        the groups' amaxes, given back from an earlier quantize of the same rows (column 1),
+        so that no amax pass runs; the bytes are those the amaxes give. ``row_amax`` (fp32
+        ``[T]``, when ``amax`` is None): each token row's NaN-dropping amax, computed where the
+        rows were made; the backend reduces them per group instead of reading the rows.
+        ``x_rows`` (int32/int64 ``[T]``): the token rows are ``x[x_rows]`` of an
         ``x [S, K]`` (a mixture-of-experts layer's tokens in routing order, each row read where
         it lies: no gathered copy is written); None: ``x`` holds them."""
 

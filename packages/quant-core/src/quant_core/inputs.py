@@ -165,12 +165,24 @@ def given_group_amax(amax: torch.Tensor, groups: int, device: torch.device,
                      what: str) -> torch.Tensor:
     """A caller's per-group amax for a grouped current-scaling cast, checked: fp32 ``[groups]``
     on ``device`` (any stride; returned contiguous)."""
+    return _given_amaxes(amax, groups, device, what, "amax", "group")
+
+
+def given_row_amax(row_amax: torch.Tensor, rows: int, device: torch.device,
+                   what: str) -> torch.Tensor:
+    """A caller's per-row amax for a grouped current-scaling cast, checked: fp32 ``[rows]`` on
+    ``device`` (any stride; returned contiguous)."""
+    return _given_amaxes(row_amax, rows, device, what, "row_amax", "row")
+
+
+def _given_amaxes(amax, n: int, device: torch.device, what: str, arg: str,
+                  per: str) -> torch.Tensor:
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(
-            amax.shape) != (groups,) or amax.device != device:
+            amax.shape) != (n,) or amax.device != device:
         got = (f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"
                if isinstance(amax, torch.Tensor) else type(amax).__name__)
-        raise ValueError(f"{what}: amax must be an fp32 tensor of shape ({groups},) (one amax "
-                         f"per group) on {device}, got {got}")
+        raise ValueError(f"{what}: {arg} must be an fp32 tensor of shape ({n},) (one amax "
+                         f"per {per}) on {device}, got {got}")
     return amax.contiguous()
 
 

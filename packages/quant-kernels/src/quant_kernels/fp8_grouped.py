@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype, given_group_amax, given_rows
-from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
+from quant_core.inputs import check_input_dtype, given_group_amax, given_row_amax, given_rows
+from quant_core.reference.fp8_grouped import row_amaxes
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch
@@ -228,20 +228,25 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
                             columnwise: bool, row_padded: bool, scale_pitch: int = 1,
                             amax: torch.Tensor | None = None,
-                            x_rows: torch.Tensor | None = None):
-    """The backend contract's ``fp8_group_quantize_rows``: :func:`group_amax` (unless
-    ``amax`` is given; of gathered rows (``x_rows``), the amax of each row of ``x`` reduced per
-    group), the cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
+                            x_rows: torch.Tensor | None = None,
+                            row_amax: torch.Tensor | None = None):
+    """The backend contract's ``fp8_group_quantize_rows``: the groups' amaxes (given; else the
+    largest of each group's given row amaxes, of gathered rows (``x_rows``) each row of ``x``'s
+    amax, and :func:`group_amax`'s pass over the rows otherwise: one reduction kernel each), the
+    cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
     what = "fp8_group_quantize_rows"
     check_input_dtype(x, what)
+    rows = gid.shape[0]
     if x_rows is not None:
-        x_rows = given_rows(x_rows, gid.shape[0], x.device, what)
+        x_rows = given_rows(x_rows, rows, x.device, what)
     if amax is not None:
         amax = given_group_amax(amax, groups, x.device, what)
+    elif row_amax is not None:
+        amax = group_amax(given_row_amax(row_amax, rows, x.device, what)[:, None], groups, gid)
     elif x_rows is None:
         amax = group_amax(x, groups, gid)
     else:
-        amax = group_amaxes(row_amaxes(x)[x_rows.to(torch.int64)], gid, groups)
+        amax = group_amax(row_amaxes(x)[x_rows.to(torch.int64), None], groups, gid)
     data, trans = fp8_group_quantize(
         x, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
         amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,

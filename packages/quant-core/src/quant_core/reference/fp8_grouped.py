@@ -23,7 +23,7 @@ import torch
 
 from ..constants import FLT_MAX
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype, given_group_amax, given_rows
+from ..inputs import check_input_dtype, given_group_amax, given_row_amax, given_rows
 from ._rounding import compute_scale_from_amax, div_rn, fp8_encode, nan_to_zero_abs, to_fp32
 
 
@@ -73,13 +73,17 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
                             force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
                             columnwise: bool, row_padded: bool, scale_pitch: int = 1,
                             amax: torch.Tensor | None = None,
-                            x_rows: torch.Tensor | None = None):
+                            x_rows: torch.Tensor | None = None,
+                            row_amax: torch.Tensor | None = None):
     """``(data | None, transpose [K, P] | None, scale_inv [E, scale_pitch])`` of the token rows
     ``x [T, K]``, or ``x[x_rows]`` (the tokens layout above; ``grp`` is implied by ``src`` and
     ``gid`` here)."""
     check_input_dtype(x, "fp8_group_quantize_rows")
     check_fp8(fp8_dtype, "fp8_dtype")
     x = gathered(x, x_rows, gid.shape[0], "fp8_group_quantize_rows")
+    if amax is None and row_amax is not None:
+        amax = group_amaxes(given_row_amax(row_amax, gid.shape[0], x.device,
+                                           "fp8_group_quantize_rows"), gid, groups)
     gid = gid.to(torch.int64)
     scale, sinv = _scales(x, gid, groups, fp8_dtype, force_pow_2_scales, amax_epsilon,
                           scale_pitch, amax, "fp8_group_quantize_rows")

@@ -17,8 +17,7 @@ always take the padded layout; a rowwise copy takes it or keeps the rows where t
 Amaxes: a layer under ``torch.compile`` computes each row's amax (``row_amaxes`` of
 ``quant_core.reference.fp8_grouped``, torch ops) next to the operation that makes the rows,
 where Inductor fuses it into that kernel, and the grouped quantize reduces them to the groups'
-(``group_amaxes``) instead of reading the rows once more; the maximum is exact, so the bytes
-do not change.
+instead of reading the rows once more; the maximum is exact, so the bytes do not change.
 
 Scale-inverses are ``[E, SCALE_PITCH]`` fp32, column 0 the groups' ``scale_inv``: each group's
 scale starts on a 16-byte boundary, as cuBLAS requires of a scale pointer. Column 1 holds the
@@ -32,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 from quant_core import Float8CurrentScalingQuantizer, backends
-from quant_core.reference.fp8_grouped import group_amaxes
 from quant_core.reference.pad import gathered_rows
 from quant_core.shapes import roundup
 
@@ -164,13 +162,10 @@ def quantize_rows(x: torch.Tensor, lay: Layout, q, rowwise: bool, columnwise: bo
     ``scale_inv``: an earlier quantize's of the same rows by ``q``, whose column 1 holds the
     amaxes; ``row_amax``: the ``[T]`` rows' ``row_amaxes``, computed where the rows were made.
     Either spares the amax pass; the bytes are the same."""
-    amax = _amaxes(scale_inv)
-    if amax is None and row_amax is not None:
-        amax = group_amaxes(row_amax, lay.gid, lay.groups)
     return backends.get(None, x.device).fp8_group_quantize_rows(
         x.contiguous(), lay.gid, lay.src, lay.grp, groups=lay.groups, rowwise=rowwise,
-        columnwise=columnwise, row_padded=row_padded, amax=amax, x_rows=x_rows,
-        **_cast_args(q))
+        columnwise=columnwise, row_padded=row_padded, amax=_amaxes(scale_inv), x_rows=x_rows,
+        row_amax=row_amax, **_cast_args(q))
 
 
 def _amaxes(scale_inv: torch.Tensor | None) -> torch.Tensor | None:

@@ -147,8 +147,29 @@ class _GroupedFP8Fn(torch.autograd.Function):
 def _row_amaxes(t: torch.Tensor, traced: bool) -> torch.Tensor | None:
     """Each row's amax of the operand ``t`` in traced code, as torch ops that Inductor computes
     in the kernel that makes ``t`` (the grouped quantize then reads ``t`` once, for the cast);
-    None in eager code, where the quantize's own amax pass is the cheaper one."""
-    return row_amaxes(t) if traced else None
+    None in eager code, where the quantize's own amax pass is the cheaper one. A row wider than
+    :data:`_ROW_CHUNK` is reduced in chunks of at most that many elements, then over its
+    chunks (the maximum is the same), so that each reduction fits one Inductor program."""
+    if not traced:
+        return None
+    k = t.shape[1]
+    chunk = _chunk(k)
+    if chunk == k:
+        return row_amaxes(t)
+    return row_amaxes(t.reshape(-1, chunk)).view(t.shape[0], k // chunk).amax(dim=1)
+
+
+#: The widest row :func:`_row_amaxes` reduces in one piece (Inductor keeps a reduction of up to
+#: 1024 elements in one persistent program; wider ones loop).
+_ROW_CHUNK = 1024
+
+
+def _chunk(k: int) -> int:
+    """The largest divisor of ``k`` of at most :data:`_ROW_CHUNK` elements and at least 128
+    (``k`` itself when it is small enough or no such divisor exists)."""
+    if k <= _ROW_CHUNK:
+        return k
+    return next((c for c in range(_ROW_CHUNK, 127, -1) if k % c == 0), k)
 
 
 def _gathered(x: torch.Tensor, routes) -> torch.Tensor:
@@ -160,9 +181,13 @@ def _gathered(x: torch.Tensor, routes) -> torch.Tensor:
 def _routes_summed(d: torch.Tensor, pairs: torch.Tensor, n: int) -> torch.Tensor:
     """``[n, K]``: each of ``n`` rows' sum of the gradients ``d [n * k, K]`` of its ``k``
     routes (``pairs[i * k + j]`` the row of ``d`` of row ``i``'s route ``j``), summed in route
-    order in fp32 and rounded once, as a mixture-of-experts block sums its experts' outputs:
-    deterministic, unlike an accumulating scatter."""
-    return d[pairs].view(n, pairs.shape[0] // max(n, 1), d.shape[1]).sum(dim=1)
+    order in fp32 and rounded once: deterministic, unlike an accumulating scatter. One gathered
+    operand per route, so that Inductor makes it one pointwise kernel over ``[n, K]``."""
+    routes = pairs.view(n, pairs.shape[0] // max(n, 1))
+    total = d[routes[:, 0]].float()
+    for j in range(1, routes.shape[1]):
+        total = total + d[routes[:, j]].float()
+    return total.to(d.dtype)
 
 
 def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
