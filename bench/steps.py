@@ -241,15 +241,15 @@ RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
 
 @contextlib.contextmanager
 def routed_copy():
-    """The experts' FP8 grouped layers as they ran before they read the routed rows in place:
+    """The experts' FP8 grouped layers without their in-place reads, for an A/B in one process:
     the routed rows gathered into a copy first, and the grouped quantize's own amax pass (no
     row amaxes computed in the graph). Patched while a config compiles and runs (``:copy``)."""
     from quant_recipes.moe import linear
 
     project, row_amaxes = linear.GroupedProjection.project, linear._row_amaxes
 
-    def gathering(self, x, offs, w, b, layouts=None, routes=None):
-        return project(self, x if routes is None else x[routes[0]], offs, w, b, layouts)
+    def gathering(self, x, offs, w, b, layouts=None, rows=None):
+        return project(self, x if rows is None else x[rows], offs, w, b, layouts)
 
     linear.GroupedProjection.project = gathering
     linear._row_amaxes = lambda t, traced: None
@@ -265,8 +265,8 @@ LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
     "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True), copy: the "
-    "experts' routed rows gathered into a copy and their amax pass, as before they were read "
-    "in place) and @form "
+    "experts' routed rows gathered into a copy first, with the quantize's own amax pass) and "
+    "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")
 

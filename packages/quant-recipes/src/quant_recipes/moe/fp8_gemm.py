@@ -280,14 +280,12 @@ def weight_transposed(w, qw, sw=None):
 
 
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-             fast_dgrad: bool = False, fast_wgrad: bool = False, gy_row_amax=None):
+             fast_dgrad: bool = False, fast_wgrad: bool = False):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
-    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``;
-    ``gy_row_amax`` as :func:`forward`'s ``x_row_amax``."""
+    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``."""
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
-    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded,
-                               row_amax=gy_row_amax)
+    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs

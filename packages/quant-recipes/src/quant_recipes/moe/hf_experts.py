@@ -141,16 +141,15 @@ class _QuantizedExperts:
         bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
         w = _weight(self, up_name)
         self._quant_up.check_input(hidden_states, w)  # offs are right by construction
-        inverse = torch.empty_like(perm)  # the expert-order row of each (token, slot)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         layouts = {}  # the two projections run over the same rows: one padded layout
         # the routed rows are hidden_states[perm // k]: the grouped quantize reads them there
-        h = self._quant_up.project(hidden_states, offs, w, bias, layouts,
-                                   routes=(perm // k, inverse))
+        h = self._quant_up.project(hidden_states, offs, w, bias, layouts, rows=perm // k)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
         y = self._quant_down.project(h, offs, _weight(self, "down_proj"), bias, layouts)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         return y[inverse].view(tokens, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)

@@ -100,24 +100,23 @@ class _GroupedFP8Fn(torch.autograd.Function):
     ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward). The
     bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`).
 
-    ``routes`` (``(rows, pairs)`` of :meth:`GroupedProjection.project`, or None): the layer's
-    rows are ``x[rows]``, which the grouped quantize reads where they lie (no gathered copy);
-    the input gradient of each row of ``x`` is then the sum of its routes' gradients, in route
-    order, fp32 sums (:func:`_routes_summed`)."""
+    ``rows`` (int64 ``[T]``, or None): the layer's rows are ``x[rows]``, which the grouped
+    quantize reads where they lie (no gathered copy), with the groups' amaxes from each row of
+    ``x``'s amax (read once, however many rows repeat it); the input gradient is then summed
+    into ``x``'s rows as autograd sums the gradient of an index."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows, pairs = args[Layout.FIELDS:]
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        # gathered rows: each row of x's amax, read once, not once per row that repeats it
         row_amax = _row_amaxes(x, traced) if rows is None else row_amaxes(x)[rows]
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
                                       row_amax, rows)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
-                              rows, pairs, *lay.tensors())
+                              rows, *lay.tensors())
         ctx.q, ctx.traced, ctx.fast_accum = (qg, qx, qw), traced, fast
         ctx.bias_dtype = None if b is None else b.dtype
         ctx.x_shape = x.shape
@@ -125,7 +124,7 @@ class _GroupedFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        xt, sx, wt, sw, rows, pairs, *lay = ctx.saved_tensors
+        xt, sx, wt, sw, rows, *lay = ctx.saved_tensors
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
@@ -135,59 +134,28 @@ class _GroupedFP8Fn(torch.autograd.Function):
             xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced, sx, rows)
         if ctx.requant[1]:
             wt, sw = fp8_experts_t(wt, qw, ctx.traced, sw)
-        gy = gy.contiguous()
-        dx, dw = fp8_bprop(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, ctx.traced,
-                           *ctx.fast_accum[1:], _row_amaxes(gy, ctx.traced))
-        if dx is not None and pairs is not None:
-            dx = _routes_summed(dx, pairs, ctx.x_shape[0])
+        # the output gradient's amax is the quantize's own pass: computed where the gradient
+        # is made (a SwiGLU's backward), the row reduction turns Inductor's pointwise kernel
+        # into a looped reduction that costs more than the pass it saves
+        dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
+                           ctx.traced, *ctx.fast_accum[1:])
+        if dx is not None and rows is not None:  # what autograd makes of x[rows]
+            dx = dx.new_zeros(ctx.x_shape).index_put((rows,), dx, accumulate=True)
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 9)
+        return _grads(ctx, dx, dw, db, 8)
 
 
 def _row_amaxes(t: torch.Tensor, traced: bool) -> torch.Tensor | None:
     """Each row's amax of the operand ``t`` in traced code, as torch ops that Inductor computes
     in the kernel that makes ``t`` (the grouped quantize then reads ``t`` once, for the cast);
-    None in eager code, where the quantize's own amax pass is the cheaper one. A row wider than
-    :data:`_ROW_CHUNK` is reduced in chunks of at most that many elements, then over its
-    chunks (the maximum is the same), so that each reduction fits one Inductor program."""
-    if not traced:
-        return None
-    k = t.shape[1]
-    chunk = _chunk(k)
-    if chunk == k:
-        return row_amaxes(t)
-    return row_amaxes(t.reshape(-1, chunk)).view(t.shape[0], k // chunk).amax(dim=1)
+    None in eager code, where the quantize's own amax pass is the cheaper one."""
+    return row_amaxes(t) if traced else None
 
 
-#: The widest row :func:`_row_amaxes` reduces in one piece (Inductor keeps a reduction of up to
-#: 1024 elements in one persistent program; wider ones loop).
-_ROW_CHUNK = 1024
-
-
-def _chunk(k: int) -> int:
-    """The largest divisor of ``k`` of at most :data:`_ROW_CHUNK` elements and at least 128
-    (``k`` itself when it is small enough or no such divisor exists)."""
-    if k <= _ROW_CHUNK:
-        return k
-    return next((c for c in range(_ROW_CHUNK, 127, -1) if k % c == 0), k)
-
-
-def _gathered(x: torch.Tensor, routes) -> torch.Tensor:
-    """``x[rows]`` of ``routes`` (``x`` without routes): the rows of the paths that read a
-    gathered copy (autograd sums each row's gradients)."""
-    return x if routes is None else x[routes[0]]
-
-
-def _routes_summed(d: torch.Tensor, pairs: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, K]``: each of ``n`` rows' sum of the gradients ``d [n * k, K]`` of its ``k``
-    routes (``pairs[i * k + j]`` the row of ``d`` of row ``i``'s route ``j``), summed in route
-    order in fp32 and rounded once: deterministic, unlike an accumulating scatter. One gathered
-    operand per route, so that Inductor makes it one pointwise kernel over ``[n, K]``."""
-    routes = pairs.view(n, pairs.shape[0] // max(n, 1))
-    total = d[routes[:, 0]].float()
-    for j in range(1, routes.shape[1]):
-        total = total + d[routes[:, j]].float()
-    return total.to(d.dtype)
+def _gathered(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x[rows]`` (``x`` without ``rows``): the rows of the paths that read a gathered copy
+    (autograd sums each row's gradients)."""
+    return x if rows is None else x[rows]
 
 
 def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
@@ -295,24 +263,23 @@ class GroupedProjection(QuantizedModule):
 
     def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, layouts: dict | None = None,
-                routes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
         quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
         else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
         assumed checked (:meth:`check_input`, :meth:`offsets`). ``layouts``: the padded
         layouts of ``offs`` already made, by alignment, which this call reuses and adds to
-        (projections over the same rows share one). ``routes``: ``(rows, pairs)``, int64
-        ``[T]`` each, a mixture-of-experts block's tokens ``x [S, K]`` each routed to ``k = T /
-        S`` experts: the layer's rows are ``x[rows]`` (in expert order), and ``pairs[s * k +
-        j]`` is the layer row of token ``s``'s route ``j``. The quantize-once FP8 path reads
-        the rows where they lie; every other path gathers them first."""
+        (projections over the same rows share one). ``rows`` (int64 ``[T]``): the layer's rows
+        are ``x[rows]`` (a mixture-of-experts block's tokens in expert order, each token as
+        many times as it is routed); the quantize-once FP8 path reads them where they lie,
+        every other path gathers them first."""
         traced = compiling()
         frame = module_frame(self)
-        total = x.shape[0] if routes is None else routes[0].shape[0]
+        total = x.shape[0] if rows is None else rows.shape[0]
         if frame is None or not frame.enabled:
             hp = _HIGH_PRECISION
             lay = _layout(offs, total, 16, layouts)
-            return _GroupedFn.apply(_gathered(x, routes), w, b, *lay.tensors(), hp, hp, hp, hp,
+            return _GroupedFn.apply(_gathered(x, rows), w, b, *lay.tensors(), hp, hp, hp, hp,
                                     hp, False, 16, traced, _NO_FAST_ACCUM)
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
@@ -343,9 +310,9 @@ class GroupedProjection(QuantizedModule):
                 self.out_features)):
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
-                                       plan.fast_accum, *(routes or (None, None)))
+                                       plan.fast_accum, rows)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
-        return _GroupedFn.apply(_gathered(x, routes), w, b, *lay.tensors(), qx, qw, *again,
+        return _GroupedFn.apply(_gathered(x, rows), w, b, *lay.tensors(), qx, qw, *again,
                                 plan.columnwise, align, traced, plan.fast_accum)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
