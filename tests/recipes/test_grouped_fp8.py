@@ -951,3 +951,65 @@ def test_rows_moved_is_the_transposed_copy(shape):
     assert got.is_contiguous() and torch.equal(got, t.transpose(0, 1))
     odd = grouped_fp8.rows_moved(t[:, :, 1:])  # rows off the 8-byte grid: copied as they are
     assert torch.equal(odd, t[:, :, 1:].transpose(0, 1))
+
+
+def _hf_experts_block():
+    """A converted Qwen3-MoE experts block (8 experts of width 32, top-2) from a config."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=K, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    qr.convert(model, recipe=qr.Float8CurrentScaling())
+    return model.model.layers[0].mlp.experts
+
+
+@pytest.mark.parametrize("compiled", [None, "static", "dynamic"])
+def test_hf_experts_quantize_their_routed_rows_where_they_lie(emulated, monkeypatch, compiled):
+    """A converted Hugging Face experts block on the quantize-once path, eager and compiled
+    (static and dynamic token counts, a step of no tokens): its up projection's quantize reads
+    the hidden states through the routes, and the block equals, bitwise, the block that
+    gathers the routed rows into a copy first (outputs and every gradient)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    experts, recipe = _hf_experts_block(), qr.Float8CurrentScaling()
+    calls = _recorded_quantize_calls(monkeypatch)
+    project = GroupedProjection.project
+
+    def gathering_first(self, x, offs, w, b, layouts=None, rows=None):
+        return project(self, x if rows is None else x[rows], offs, w, b, layouts)
+
+    def run(tokens, fn):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, K, generator=gen).bfloat16().requires_grad_()
+        ids = torch.rand(tokens, 7, generator=gen).argsort(dim=1)[:, :2]  # expert 7: none
+        w = torch.rand(tokens, 2, generator=gen).softmax(-1).bfloat16()
+        experts.zero_grad(set_to_none=True)
+        calls.clear()
+        qr.reset_grouped_gemm_paths()
+        with qr.autocast(recipe=recipe):
+            y = fn(x, ids, w)
+        y.float().pow(2).sum().backward()
+        return ((y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad),
+                [kw["x_rows"] is not None for _, kw in calls], qr.grouped_gemm_paths())
+
+    fn = experts
+    if compiled:
+        _compiled_counter()
+        counter = CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(experts, backend=counter, fullgraph=True,
+                           dynamic=compiled == "dynamic")
+    for tokens in (40, 24, 0):
+        got, reads, paths = run(tokens, fn)
+        with monkeypatch.context() as patch:
+            patch.setattr(GroupedProjection, "project", gathering_first)
+            torch._dynamo.reset()
+            want, copy_reads, _ = run(tokens, experts)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        # forward: the up projection's input through the routes, the down projection's input;
+        # backward: the two output gradients
+        assert reads == [True, False, False, False] and not any(copy_reads)
+        assert set(paths) <= {"scaled_grouped_mm", "fp8_grouped_gemm"}
