@@ -230,10 +230,10 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
                             amax: torch.Tensor | None = None,
                             x_rows: torch.Tensor | None = None,
                             row_amax: torch.Tensor | None = None):
-    """The backend contract's ``fp8_group_quantize_rows``: the groups' amaxes (given; else the
-    largest of each group's given row amaxes, of gathered rows (``x_rows``) each row of ``x``'s
-    amax, and :func:`group_amax`'s pass over the rows otherwise: one reduction kernel each), the
-    cast (:func:`fp8_group_quantize`) and :func:`group_scale_inv`."""
+    """The backend contract's ``fp8_group_quantize_rows``: the groups' amaxes, the cast
+    (:func:`fp8_group_quantize`) and :func:`group_scale_inv`. The amaxes are ``amax`` when
+    given; else :func:`group_amax` of the given ``row_amax``, of gathered rows' (``x_rows``)
+    amaxes of each row of ``x``, or of the rows themselves."""
     what = "fp8_group_quantize_rows"
     check_input_dtype(x, what)
     rows = gid.shape[0]
