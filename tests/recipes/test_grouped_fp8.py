@@ -1013,3 +1013,32 @@ def test_hf_experts_quantize_their_routed_rows_where_they_lie(emulated, monkeypa
         # backward: the two output gradients
         assert reads == [True, False, False, False] and not any(copy_reads)
         assert set(paths) <= {"scaled_grouped_mm", "fp8_grouped_gemm"}
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_hf_experts_recomputed_by_activation_checkpointing(emulated, inside):
+    """The experts block recomputed in backward (inside autocast, or outside it under the
+    forward's frame), reading its routed rows in place: the same output and gradients as
+    without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    experts, recipe = _hf_experts_block(), qr.Float8CurrentScaling()
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(24, K, generator=gen).bfloat16()
+    ids = torch.rand(24, 7, generator=gen).argsort(dim=1)[:, :2]
+    w = torch.rand(24, 2, generator=gen).softmax(-1).bfloat16()
+    results = []
+    for checkpointed in (False, True):
+        experts.zero_grad(set_to_none=True)
+        x = h.clone().requires_grad_()
+        with qr.autocast(recipe=recipe):
+            y = (checkpoint(experts, x, ids, w, use_reentrant=False) if checkpointed
+                 else experts(x, ids, w))
+            loss = y.float().pow(2).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        results.append((y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
