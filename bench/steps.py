@@ -252,7 +252,7 @@ def routed_copy():
         return project(self, x if rows is None else x[rows], offs, w, b, layouts)
 
     linear.GroupedProjection.project = gathering
-    linear._row_amaxes = lambda t, traced: None
+    linear._row_amaxes = lambda t, traced, rows=None: None
     try:
         yield
     finally:

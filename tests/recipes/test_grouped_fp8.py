@@ -73,6 +73,17 @@ def _group_amaxes(x: torch.Tensor, counts) -> torch.Tensor:
                         for m in mags.split(list(counts))])
 
 
+def _routed(tokens: int, k: int, experts: int, seed: int = 0):
+    """``(rows, offs)`` of a top-``k`` routing of ``tokens`` tokens to ``experts`` experts (the
+    last one gets none): each token's routes sorted by expert, as a mixture-of-experts block
+    orders them; ``rows`` the token of each."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])
+    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts), right=True)
+    return perm // k, offs
+
+
 @pytest.mark.parametrize("row_padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qid", list(QUANTIZERS))
@@ -184,8 +195,10 @@ def test_gathered_rows_quantize_to_the_bytes_of_their_copy(impl, row_padded, ama
     got = grouped_fp8.quantize_rows(src, lay, q, True, True, row_padded=row_padded,
                                     x_rows=rows, **given)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    for bad in (rows[:-1], rows.float(), rows.to("meta")):
-        with pytest.raises(ValueError, match="x_rows must be an int32/int64 tensor of shape"):
+    for bad, error, says in ((rows[:-1], ValueError, "must have 87 entries"),
+                             (rows.float(), TypeError, "must be a 1D int32/int64 tensor"),
+                             (rows.to("meta"), ValueError, "is on meta")):
+        with pytest.raises(error, match=f"x_rows {says}"):
             grouped_fp8.quantize_rows(src, lay, q, True, True, x_rows=bad)
 
 
@@ -630,17 +643,6 @@ def test_compiled_layer_gives_the_quantize_its_rows_amaxes(emulated, monkeypatch
         assert torch.equal(a, b)
 
 
-def _routed(tokens: int, k: int, experts: int, seed: int = 0):
-    """``(rows, offs)`` of a top-``k`` routing of ``tokens`` tokens to ``experts`` experts (the
-    last one gets none): each token's routes sorted by expert, as a mixture-of-experts block
-    orders them; ``rows`` the token of each."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])
-    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
-    offs = torch.searchsorted(sorted_ids, torch.arange(experts), right=True)
-    return perm // k, offs
-
-
 @pytest.mark.parametrize("save_input_copy", [True, False])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_routed_rows_are_quantized_where_they_lie(emulated, monkeypatch, save_input_copy,
@@ -1012,7 +1014,7 @@ def test_hf_experts_quantize_their_routed_rows_where_they_lie(emulated, monkeypa
         # forward: the up projection's input through the routes, the down projection's input;
         # backward: the two output gradients
         assert reads == [True, False, False, False] and not any(copy_reads)
-        assert set(paths) <= {"scaled_grouped_mm", "fp8_grouped_gemm"}
+        assert set(paths) == {"scaled_grouped_mm", "fp8_grouped_gemm"}  # quantized once
 
 
 @pytest.mark.parametrize("inside", [True, False])
@@ -1030,6 +1032,7 @@ def test_hf_experts_recomputed_by_activation_checkpointing(emulated, inside):
     results = []
     for checkpointed in (False, True):
         experts.zero_grad(set_to_none=True)
+        qr.reset_grouped_gemm_paths()
         x = h.clone().requires_grad_()
         with qr.autocast(recipe=recipe):
             y = (checkpoint(experts, x, ids, w, use_reentrant=False) if checkpointed
@@ -1040,5 +1043,6 @@ def test_hf_experts_recomputed_by_activation_checkpointing(emulated, inside):
         if not inside:
             loss.backward()
         results.append((y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+        assert set(qr.grouped_gemm_paths()) == {"scaled_grouped_mm", "fp8_grouped_gemm"}
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)

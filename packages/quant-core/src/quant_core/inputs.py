@@ -97,14 +97,19 @@ def check_block_scaling_dim(block_scaling_dim: int) -> None:
         raise ValueError(f"FP8 block block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
 
 
-def check_row_index(x: torch.Tensor, rows: torch.Tensor, what: str) -> None:
-    """A clear error unless ``rows`` is a 1D int32/int64 tensor on ``x``'s device (the source
-    row of each output row, -1 for a zero row)."""
+def check_row_index(x: torch.Tensor, rows: torch.Tensor, what: str, *, arg: str = "rows",
+                    meaning: str = "the source row of each output row, -1 for a zero row",
+                    count: int | None = None) -> None:
+    """A clear error unless ``rows`` (named ``arg``, holding ``meaning``) is a 1D int32/int64
+    tensor on ``x``'s device, of ``count`` entries where given."""
     if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{what}: rows must be a 1D int32/int64 tensor (the source row of each "
-                        f"output row, -1 for a zero row), got {rows.dtype} {tuple(rows.shape)}")
+        raise TypeError(f"{what}: {arg} must be a 1D int32/int64 tensor ({meaning}), got "
+                        f"{rows.dtype} {tuple(rows.shape)}")
+    if count is not None and rows.shape[0] != count:
+        raise ValueError(f"{what}: {arg} must have {count} entries ({meaning}), got "
+                         f"{rows.shape[0]}")
     if rows.device != x.device:
-        raise ValueError(f"{what}: rows is on {rows.device} but x on {x.device}")
+        raise ValueError(f"{what}: {arg} is on {rows.device} but x on {x.device}")
 
 
 def check_rht_input(x: torch.Tensor) -> None:
@@ -185,15 +190,3 @@ def _given_amaxes(amax, n: int, device: torch.device, what: str, arg: str,
                          f"per {per}) on {device}, got {got}")
     return amax.contiguous()
 
-
-def given_rows(x_rows: torch.Tensor, rows: int, device: torch.device,
-               what: str) -> torch.Tensor:
-    """A grouped cast's gather index, checked: int32/int64 ``[rows]`` on ``device`` (the row
-    of ``x`` each token row reads; any stride, returned contiguous)."""
-    if (not isinstance(x_rows, torch.Tensor) or x_rows.dtype not in (torch.int32, torch.int64)
-            or tuple(x_rows.shape) != (rows,) or x_rows.device != device):
-        got = (f"{x_rows.dtype} {tuple(x_rows.shape)} on {x_rows.device}"
-               if isinstance(x_rows, torch.Tensor) else type(x_rows).__name__)
-        raise ValueError(f"{what}: x_rows must be an int32/int64 tensor of shape ({rows},) (the "
-                         f"row of x each token row reads) on {device}, got {got}")
-    return x_rows.contiguous()

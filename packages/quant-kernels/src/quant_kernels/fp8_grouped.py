@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from quant_core.dtypes import DType, check_fp8
-from quant_core.inputs import check_input_dtype, given_group_amax, given_row_amax, given_rows
-from quant_core.reference.fp8_grouped import row_amaxes
+from quant_core.inputs import check_input_dtype, given_group_amax, given_row_amax
+from quant_core.reference.fp8_grouped import check_x_rows, row_amaxes
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch
@@ -237,8 +237,7 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
     what = "fp8_group_quantize_rows"
     check_input_dtype(x, what)
     rows = gid.shape[0]
-    if x_rows is not None:
-        x_rows = given_rows(x_rows, rows, x.device, what)
+    check_x_rows(x, x_rows, rows, what)
     if amax is not None:
         amax = given_group_amax(amax, groups, x.device, what)
     elif row_amax is not None:

@@ -23,17 +23,15 @@ import torch
 
 from ..constants import FLT_MAX
 from ..dtypes import DType, check_fp8
-from ..inputs import check_input_dtype, given_group_amax, given_row_amax, given_rows
+from ..inputs import check_input_dtype, check_row_index, given_group_amax, given_row_amax
 from ._rounding import compute_scale_from_amax, div_rn, fp8_encode, nan_to_zero_abs, to_fp32
 
 
-def gathered(x: torch.Tensor, x_rows: torch.Tensor | None, rows: int,
-             what: str) -> torch.Tensor:
-    """``x[x_rows]`` (``x`` when ``x_rows`` is None; :func:`~quant_core.inputs.given_rows`
-    checks ``x_rows``)."""
-    if x_rows is None:
-        return x
-    return x[given_rows(x_rows, rows, x.device, what).to(torch.int64)]
+def check_x_rows(x: torch.Tensor, x_rows: torch.Tensor | None, rows: int, what: str) -> None:
+    """A clear error unless ``x_rows`` (when given) indexes ``rows`` token rows of ``x``."""
+    if x_rows is not None:
+        check_row_index(x, x_rows, what, arg="x_rows", count=rows,
+                        meaning="the row of x each token row reads")
 
 
 def row_amaxes(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +78,9 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
     ``gid`` here)."""
     check_input_dtype(x, "fp8_group_quantize_rows")
     check_fp8(fp8_dtype, "fp8_dtype")
-    x = gathered(x, x_rows, gid.shape[0], "fp8_group_quantize_rows")
+    check_x_rows(x, x_rows, gid.shape[0], "fp8_group_quantize_rows")
+    if x_rows is not None:
+        x = x[x_rows.to(torch.int64)]
     if amax is None and row_amax is not None:
         amax = group_amaxes(given_row_amax(row_amax, gid.shape[0], x.device,
                                            "fp8_group_quantize_rows"), gid, groups)

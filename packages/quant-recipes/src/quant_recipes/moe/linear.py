@@ -111,9 +111,8 @@ class _GroupedFP8Fn(torch.autograd.Function):
         qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
-        row_amax = _row_amaxes(x, traced) if rows is None else row_amaxes(x)[rows]
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
-                                      row_amax, rows)
+                                      _row_amaxes(x, traced, rows), rows)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
                               rows, *lay.tensors())
@@ -145,11 +144,15 @@ class _GroupedFP8Fn(torch.autograd.Function):
         return _grads(ctx, dx, dw, db, 8)
 
 
-def _row_amaxes(t: torch.Tensor, traced: bool) -> torch.Tensor | None:
-    """Each row's amax of the operand ``t`` in traced code, as torch ops that Inductor computes
-    in the kernel that makes ``t`` (the grouped quantize then reads ``t`` once, for the cast);
-    None in eager code, where the quantize's own amax pass is the cheaper one."""
-    return row_amaxes(t) if traced else None
+def _row_amaxes(t: torch.Tensor, traced: bool, rows: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+    """Each layer row's amax, ``t``'s rows or those of ``t[rows]``, in traced code: torch ops
+    that Inductor computes in the kernel that makes ``t`` (the grouped quantize then reads
+    ``t`` once, for the cast); None in eager code, where the quantize finds them itself."""
+    if not traced:
+        return None
+    amax = row_amaxes(t)
+    return amax if rows is None else amax[rows]
 
 
 def _gathered(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
