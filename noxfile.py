@@ -73,6 +73,7 @@ COMPAT_TESTS = [
     "tests/compat", "tests/dynamo", "tests/recipes/test_compile.py",
     "tests/recipes/test_te_compile_sanity.py", "tests/recipes/test_lowered_linear.py",
     "tests/recipes/test_grouped_linear.py", "tests/recipes/test_grouped_fp8.py",
+    "tests/recipes/test_moe_routes.py", "tests/recipes/test_grouped_routed_rows.py",
     "tests/recipes/test_tensor_parallel.py",
 ]
 #: Releases that share their API generation with a newer one in COMPAT_TORCH (2.14 and 2.15:

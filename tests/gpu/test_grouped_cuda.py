@@ -194,19 +194,15 @@ def test_a_biased_step_reads_nothing_on_the_host(monkeypatch, name, compiled):
 
 def _hf_experts(recipe):
     """A converted Qwen3-MoE experts block (16 experts, top-4) and a routed batch."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(DEV, torch.bfloat16)
-    qr.convert(model, recipe=recipe)
+    from moe_routing import qwen3_moe_experts
+
+    experts = qwen3_moe_experts(recipe, hidden=256, expert_width=128, experts=16, top_k=4,
+                                device=DEV)
     tokens = 300
     h = torch.randn(tokens, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     idx = torch.randint(0, 16, (tokens, 4), device=DEV)
     weights = torch.rand(tokens, 4, device=DEV, dtype=torch.bfloat16)
-    return model.model.layers[0].mlp.experts, (h, idx, weights)
+    return experts, (h, idx, weights)
 
 
 def test_hf_experts_read_nothing_on_the_host():
@@ -222,18 +218,19 @@ def test_hf_experts_read_nothing_on_the_host():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_hf_experts_quantize_the_routed_rows_where_they_lie(monkeypatch, compiled):
     """The experts block's grouped quantize reads each routed row in the hidden states (and,
-    compiled, takes the amaxes Inductor computes next to it): output and weight gradients
-    equal, bitwise, those of the block that gathers the routed rows into a copy first; so does
-    the input gradient eagerly (the same scatter autograd makes of the copy), and compiled
-    within its roundings (Inductor's scatter adds bf16 atomically, in no fixed order)."""
+    compiled, takes the amaxes Inductor computes next to it): output and every gradient equal,
+    bitwise, those of the block that gathers the routed rows into a copy first (the input
+    gradient of both each token's routed rows summed in route order: no atomics)."""
     from quant_recipes.moe.linear import GroupedProjection
+    from quant_recipes.moe.routes import gather_tokens
 
     recipe = qr.Float8CurrentScaling()
     experts, (h, idx, weights) = _hf_experts(recipe)
     project = GroupedProjection.project
 
-    def gathering_first(self, x, offs, w, b, layouts=None, rows=None):
-        return project(self, x if rows is None else x[rows], offs, w, b, layouts)
+    def gathering_first(self, x, offs, w, b, layouts=None, routes=None):
+        return project(self, x if routes is None else gather_tokens(x, routes), offs, w, b,
+                       layouts)
 
     results = []
     for gather in (False, True):
@@ -247,9 +244,74 @@ def test_hf_experts_quantize_the_routed_rows_where_they_lie(monkeypatch, compile
             y = fn(x, idx, weights)
         y.float().pow(2).sum().backward()
         results.append((y, experts.gate_up_proj.grad, experts.down_proj.grad, x.grad))
-    exact = 3 if compiled else 4  # compiled, the input gradient is checked below
-    for a, b in zip(results[0][:exact], results[1][:exact], strict=True):
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
-    want = results[1][3]
-    torch.testing.assert_close(results[0][3], want, rtol=2**-6,
-                               atol=2**-6 * want.abs().max().item())
+
+
+def test_routes_compiled_give_eager_bits():
+    """The experts' combine and the tokens' gather under Inductor (Triton, which may fuse each
+    multiply and add): bf16 products are exact in fp32 and the routes are added in the same
+    order, so the combine's output, the routed rows' gradient and the tokens' gradient equal
+    eager's bitwise; the routing weights' gradient is a sum over the width, within its
+    rounding."""
+    from quant_recipes.moe.routes import combine_routes, gather_tokens, route
+
+    tokens, k, hidden = 4099, 8, 2048
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.rand(tokens, 128, device=DEV, generator=g).topk(k, dim=-1).indices
+    _, routes = route(ids)
+    x = torch.randn(tokens, hidden, device=DEV, generator=g).bfloat16()
+    y = torch.randn(tokens * k, hidden, device=DEV, generator=g).bfloat16()
+    w = torch.rand(tokens, k, device=DEV, generator=g).softmax(-1).bfloat16()
+    dout = torch.randn(tokens, hidden, device=DEV, generator=g).bfloat16()
+    dy = torch.randn(tokens * k, hidden, device=DEV, generator=g).bfloat16()
+
+    def step(x, y, w):
+        return combine_routes(y, w, routes), gather_tokens(x, routes)
+
+    torch._dynamo.reset()
+    out = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        xx, yy, ww = (t.clone().requires_grad_() for t in (x, y, w))
+        combined, gathered = fn(xx, yy, ww)
+        torch.autograd.backward((combined, gathered), (dout, dy))
+        out.append((combined, gathered, yy.grad, xx.grad, ww.grad))
+    for a, b in zip(out[0][:4], out[1][:4], strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out[1][4], out[0][4], rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", [None, qr.Float8BlockScaling(), qr.MXFP8BlockScaling(),
+                                    qr.NVFP4BlockScaling(disable_stochastic_rounding=True)],
+                         ids=["high_precision", "fp8_block", "mxfp8", "nvfp4"])
+def test_every_grouped_route_reads_routed_tokens_where_they_lie(recipe, compiled):
+    """A routing's tokens given to a projection with its routes (the kernels read each row
+    through the index, backward keeps the tokens): output and gradients equal, bitwise, those
+    of the projection given the gathered copy (NVFP4 without stochastic rounding, whose two
+    runs would draw different numbers)."""
+    from moe_routing import in_place_and_on_a_copy
+    from quant_recipes.moe.linear import GroupedProjection
+    from quant_recipes.moe.routes import route
+
+    experts, k_in, n, tokens, top_k = 16, 512, 256, 700, 4
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.rand(tokens, experts - 1, device=DEV, generator=g).topk(top_k, dim=-1).indices
+    sorted_ids, routes = route(ids)
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=DEV), right=True)
+    proj = GroupedProjection(experts, k_in, n)
+    w = torch.randn(experts, n, k_in, device=DEV, generator=g).bfloat16().requires_grad_()
+    x = torch.randn(tokens, k_in, device=DEV, generator=g).bfloat16()
+    gy = torch.randn(tokens * top_k, n, device=DEV, generator=g).bfloat16()
+
+    results = []
+    for fn in in_place_and_on_a_copy(proj, offs, routes, recipe):
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        xi = x.clone().requires_grad_()
+        w.grad = None
+        y = fn(xi, w)
+        y.backward(gy)
+        results.append((y, xi.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

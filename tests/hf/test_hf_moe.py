@@ -113,7 +113,7 @@ def test_outside_autocast_equals_the_transformers_forward(name):
 
 def _dense_oracle(m, x, ids, w, recipe):
     """Per expert, ``qr.Linear`` on the rows routed to it (token order), with the module's own
-    gate; combined per token."""
+    gate; combined per token (the weighted fp32 sum in route order)."""
     up, down = m.gate_up_proj, m.down_proj
     if m.is_transposed:
         up, down = up.transpose(1, 2), down.transpose(1, 2)
@@ -132,8 +132,14 @@ def _dense_oracle(m, x, ids, w, recipe):
                 lin_down.bias.copy_(m.down_proj_bias[e])
         with qr.autocast(recipe=recipe):
             y = lin_down(m._apply_gate(lin_up(x[token])))
-        rows[token, slot] = y * w[token, slot].unsqueeze(-1).to(y.dtype)
-    return rows.sum(dim=1)
+        rows[token, slot] = y
+    # each route's product with its routing weight (in the rows' dtype) in fp32, added in route
+    # order in fp32, rounded once
+    wr = w.to(rows.dtype).float()
+    acc = rows[:, 0].float() * wr[:, 0, None]
+    for slot in range(1, TOP_K):
+        acc = acc + rows[:, slot].float() * wr[:, slot, None]
+    return acc.to(rows.dtype)
 
 
 @pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])

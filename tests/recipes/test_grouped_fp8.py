@@ -14,12 +14,14 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from moe_routing import plain_and_checkpointed, qwen3_moe_experts
 from quant_core import DType, Float8CurrentScalingQuantizer, backends
 from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
 from quant_recipes.moe import fp8 as grouped_fp8
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
 from quant_recipes.moe import gemm as grouped_gemm
 from quant_recipes.moe.linear import GroupedProjection
+from quant_recipes.moe.routes import gather_tokens, route
 
 K, N, ALIGN = 64, 32, 16
 COUNTS = [5, 0, 1, 37, 16, 0, 22]  # ragged, empty groups, a group of one row, an exact one
@@ -74,14 +76,14 @@ def _group_amaxes(x: torch.Tensor, counts) -> torch.Tensor:
 
 
 def _routed(tokens: int, k: int, experts: int, seed: int = 0):
-    """``(rows, offs)`` of a top-``k`` routing of ``tokens`` tokens to ``experts`` experts (the
-    last one gets none): each token's routes sorted by expert, as a mixture-of-experts block
-    orders them; ``rows`` the token of each."""
+    """``(routes, offs)`` of a top-``k`` routing of ``tokens`` tokens to ``experts`` experts
+    (the last one gets none): each token's routes sorted by expert, as a mixture-of-experts
+    block orders them (``routes.rows`` the token of each)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])
-    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+    sorted_ids, routes = route(ids)
     offs = torch.searchsorted(sorted_ids, torch.arange(experts), right=True)
-    return perm // k, offs
+    return routes, offs
 
 
 @pytest.mark.parametrize("row_padded", [False, True])
@@ -186,7 +188,8 @@ def test_gathered_rows_quantize_to_the_bytes_of_their_copy(impl, row_padded, ama
     src = torch.randn(tokens, K) * torch.logspace(-3, 3, tokens)[:, None]
     src[4, 2], src[9, 0] = float("nan"), float("inf")
     src = src.bfloat16()
-    rows, offs = _routed(tokens, k, len(COUNTS))
+    routes, offs = _routed(tokens, k, len(COUNTS))
+    rows = routes.rows
     lay = grouped_fp8.layout(offs, rows.shape[0], ALIGN)
     q = _quantizer("e4m3")
     want = grouped_fp8.quantize_rows(src[rows], lay, q, True, True, row_padded=row_padded)
@@ -647,16 +650,16 @@ def test_compiled_layer_gives_the_quantize_its_rows_amaxes(emulated, monkeypatch
 @pytest.mark.parametrize("compiled", [False, True])
 def test_routed_rows_are_quantized_where_they_lie(emulated, monkeypatch, save_input_copy,
                                                   compiled):
-    """``project(x, ..., rows=r)`` (a mixture-of-experts block's tokens, each routed to ``k``
+    """``project(x, ..., routes)`` (a mixture-of-experts block's tokens, each routed to ``k``
     experts): the grouped quantize reads the rows in ``x`` (no gathered copy), and the output
-    and the gradients equal, bitwise, those of the projection of the gathered copy ``x[r]``
-    (autograd summing the copy's gradient into ``x``), eager and compiled, keeping the input's
-    transposed bytes or the input."""
+    and the gradients equal, bitwise, those of the projection of the gathered copy
+    (``gather_tokens``: each token's gradient the sum of its copies'), eager and compiled,
+    keeping the input's transposed bytes or the input."""
     if compiled:
         _compiled_counter()
     calls = _recorded_quantize_calls(monkeypatch)
     tokens, k, experts = 30, 3, 7
-    rows, offs = _routed(tokens, k, experts)
+    routes, offs = _routed(tokens, k, experts)
     torch.manual_seed(0)
     proj = GroupedProjection(experts, K, N, save_input_copy=save_input_copy)
     w = torch.randn(experts, N, K, dtype=torch.bfloat16, requires_grad=True)
@@ -666,11 +669,11 @@ def test_routed_rows_are_quantized_where_they_lie(emulated, monkeypatch, save_in
 
     def in_place(x, w):
         with qr.autocast(recipe=recipe):
-            return proj.project(x, offs, w, None, rows=rows)
+            return proj.project(x, offs, w, None, routes=routes)
 
     def on_a_copy(x, w):
         with qr.autocast(recipe=recipe):
-            return proj.project(x[rows], offs, w, None)
+            return proj.project(gather_tokens(x, routes), offs, w, None)
 
     results = []
     for fn in (in_place, on_a_copy):
@@ -721,7 +724,8 @@ def test_opcheck_fp8_ops(emulated):
     torch.library.opcheck(bprop, (gy, lay, xt, sx, wt, sw, [quantizer_spec(g), *specs], True,
                                   True, True, True))
     # the rows' amaxes computed by the caller, and routed rows read where they lie
-    rows, offs = _routed(x.shape[0] // 2, 2, len(COUNTS))
+    routes, offs = _routed(x.shape[0] // 2, 2, len(COUNTS))
+    rows = routes.rows
     routed = grouped_fp8.layout(offs, rows.shape[0], ALIGN).tensors()
     tokens = x[:rows.shape[0] // 2]
     torch.library.opcheck(fprop, (x, lay, w, None, specs, True, True, False, row_amaxes(x)))
@@ -957,15 +961,7 @@ def test_rows_moved_is_the_transposed_copy(shape):
 
 def _hf_experts_block():
     """A converted Qwen3-MoE experts block (8 experts of width 32, top-2) from a config."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=K, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    qr.convert(model, recipe=qr.Float8CurrentScaling())
-    return model.model.layers[0].mlp.experts
+    return qwen3_moe_experts(qr.Float8CurrentScaling(), hidden=K, expert_width=32)
 
 
 @pytest.mark.parametrize("compiled", [None, "static", "dynamic"])
@@ -980,8 +976,9 @@ def test_hf_experts_quantize_their_routed_rows_where_they_lie(emulated, monkeypa
     calls = _recorded_quantize_calls(monkeypatch)
     project = GroupedProjection.project
 
-    def gathering_first(self, x, offs, w, b, layouts=None, rows=None):
-        return project(self, x if rows is None else x[rows], offs, w, b, layouts)
+    def gathering_first(self, x, offs, w, b, layouts=None, routes=None):
+        return project(self, x if routes is None else gather_tokens(x, routes), offs, w, b,
+                       layouts)
 
     def run(tokens, fn):
         gen = torch.Generator().manual_seed(tokens)
@@ -1022,27 +1019,13 @@ def test_hf_experts_recomputed_by_activation_checkpointing(emulated, inside):
     """The experts block recomputed in backward (inside autocast, or outside it under the
     forward's frame), reading its routed rows in place: the same output and gradients as
     without checkpointing."""
-    from torch.utils.checkpoint import checkpoint
-
     experts, recipe = _hf_experts_block(), qr.Float8CurrentScaling()
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(24, K, generator=gen).bfloat16()
     ids = torch.rand(24, 7, generator=gen).argsort(dim=1)[:, :2]
     w = torch.rand(24, 2, generator=gen).softmax(-1).bfloat16()
-    results = []
-    for checkpointed in (False, True):
-        experts.zero_grad(set_to_none=True)
-        qr.reset_grouped_gemm_paths()
-        x = h.clone().requires_grad_()
-        with qr.autocast(recipe=recipe):
-            y = (checkpoint(experts, x, ids, w, use_reentrant=False) if checkpointed
-                 else experts(x, ids, w))
-            loss = y.float().pow(2).sum()
-            if inside:
-                loss.backward()
-        if not inside:
-            loss.backward()
-        results.append((y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
-        assert set(qr.grouped_gemm_paths()) == {"scaled_grouped_mm", "fp8_grouped_gemm"}
-    for a, b in zip(*results, strict=True):
+    (plain, paths), (again, again_paths) = plain_and_checkpointed(experts, h, ids, w, recipe,
+                                                                  inside)
+    assert paths == again_paths == {"scaled_grouped_mm", "fp8_grouped_gemm"}
+    for a, b in zip(plain, again, strict=True):
         assert torch.equal(a, b)

@@ -250,7 +250,8 @@ def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
     m, x, gy, _ = _data(COUNTS, bias=False)
     padded = []  # a padded layout read: copied (high precision) or through its row index
     real = grouped_gemm.fp8.padded
-    monkeypatch.setattr(grouped_gemm.fp8, "padded", lambda t, lay: padded.append(1) or real(t, lay))
+    monkeypatch.setattr(grouped_gemm.fp8, "padded",
+                        lambda t, lay, *rows: padded.append(1) or real(t, lay, *rows))
     decoded = MXFP8Quantizer.quantize_decoded
     monkeypatch.setattr(MXFP8Quantizer, "quantize_decoded", lambda self, t, **k: (
         padded.append(1) if k.get("rows") is not None else None) or decoded(self, t, **k))
@@ -286,7 +287,7 @@ def test_grouped_mm_decodes_mxfp8_in_one_pass_without_bytes(monkeypatch, two_d):
     padded = []
     real_padded = grouped_gemm.fp8.padded
     monkeypatch.setattr(grouped_gemm.fp8, "padded",
-                        lambda t, lay: padded.append(1) or real_padded(t, lay))
+                        lambda t, lay, *rows: padded.append(1) or real_padded(t, lay, *rows))
     qr.reset_grouped_gemm_paths()
     got = _grouped(m, x, gy, COUNTS, recipe)
     assert qr.grouped_gemm_paths() == {"grouped_mm": 3} and not byte_calls and not padded
@@ -490,6 +491,13 @@ def test_opcheck_grouped_ops():
                               (gy, x, lay, w, bspecs, True, align, True, True, True))
         torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
                               (gy, x, lay, w, bspecs, True, align, True, True, True, True, True))
+        # the rows read where they lie: x_rows into fewer tokens
+        tokens, x_rows = x[:20], torch.arange(x.shape[0]) % 20
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
+                              (tokens, lay, w, None, specs, align, False, x_rows))
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
+                              (gy, tokens, lay, w, bspecs, True, align, True, True, False, False,
+                               False, x_rows))
 
 
 def test_opcheck_grouped_ops_on_the_grouped_mm_route(monkeypatch):
@@ -515,4 +523,11 @@ def test_opcheck_grouped_ops_on_the_grouped_mm_route(monkeypatch):
         torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
                               (gy, x, lay, w, [quantizer_spec(q) for q in (qg, qx, qw)], True,
                                32, True, True, False))
+        tokens, x_rows = x[:20], torch.arange(x.shape[0]) % 20  # rows read where they lie
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_fprop.default,
+                              (tokens, lay, w, None, [quantizer_spec(q) for q in (qx, qw)], 32,
+                               False, x_rows))
+        torch.library.opcheck(torch.ops.quant_recipes.grouped_bprop.default,
+                              (gy, tokens, lay, w, [quantizer_spec(q) for q in (qg, qx, qw)],
+                               True, 32, True, True, False, False, False, x_rows))
         assert set(qr.grouped_gemm_paths()) == {"grouped_mm"}

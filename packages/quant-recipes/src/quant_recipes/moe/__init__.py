@@ -11,7 +11,9 @@
 - :mod:`.bias`: expert biases on those routes (added to the fp32 products, summed per group);
 - :mod:`.ops`: those GEMMs as custom ops for ``torch.compile`` (static output shapes);
 - :mod:`.paths`: which path each grouped GEMM took;
-- :mod:`.hf_experts`: Hugging Face ``transformers`` experts blocks converted in place.
+- :mod:`.hf_experts`: Hugging Face ``transformers`` experts blocks converted in place;
+- :mod:`.routes`: a top-k routing's rows: the tokens gathered into expert order, each token's
+  rows weighted and summed back (the un-permute).
 
 Pickles of quant-recipes 0.1 name the modules these lived in before (``quant_recipes.
 grouped_linear``, ``quant_recipes.hf_experts``, ...): :data:`MOVED_MODULES` resolves them.

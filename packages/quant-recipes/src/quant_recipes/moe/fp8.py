@@ -119,10 +119,22 @@ def _padding_rows(counts: torch.Tensor, sizes: torch.Tensor, pstarts: torch.Tens
     return torch.where(j < cum[-1], inside, past)
 
 
-def padded(x: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """``x [T, K]`` in the padded layout ``[rows, K]`` (zero padding rows): one gather of the
-    rows and one fill of the padding rows, not a zero fill of the whole buffer and a scatter."""
-    return gathered_rows(x, lay.src, lay.pad)
+def source_rows(lay: Layout, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The row of ``x`` each padded row reads, -1 for a padding row: ``lay.src``, or, where the
+    layer's rows are ``x[x_rows]`` (a routing's tokens read where they lie), ``x_rows`` of
+    it."""
+    if x_rows is None:
+        return lay.src
+    # -1 (a padding row) reads the appended -1: no clamp, and no index past an empty x_rows
+    ext = torch.cat([x_rows.to(lay.src.dtype), lay.src.new_full((1,), -1)])
+    return ext[lay.src.long()]
+
+
+def padded(x: torch.Tensor, lay: Layout, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, K]`` (``x[x_rows]`` with ``x_rows``) in the padded layout ``[rows, K]`` (zero
+    padding rows): one gather of the rows and one fill of the padding rows, not a zero fill of
+    the whole buffer and a scatter."""
+    return gathered_rows(x, source_rows(lay, x_rows), lay.pad)
 
 
 def rows_moved(t: torch.Tensor) -> torch.Tensor:

@@ -48,14 +48,22 @@ def _rows(q, t: torch.Tensor, rowwise: bool, columnwise: bool):
     return q.with_usage(rowwise, columnwise).quantize(t)
 
 
-def _padded_rows(q, t: torch.Tensor, lay: fp8.Layout, rowwise: bool, columnwise: bool):
-    """``(row_data, row_scale_inv, col_data, col_scale_inv)`` of ``t [T, K]`` in the padded
-    layout ``lay`` quantized by the 1x128 quantizer ``q``: one pass reading the rows where they
-    are (the backend's row index), with no padded copy of ``t``."""
+def _indexed_rows(q, t: torch.Tensor, rows: torch.Tensor | None, rowwise: bool,
+                  columnwise: bool):
+    """``(row_data, row_scale_inv, col_data, col_scale_inv)`` of ``t[rows]`` (``t`` without
+    ``rows``; a zero row where ``rows`` is negative) quantized by the 1x128 quantizer ``q``: one
+    pass reading the rows where they are (the backend's row index), with no gathered copy of
+    ``t``."""
     return backends.get(None, t.device).fp8_block_quantize(
         t.contiguous(), fp8_dtype=q.dtype, block_scaling_dim=1,
         force_pow_2_scales=q.force_pow_2_scales, amax_epsilon=q.amax_epsilon, rowwise=rowwise,
-        columnwise=columnwise, rows=lay.src)
+        columnwise=columnwise, rows=rows)
+
+
+def _padded_rows(q, t: torch.Tensor, lay: fp8.Layout, rowwise: bool, columnwise: bool,
+                 t_rows: torch.Tensor | None = None):
+    """:func:`_indexed_rows` of ``t [T, K]`` (``t[t_rows]``) in the padded layout ``lay``."""
+    return _indexed_rows(q, t, fp8.source_rows(lay, t_rows), rowwise, columnwise)
 
 
 def _scales(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
@@ -87,25 +95,25 @@ def _experts_t(w: torch.Tensor, qw):
 
 
 def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
-            b: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
-    (plus ``b[g]``, :mod:`.bias`)."""
+            b: torch.Tensor | None = None, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` (``x[x_rows]``; the padded layout ``lay``)
+    times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
     # 1x128 blocks: the rows quantized where they are, the kernel reads each group in place
-    xs = _rows(qx, x, True, False)
+    xd, xsi, _, _ = _indexed_rows(qx, x, x_rows, True, False)
+    total = lay.gid.shape[0]
     wd, sw = _experts(w, qw)
     count_path("fp8_block_grouped_gemm")
     y = backends.get(None, x.device).fp8_block_grouped_rows_gemm(
-        xs._rowwise_data, _scales(xs._rowwise_scale_inv, x.shape[0]), wd, sw, lay.offs, lay.offs,
-        total=x.shape[0], a_dtype=qx.dtype, b_dtype=qw.dtype,
-        out_dtype=x.dtype if b is None else torch.float32)
+        xd, _scales(xsi, total), wd, sw, lay.offs, lay.offs, total=total, a_dtype=qx.dtype,
+        b_dtype=qw.dtype, out_dtype=x.dtype if b is None else torch.float32)
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
 def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
-             qw, dgrad: bool, wgrad: bool):
+             qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
     ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
-    (total, k), n = x.shape, w.shape[1]
+    total, k, n = gy.shape[0], x.shape[1], w.shape[1]
     backend = backends.get(None, gy.device)
     g_row, g_row_s, g_col, g_col_s = _padded_rows(qg, gy, lay, dgrad, wgrad)
     dx = dw = None
@@ -116,7 +124,7 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
             a_dtype=qg.dtype, b_dtype=qw.dtype)
         count_path("fp8_block_grouped_gemm")
     if wgrad:
-        _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True)
+        _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True, x_rows)
         dw = backend.fp8_block_grouped_tokens_gemm(
             g_col, _scales(g_col_s, n), x_col, _scales(x_col_s, k), lay.ends, a_dtype=qg.dtype,
             b_dtype=qx.dtype)

@@ -146,25 +146,26 @@ def _batched_takes(quantizers, device: torch.device, dtypes, widths, experts_q=N
             and (experts_q is None or widths[0] % experts_q.row_alignment() == 0))
 
 
-def _decoded(t: torch.Tensor, q, columnwise: bool, lay: fp8.Layout | None = None
-             ) -> torch.Tensor:
-    """bf16 values of ``t [m, k]`` (of its padded layout ``lay``, when given) quantized by
-    ``q`` (one call), read from its columnwise buffers when ``columnwise``."""
-    return _decoded_pair(t, q, not columnwise, columnwise, lay)[columnwise]
+def _decoded(t: torch.Tensor, q, columnwise: bool, lay: fp8.Layout | None = None,
+             t_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 values of ``t [m, k]`` (``t[t_rows]``; of its padded layout ``lay``, when given)
+    quantized by ``q`` (one call), read from its columnwise buffers when ``columnwise``."""
+    return _decoded_pair(t, q, not columnwise, columnwise, lay, t_rows)[columnwise]
 
 
-def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool, lay: fp8.Layout | None = None):
-    """``(rowwise values | None, columnwise values | None)`` of ``t`` (of its padded layout
-    ``lay``, when given) quantized once by ``q`` in the asked directions: in one pass where
-    the quantizer has one (``Quantizer.quantize_decoded``, which reads the rows of ``t``
-    through the layout's row index: no padded copy), else its buffers dequantized."""
+def _decoded_pair(t: torch.Tensor, q, row: bool, col: bool, lay: fp8.Layout | None = None,
+                  t_rows: torch.Tensor | None = None):
+    """``(rowwise values | None, columnwise values | None)`` of ``t`` (``t[t_rows]``; of its
+    padded layout ``lay``, when given) quantized once by ``q`` in the asked directions: in one
+    pass where the quantizer has one (``Quantizer.quantize_decoded``, which reads the rows of
+    ``t`` through a row index: no padded or gathered copy), else its buffers dequantized."""
     meta = quantizer_meta(q)
+    rows = t_rows if lay is None else fp8.source_rows(lay, t_rows)
     values = None if meta[0] == HP else q.quantize_decoded(
-        t, rowwise=row, columnwise=col, dtype=torch.bfloat16,
-        rows=None if lay is None else lay.src)
+        t, rowwise=row, columnwise=col, dtype=torch.bfloat16, rows=rows)
     if values is not None:
         return values
-    t = t if lay is None else fp8.padded(t, lay)
+    t = (t if t_rows is None else t[t_rows]) if lay is None else fp8.padded(t, lay, t_rows)
     if meta[0] == HP:
         return (t if row else None), (t if col else None)
     q = q.with_usage(row, col)
@@ -181,23 +182,24 @@ def _experts(w: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
     return _decoded(w.reshape(e * n, k), q, columnwise).view(e, n, k)
 
 
-def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q):
-    """``(bf16 values of x quantized rowwise by q, the ends of its groups' rows)``: the rows
-    where they are when ``q`` quantizes rows apart, else the padded layout (``lay.ends``)."""
-    if x.shape[0] and q.rows_quantize_apart():
-        return _decoded(x, q, False), lay.offs
-    return _decoded(x, q, False, lay), lay.ends
+def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q, x_rows: torch.Tensor | None = None):
+    """``(bf16 values of x (x[x_rows]) quantized rowwise by q, the ends of its groups' rows)``:
+    the rows where they are when ``q`` quantizes rows apart, else the padded layout
+    (``lay.ends``)."""
+    if lay.gid.shape[0] and q.rows_quantize_apart():
+        return _decoded(x, q, False, None, x_rows), lay.offs
+    return _decoded(x, q, False, lay, x_rows), lay.ends
 
 
-def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
+def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.Tensor:
     """:func:`grouped_fprop` on the ``"grouped_mm"`` path (see the module docstring); with a
     bias ``b``, on ``"decoded_grouped_gemm"``: the same decoded operands multiplied by the
     backend's ``grouped_rows_gemm`` into fp32, each row's bias added before the one rounding
     (:mod:`.bias`)."""
-    (xv, a_ends), wv = _forward_rows(x, lay, qx), _experts(w, qw, False)
+    (xv, a_ends), wv = _forward_rows(x, lay, qx, x_rows), _experts(w, qw, False)
     if b is not None:
         y = backends.get(None, x.device).grouped_rows_gemm(
-            xv, wv, lay.offs, a_ends, total=x.shape[0], out_dtype=torch.float32)
+            xv, wv, lay.offs, a_ends, total=lay.gid.shape[0], out_dtype=torch.float32)
         count_path("decoded_grouped_gemm")
         return bias_added(y, b, lay.gid, x.dtype)
     out = torch._grouped_mm(xv, wv.transpose(1, 2), offs=a_ends)
@@ -205,7 +207,8 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None) -> torch.Tensor:
     return out if a_ends is lay.offs else out[lay.dest]
 
 
-def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool):
+def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool,
+                  x_rows=None):
     """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
     g_row, g_col = _decoded_pair(gy, qg, dgrad, wgrad and col, lay)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
@@ -215,7 +218,7 @@ def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool,
         dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
         count_path("grouped_mm")
     if wgrad:
-        xv = _decoded(x, qx, col, lay)
+        xv = _decoded(x, qx, col, lay, x_rows)
         dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)
         count_path("grouped_mm")
     return dx, dw
@@ -227,19 +230,22 @@ def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, in
 
 
 def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, align: int,
-                  fast_accum: bool = False) -> torch.Tensor:
+                  fast_accum: bool = False, x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, N]``: group ``g``'s rows of ``x [T, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``) plus
     ``b[g]``, each group quantized (``qx``, ``qw``) and multiplied as the dense Linear does
     (``fast_accum`` its plan's); ``lay`` the groups' layout padded to ``align`` rows
-    (:func:`.fp8.layout`)."""
-    (total, k), n = x.shape, w.shape[1]
+    (:func:`.fp8.layout`). ``x_rows`` (int64 ``[T]``): the rows are ``x[x_rows]``, read where
+    they lie by the grouped routes (gathered first on the per-group path)."""
+    (total, k), n = (lay.gid.shape[0], x.shape[1]), w.shape[1]
     if fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
-        return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b, fast_accum)[0]
+        return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b, fast_accum, None,
+                                x_rows)[0]
     for route in (fp8_block_gemm, nvfp4_gemm):
         if route.takes(qx, qw, None, x.device, (x.dtype, w.dtype), (n, k), align):
-            return route.forward(x, lay, w, qx, qw, b)
+            return route.forward(x, lay, w, qx, qw, b, x_rows)
     if _batched_takes((qx, qw), x.device, (x.dtype, w.dtype), (n, k), qw):
-        return batched_fprop(x, lay, w, qx, qw, b)
+        return batched_fprop(x, lay, w, qx, qw, b, x_rows)
+    x = x if x_rows is None else x[x_rows]
     y = x.new_zeros((total, n))
     work = _work(lay.offs, total, align)
     if not work:
@@ -257,19 +263,21 @@ def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, 
 
 def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor,
                   qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool, bias: bool,
-                  fast_dgrad: bool = False, fast_wgrad: bool = False):
+                  fast_dgrad: bool = False, fast_wgrad: bool = False,
+                  x_rows: torch.Tensor | None = None):
     """``(dx, dw, db)`` of :func:`grouped_fprop` for the output gradient ``gy``: per group the
     dense Linear's backward GEMMs on ``gy`` quantized by ``qg`` and on ``x`` / ``w`` quantized
     again by ``qx`` / ``qw`` (their columnwise copies when ``col``, else their rowwise forms or
-    the originals: the backward overrides). Outputs not asked for are empty."""
-    (total, k), (experts, n) = x.shape, w.shape[:2]
+    the originals: the backward overrides). Outputs not asked for are empty. ``x_rows``: as
+    :func:`grouped_fprop`'s; ``dx`` is then the gradient of the rows, ``[T, K]``."""
+    (total, k), (experts, n) = (gy.shape[0], x.shape[1]), w.shape[:2]
     dtypes = (gy.dtype, x.dtype, w.dtype)
     grouped = None
     for route in (fp8_block_gemm, nvfp4_gemm):
         if grouped is None and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
-            grouped = route.backward(gy, x, lay, w, qg, qx, qw, dgrad, wgrad)
+            grouped = route.backward(gy, x, lay, w, qg, qx, qw, dgrad, wgrad, x_rows)
     if grouped is None and _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
-        grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, col, dgrad, wgrad)
+        grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, col, dgrad, wgrad, x_rows)
     if grouped is not None:
         dx, dw = grouped
         return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
@@ -292,6 +300,7 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.T
                                          col, x.dtype, qgemm_impl, fast_dgrad)[:m]
         count_path("per_group")
     if wgrad:
+        x = x if x_rows is None else x[x_rows]
         xbs = [quantized(_padded(x[s:s + m], mp), qx) for _, s, m, mp in work]
         for gb, xb, (g, _, _, mp) in zip(gbs, xbs, work, strict=True):
             dw[g] = operands.wgrad(Operand(gb, gm, (mp, n)), Operand(xb, xm, (mp, k)), col,

@@ -15,8 +15,8 @@ class becomes a subclass of the original one (``isinstance`` checks still hold),
 and ``state_dict`` keys are unchanged. The forward sorts the ``T * k`` (token, expert) pairs by
 expert (stable: token order within an expert), runs gate/up, the module's own gate (which knows
 whether gate and up are concatenated or interleaved) or activation, down, the post-expert norm
-where the module has one, scales each row by its routing weight and sums each token's ``k``
-rows. :func:`restore_experts` undoes it.
+where the module has one, and sums each token's ``k`` rows weighted by the router
+(:func:`~.routes.combine_routes`). :func:`restore_experts` undoes it.
 
 Left as they are (:func:`unsupported_reason`): expert-parallel modules (their sentinel rows).
 """
@@ -28,6 +28,7 @@ import torch
 from ..compiling import compiling
 from .gemm import check_on_device
 from .linear import GroupedProjection
+from .routes import combine_routes, route
 
 #: quant's subclass of each Hugging Face experts class, built on first use.
 _QUANTIZED: dict[type, type] = {}
@@ -129,27 +130,22 @@ class _QuantizedExperts:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = top_k_index.shape
         num_experts = self._quant_up.num_experts
-        ids = top_k_index.reshape(-1)
         if not compiling():
-            _check_ids(ids, num_experts, type(self).__name__)
-        sorted_ids, perm = torch.sort(ids, stable=True)
-        experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
+            _check_ids(top_k_index, num_experts, type(self).__name__)
+        sorted_ids, routes = route(top_k_index)
+        experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True)
         up_name = _up_name(self)
         bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
         w = _weight(self, up_name)
         self._quant_up.check_input(hidden_states, w)  # offs are right by construction
         layouts = {}  # the two projections run over the same rows: one padded layout
-        # the routed rows are hidden_states[perm // k]: the grouped quantize reads them there
-        h = self._quant_up.project(hidden_states, offs, w, bias, layouts, rows=perm // k)
+        # the routed rows are hidden_states[routes.rows]: the grouped quantize reads them there
+        h = self._quant_up.project(hidden_states, offs, w, bias, layouts, routes)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
         y = self._quant_down.project(h, offs, _weight(self, "down_proj"), bias, layouts)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
-        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        return y[inverse].view(tokens, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+        return combine_routes(y, top_k_weights.to(y.dtype), routes).to(hidden_states.dtype)

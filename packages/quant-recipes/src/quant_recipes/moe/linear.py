@@ -42,6 +42,7 @@ from .bias import group_sums
 from .fp8 import Layout, layout
 from .gemm import check_offsets, check_on_device, token_alignment
 from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
+from .routes import Routes, token_gradients
 
 #: The quantizer of every high-precision slot.
 _HIGH_PRECISION = intern(IdentityQuantizer())
@@ -65,15 +66,21 @@ def _grads(ctx, dx, dw, db, rest: int) -> tuple:
 
 class _GroupedFn(torch.autograd.Function):
     """Forward/backward of the grouped linear; quantizers are plain arguments. The groups'
-    padded layout (:class:`~.fp8.Layout`) comes as its tensors."""
+    padded layout (:class:`~.fp8.Layout`) comes as its tensors. ``rows``, ``copies`` (a top-k
+    routing's :class:`~.routes.Routes` fields, or None): the layer's rows are ``x[rows]``,
+    which the grouped routes read where they lie; backward keeps ``x`` (not a gathered copy)
+    and each row of ``x`` gets the sum of its routed rows' gradients
+    (:func:`~.routes.token_gradients`)."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced, fast = args[Layout.FIELDS:]
-        y = fprop(x, lay, w, b, qx, qw, align, traced, fast[0])
+        qx, qw, qg, qx_bwd, qw_bwd, col, align, traced, fast, rows, copies = \
+            args[Layout.FIELDS:]
+        y = fprop(x, lay, w, b, qx, qw, align, traced, fast[0], rows)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
-        ctx.save_for_backward(x if wgrad else None, w if dgrad else None, *lay.tensors())
+        ctx.save_for_backward(x if wgrad else None, w if dgrad else None, rows, copies,
+                              *lay.tensors())
         ctx.shapes = (x.shape, x.dtype, w.shape, w.dtype)
         ctx.q = (qg, qx_bwd, qw_bwd)
         ctx.col, ctx.align, ctx.traced, ctx.has_bias = col, align, traced, b is not None
@@ -82,7 +89,7 @@ class _GroupedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x, w, *lay = ctx.saved_tensors
+        x, w, rows, copies, *lay = ctx.saved_tensors
         (x_shape, x_dtype, w_shape, w_dtype) = ctx.shapes
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         dbias = ctx.has_bias and ctx.needs_input_grad[_B]
@@ -90,8 +97,10 @@ class _GroupedFn(torch.autograd.Function):
         x = x if x is not None else gy.new_empty(x_shape, dtype=x_dtype)
         w = w if w is not None else gy.new_empty(w_shape, dtype=w_dtype)
         dx, dw, db = bprop(gy.contiguous(), x, Layout(*lay), w, *ctx.q, ctx.col, ctx.align,
-                           dgrad, wgrad, dbias, ctx.traced, *ctx.fast_accum[1:])
-        return _grads(ctx, dx, dw, db, 9)
+                           dgrad, wgrad, dbias, ctx.traced, *ctx.fast_accum[1:], rows)
+        if dgrad and copies is not None:
+            dx = token_gradients(dx, copies)
+        return _grads(ctx, dx, dw, db, 11)
 
 
 class _GroupedFP8Fn(torch.autograd.Function):
@@ -100,30 +109,30 @@ class _GroupedFP8Fn(torch.autograd.Function):
     ``keep_x_t`` / ``keep_w_t``, the input or weight itself, quantized again in backward). The
     bias gradient is each group's sum of the output gradient (:func:`.bias.group_sums`).
 
-    ``rows`` (int64 ``[T]``, or None): the layer's rows are ``x[rows]``, which the grouped
-    quantize reads where they lie (no gathered copy), with the groups' amaxes from each row of
-    ``x``'s amax (read once, however many rows repeat it); the input gradient is then summed
-    into ``x``'s rows as autograd sums the gradient of an index."""
+    ``rows``, ``copies`` (a top-k routing's :class:`~.routes.Routes` fields, or None): the
+    layer's rows are ``x[rows]``, which the grouped quantize reads where they lie (no gathered
+    copy), with the groups' amaxes from each row of ``x``'s amax (read once, however many rows
+    repeat it); the input gradient of each row of ``x`` is then the sum of its routed rows'
+    (:func:`~.routes.token_gradients`)."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows = args[Layout.FIELDS:]
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows, copies = args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
                                       _row_amaxes(x, traced, rows), rows)
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
-                              rows, *lay.tensors())
+                              rows, copies, *lay.tensors())
         ctx.q, ctx.traced, ctx.fast_accum = (qg, qx, qw), traced, fast
         ctx.bias_dtype = None if b is None else b.dtype
-        ctx.x_shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xt, sx, wt, sw, rows, *lay = ctx.saved_tensors
+        xt, sx, wt, sw, rows, copies, *lay = ctx.saved_tensors
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
@@ -138,10 +147,10 @@ class _GroupedFP8Fn(torch.autograd.Function):
         # into a looped reduction that costs more than the pass it saves
         dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
                            ctx.traced, *ctx.fast_accum[1:])
-        if dx is not None and rows is not None:  # what autograd makes of x[rows]
-            dx = dx.new_zeros(ctx.x_shape).index_put((rows,), dx, accumulate=True)
+        if dx is not None and copies is not None:
+            dx = token_gradients(dx, copies)
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 8)
+        return _grads(ctx, dx, dw, db, 9)
 
 
 def _row_amaxes(t: torch.Tensor, traced: bool, rows: torch.Tensor | None = None
@@ -155,10 +164,9 @@ def _row_amaxes(t: torch.Tensor, traced: bool, rows: torch.Tensor | None = None
     return amax if rows is None else amax[rows]
 
 
-def _gathered(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """``x[rows]`` (``x`` without ``rows``): the rows of the paths that read a gathered copy
-    (autograd sums each row's gradients)."""
-    return x if rows is None else x[rows]
+def _route_args(routes: Routes | None) -> tuple:
+    """``(rows, copies)`` of ``routes`` for the layer's autograd functions (Nones without)."""
+    return (None, None) if routes is None else (routes.rows, routes.copies)
 
 
 def _layout(offs: torch.Tensor, total: int, align: int, layouts: dict | None) -> Layout:
@@ -266,24 +274,26 @@ class GroupedProjection(QuantizedModule):
 
     def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, layouts: dict | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                routes: Routes | None = None) -> torch.Tensor:
         """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
         quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
         else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
         assumed checked (:meth:`check_input`, :meth:`offsets`). ``layouts``: the padded
         layouts of ``offs`` already made, by alignment, which this call reuses and adds to
-        (projections over the same rows share one). ``rows`` (int64 ``[T]``): the layer's rows
-        are ``x[rows]`` (a mixture-of-experts block's tokens in expert order, each token as
-        many times as it is routed); the quantize-once FP8 path reads them where they lie,
-        every other path gathers them first."""
+        (projections over the same rows share one). ``routes`` (:func:`~.routes.route`): the
+        layer's rows are ``x[routes.rows]``, a mixture-of-experts block's tokens in expert
+        order, each token as many times as it is routed; the grouped routes read them where
+        they lie (no gathered copy, and backward keeps ``x`` itself), the per-group path
+        gathers them first. Each token's input gradient is the fp32 sum of its routed rows'
+        gradients in route order (deterministic)."""
         traced = compiling()
         frame = module_frame(self)
-        total = x.shape[0] if rows is None else rows.shape[0]
+        total = x.shape[0] if routes is None else routes.rows.shape[0]
         if frame is None or not frame.enabled:
             hp = _HIGH_PRECISION
             lay = _layout(offs, total, 16, layouts)
-            return _GroupedFn.apply(_gathered(x, rows), w, b, *lay.tensors(), hp, hp, hp, hp,
-                                    hp, False, 16, traced, _NO_FAST_ACCUM)
+            return _GroupedFn.apply(x, w, b, *lay.tensors(), hp, hp, hp, hp, hp, False, 16,
+                                    traced, _NO_FAST_ACCUM, *_route_args(routes))
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
                              "(each expert group has its own amax)")
@@ -313,10 +323,10 @@ class GroupedProjection(QuantizedModule):
                 self.out_features)):
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
-                                       plan.fast_accum, rows)
+                                       plan.fast_accum, *_route_args(routes))
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
-        return _GroupedFn.apply(_gathered(x, rows), w, b, *lay.tensors(), qx, qw, *again,
-                                plan.columnwise, align, traced, plan.fast_accum)
+        return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
+                                traced, plan.fast_accum, *_route_args(routes))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:

@@ -97,23 +97,24 @@ def _experts_t(w: torch.Tensor, qw):
 
 
 def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
-            b: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, N]``: group ``g`` of ``x [T, K]`` (the padded layout ``lay``) times ``w[g]ᵀ``
-    (plus ``b[g]``, :mod:`.bias`)."""
-    xd, xs, _, _, xa, _ = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, True, False)
+            b: torch.Tensor | None = None, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, N]``: group ``g`` of ``x [T, K]`` (``x[x_rows]``; the padded layout ``lay``)
+    times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
+    xd, xs, _, _, xa, _ = _quantize(fp8.padded(x, lay, x_rows), lay.grp, lay.groups, qx, True,
+                                    False)
     wd, ws, wa = _experts(w, qw)
     count_path("nvfp4_grouped_gemm")
     y = backends.get(None, x.device).nvfp4_grouped_rows_gemm(
-        xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=x.shape[0], a_swizzled=False,
+        xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=lay.gid.shape[0], a_swizzled=False,
         b_swizzled=False, out_dtype=x.dtype if b is None else torch.float32)
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
 def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
-             qw, dgrad: bool, wgrad: bool):
+             qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
     ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
-    total = x.shape[0]
+    total = gy.shape[0]
     backend = backends.get(None, gy.device)
     gd, gs, gc, gcs, ga, gca = _quantize(fp8.padded(gy, lay), lay.grp, lay.groups, qg, dgrad,
                                          wgrad)
@@ -124,8 +125,8 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
                                              total=total, a_swizzled=False, b_swizzled=False)
         count_path("nvfp4_grouped_gemm")
     if wgrad:
-        _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay), lay.grp, lay.groups, qx, False,
-                                          True)
+        _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay, x_rows), lay.grp, lay.groups, qx,
+                                          False, True)
         dw = backend.nvfp4_grouped_tokens_gemm(gc, gcs, gca, xc, xcs, xca, lay.ends,
                                                a_swizzled=False, b_swizzled=False)
         count_path("nvfp4_grouped_gemm")

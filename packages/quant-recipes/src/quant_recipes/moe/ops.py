@@ -65,33 +65,34 @@ def _layout(lay) -> Layout:
     return Layout(*lay)
 
 
-def _fprop(x, lay, w, b, q, align, fast_accum=False):
-    return grouped_fprop(x, _layout(lay), w, b, *map(quantizer_of, q), align, fast_accum)
+def _fprop(x, lay, w, b, q, align, fast_accum=False, x_rows=None):
+    return grouped_fprop(x, _layout(lay), w, b, *map(quantizer_of, q), align, fast_accum,
+                         x_rows)
 
 
-def _fprop_fake(x, lay, w, b, q, align, fast_accum=False):
-    return x.new_empty((x.shape[0], w.shape[1]))
+def _fprop_fake(x, lay, w, b, q, align, fast_accum=False, x_rows=None):
+    return x.new_empty((lay[0].shape[0], w.shape[1]))
 
 
 def _bprop(gy, x, lay, w, q, col, align, dgrad, wgrad, bias, fast_dgrad=False,
-           fast_wgrad=False):
+           fast_wgrad=False, x_rows=None):
     return grouped_bprop(gy, x, _layout(lay), w, *map(quantizer_of, q), col, align, dgrad,
-                         wgrad, bias, fast_dgrad, fast_wgrad)
+                         wgrad, bias, fast_dgrad, fast_wgrad, x_rows)
 
 
 def _bprop_fake(gy, x, lay, w, q, col, align, dgrad, wgrad, bias, fast_dgrad=False,
-                fast_wgrad=False):
-    (total, k), (experts, n) = x.shape, w.shape[:2]
+                fast_wgrad=False, x_rows=None):
+    (total, k), (experts, n) = (gy.shape[0], x.shape[1]), w.shape[:2]
     return (x.new_empty((total, k) if dgrad else (0,)),
             w.new_empty((experts, n, k) if wgrad else (0,)),
             w.new_empty((experts, n) if bias else (0,)))
 
 
 _op("grouped_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, int align, "
-    "bool fast_accum=False) -> Tensor", _fprop, _fprop_fake)
+    "bool fast_accum=False, Tensor? x_rows=None) -> Tensor", _fprop, _fprop_fake)
 _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool col, int align, "
-    "bool dgrad, bool wgrad, bool bias, bool fast_dgrad=False, bool fast_wgrad=False) -> "
-    "(Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
+    "bool dgrad, bool wgrad, bool bias, bool fast_dgrad=False, bool fast_wgrad=False, "
+    "Tensor? x_rows=None) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
 def _rows_t(x, lay, q, sx=None, x_rows=None):
@@ -163,23 +164,27 @@ _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_
     "(Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
-def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False):
+def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False,
+          x_rows=None):
     """:func:`grouped_fprop`, through its op when ``traced``."""
     if not traced:
-        return grouped_fprop(x, lay, w, b, qx, qw, align, fast_accum)
+        return grouped_fprop(x, lay, w, b, qx, qw, align, fast_accum, x_rows)
     return torch.ops.quant_recipes.grouped_fprop(
-        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], align, fast_accum)
+        x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], align, fast_accum,
+        x_rows)
 
 
 def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool, wgrad: bool,
-          bias: bool, traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False):
+          bias: bool, traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
+          x_rows=None):
     """:func:`grouped_bprop`, through its op when ``traced``."""
     if not traced:
         return grouped_bprop(gy, x, lay, w, qg, qx, qw, col, align, dgrad, wgrad, bias,
-                             fast_dgrad, fast_wgrad)
+                             fast_dgrad, fast_wgrad, x_rows)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     return torch.ops.quant_recipes.grouped_bprop(gy, x, lay.tensors(), w, specs, col, align,
-                                                 dgrad, wgrad, bias, fast_dgrad, fast_wgrad)
+                                                 dgrad, wgrad, bias, fast_dgrad, fast_wgrad,
+                                                 x_rows)
 
 
 def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool,
