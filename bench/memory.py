@@ -15,6 +15,7 @@ Subcommands (``python bench/memory.py <command> --help`` for each one's options)
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import measure
 import steps
@@ -80,10 +81,14 @@ def saved_report(config: str, size: str, device: torch.device) -> float:
         return compile_fx.compile_fx(gm, example_inputs, inner_compile=recording)
 
     torch._dynamo.reset()
-    hidden, *_, seq, batch = steps.SIZES[size]
-    model = steps.llama(size, device)
+    if size in steps.MOE_SIZES:
+        hidden, (seq, batch) = steps.MOE_SIZES[size][0], steps.seq_batch(size)
+        model = steps.moe_model(size, device, layers=1)
+    else:
+        hidden, *_, seq, batch = steps.SIZES[size]
+        model = steps.llama(size, device)
     with steps.llama_lowering(config):
-        steps.convert_llama(config, model)  # converts the layers
+        forward = steps.convert_llama(config, model)  # converts the layers
         layer = model.model.layers[0]
         x = torch.randn(batch, seq, hidden, device=device, dtype=torch.bfloat16,
                         requires_grad=True)
@@ -95,13 +100,8 @@ def saved_report(config: str, size: str, device: torch.device) -> float:
             return out[0] if isinstance(out, tuple) else out
 
         fn = torch.compile(block, backend=inductor)
-        name = steps.parse_llama_config(config)[0]
-        if name in steps.OURS:
-            import quant_recipes as qr
-
-            with qr.autocast(recipe=qr.recipe(name)):
-                y = fn(x)
-        else:
+        # ours: inside the config's autocast and variant patches
+        with getattr(forward, "autocast", contextlib.nullcontext)():
             y = fn(x)
         y.float().sum().backward()
     total = 0.0
@@ -149,11 +149,13 @@ def commands(sub) -> dict:
     s.add_argument("--device", default="cuda")
     s.add_argument("--no-compile", action="store_true", help="eager (smoke tests)")
     v = sub.add_parser("saved", help="what a compiled Llama layer saves for backward",
-                       description="One LlamaDecoderLayer of --size (bf16) compiled with Inductor, "
+                       description="One decoder layer of --size (bf16; Llama or MoE) compiled "
+                       "with Inductor, "
                        "forward and backward once: each tensor the backward graph takes that is "
                        "not a gradient (shape, dtype, MiB) and the total per config. "
                        "TORCH_LOGS=output_code prints Inductor's code as well.")
-    v.add_argument("--size", choices=sorted(steps.SIZES), default="1b")
+    v.add_argument("--size", choices=sorted(steps.SIZES) + sorted(steps.MOE_SIZES),
+                   default="1b", help="Llama widths, or a mixture-of-experts model's")
     v.add_argument("--configs", default="bf16,fp8_current", help=steps.LLAMA_CONFIG_HELP)
     v.add_argument("--device", default="cuda")
     v.add_argument("--ops", action="store_true",

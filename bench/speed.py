@@ -722,6 +722,8 @@ def commands(sub) -> dict:
                    help="compile each decoder layer (layer.compile()) instead of the whole model")
     t.add_argument("--no-count", action="store_true",
                    help="do not count traced instructions (their counting costs time)")
+    t.add_argument("--top-functions", type=int, default=0, metavar="N",
+                   help="list quant's N functions with the most instructions traced")
     t.add_argument("--json", metavar="OUT")
     return {"step": cmd_step, "model": cmd_model, "layer": cmd_layer, "gemm": cmd_gemm,
             "kernels": cmd_kernels, "host": cmd_host, "autotune": cmd_autotune, "moe": cmd_moe,

@@ -233,7 +233,7 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
-                  "copy": ()}
+                  "copy": (), "index": ()}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
 #: split accumulator too (``fp8_gemm_fprop=MMParams(True)``; the default accumulates it fast).
 RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
@@ -241,15 +241,18 @@ RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
 
 @contextlib.contextmanager
 def routed_copy():
-    """The experts' FP8 grouped layers without their in-place reads, for an A/B in one process:
-    the routed rows gathered into a copy first, and the grouped quantize's own amax pass (no
-    row amaxes computed in the graph). Patched while a config compiles and runs (``:copy``)."""
+    """The experts' grouped layers without their in-place reads, for an A/B in one process:
+    the routed rows gathered into a copy first (which backward keeps), and the FP8 grouped
+    quantize's own amax pass (no row amaxes computed in the graph). Patched while a config
+    compiles and runs (``:copy``)."""
     from quant_recipes.moe import linear
+    from quant_recipes.moe.routes import gather_tokens
 
     project, row_amaxes = linear.GroupedProjection.project, linear._row_amaxes
 
-    def gathering(self, x, offs, w, b, layouts=None, rows=None):
-        return project(self, x if rows is None else x[rows], offs, w, b, layouts)
+    def gathering(self, x, offs, w, b, layouts=None, routes=None):
+        x = x if routes is None else gather_tokens(x, routes)
+        return project(self, x, offs, w, b, layouts)
 
     linear.GroupedProjection.project = gathering
     linear._row_amaxes = lambda t, traced, rows=None: None
@@ -259,13 +262,41 @@ def routed_copy():
         linear.GroupedProjection.project, linear._row_amaxes = project, row_amaxes
 
 
+@contextlib.contextmanager
+def index_routes():
+    """The experts' routes as autograd's index forms, for an A/B in one process (``:index``):
+    the combine a gather and a sum over the routes (``y[copies].sum(1)``, its gradient a
+    scatter), each token's input gradient autograd's scatter of its routed rows' (bf16 atomic
+    adds on a GPU) instead of :func:`~quant_recipes.moe.routes.token_gradients`' fp32 sum."""
+    from quant_recipes.moe import hf_experts, linear
+
+    def combine(y, weights, routes):
+        y = y * weights.reshape(-1)[routes.perm].unsqueeze(-1)
+        return y[routes.copies].sum(dim=1)
+
+    def scatter(d, copies):
+        rows = torch.empty(copies.numel(), dtype=copies.dtype, device=copies.device)
+        rows[copies.reshape(-1)] = torch.arange(copies.shape[0], device=copies.device
+                                                ).repeat_interleave(copies.shape[1])
+        return d.new_zeros(copies.shape[0], d.shape[1]).index_put((rows,), d, accumulate=True)
+
+    saved = hf_experts.combine_routes, linear.token_gradients
+    hf_experts.combine_routes, linear.token_gradients = combine, scatter
+    try:
+        yield
+    finally:
+        hf_experts.combine_routes, linear.token_gradients = saved
+
+
 #: ``:variant`` suffix -> a context the config compiles and runs in.
-PATCH_VARIANTS = {"copy": routed_copy}
+PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes}
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
     "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True), copy: the "
-    "experts' routed rows gathered into a copy first, with the quantize's own amax pass) and "
+    "experts' routed rows gathered into a copy first, with the quantize's own amax pass; index: "
+    "the experts' routes as autograd's index forms: the combine a sum over a gather, the "
+    "tokens' gradient a scatter) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")

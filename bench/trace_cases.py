@@ -27,16 +27,23 @@ class _StepCounter:
     counting: Dynamo's per-instruction ``step`` of its instruction translator)."""
 
     def __init__(self):
+        import collections
+
         import torch._dynamo.symbolic_convert as sc
 
         self.cls, self.original = sc.InstructionTranslatorBase, sc.InstructionTranslatorBase.step
         self.total, self.quant = 0, 0
+        #: quant's instructions per function (``file:function``)
+        self.functions = collections.Counter()
         counter = self
 
         def step(tx):
             counter.total += 1
-            if any(p in tx.f_code.co_filename for p in QUANT):
+            code = tx.f_code
+            if any(p in code.co_filename for p in QUANT):
                 counter.quant += 1
+                name = code.co_filename.rsplit("/", 1)[-1]
+                counter.functions[f"{name}:{code.co_name}"] += 1
             return counter.original(tx)
 
         self.cls.step = step
@@ -55,10 +62,11 @@ def _model(layers: int):
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def run(config: str, layers: int, count: bool, regional: bool = False) -> dict:
+def run(config: str, layers: int, count: bool, regional: bool = False, top: int = 0) -> dict:
     """One config's row: the model converted under ``config`` (a recipe name, or bf16),
     compiled with aot_eager (whole, or each decoder layer when ``regional``: the layers share
-    one traced graph), one training step traced and run, then a second step."""
+    one traced graph), one training step traced and run, then a second step. ``top``: how many
+    of quant's functions to list, by instructions traced in them (their own, not callees')."""
     import quant_recipes as qr
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -105,6 +113,7 @@ def run(config: str, layers: int, count: bool, regional: bool = False) -> dict:
         row[p] = round(float(phases.get(p, 0.0)), 2)
     if counter is not None:
         row["traced"], row["traced_quant"] = counter.total, counter.quant
+        row["top_functions"] = dict(counter.functions.most_common(top))
     gc.collect()
     return row
 
@@ -132,7 +141,8 @@ def main(args) -> None:
     for config in args.configs.split(","):
         for _ in range(args.repeat):
             try:
-                row = run(config, args.layers, not args.no_count, args.regional)
+                row = run(config, args.layers, not args.no_count, args.regional,
+                          args.top_functions)
             except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
                 row = {"config": config, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
