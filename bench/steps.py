@@ -233,7 +233,9 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
-                  "copy": (), "index": ()}
+                  "copy": (), "index": (), "weight_copy": ()}
+#: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
+GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
 #: split accumulator too (``fp8_gemm_fprop=MMParams(True)``; the default accumulates it fast).
 RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
@@ -296,7 +298,8 @@ LLAMA_CONFIG_HELP = (
     "save_input_copy=False, requant_all: both, split: fp8_gemm_fprop=MMParams(True), copy: the "
     "experts' routed rows gathered into a copy first, with the quantize's own amax pass; index: "
     "the experts' routes as autograd's index forms: the combine a sum over a gather, the "
-    "tokens' gradient a scatter) and "
+    "tokens' gradient a scatter; weight_copy: the experts' grouped layers keep their weights' "
+    "transposed FP8 copies for backward instead of casting them again) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")
@@ -461,6 +464,9 @@ def convert_llama(config: str, model):
             if isinstance(m, (qr.Linear, GroupedProjection)):
                 for attr in LLAMA_VARIANTS.get(variant, ()):
                     setattr(m, attr, False)
+            if isinstance(m, GroupedProjection):
+                for attr in GROUPED_KEEPS.get(variant, ()):
+                    setattr(m, attr, True)
 
         patch = PATCH_VARIANTS.get(variant, contextlib.nullcontext)
 

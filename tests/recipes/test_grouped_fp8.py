@@ -863,7 +863,7 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
                          save_weight_copy=save_weight_copy, save_input_copy=save_input_copy)
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn(sum(COUNTS), N, dtype=torch.bfloat16)
-    assert ("save_weight_copy=False" in repr(m)) != save_weight_copy
+    assert ("save_weight_copy=True" in repr(m)) == save_weight_copy
     assert ("save_input_copy=False" in repr(m)) != save_input_copy
 
     def step(x, counts):
@@ -886,6 +886,23 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
         assert any(s[0] == K for s in kept if len(s) == 2) == save_input_copy
         assert (((len(COUNTS), N, K) in {s for d, s in saved if d == torch.bfloat16})
                 != save_weight_copy)
+
+
+def test_by_default_backward_keeps_the_input_copy_and_the_weight_itself(emulated):
+    """The defaults: backward keeps the input's transposed FP8 bytes, and the bf16 weight (a
+    parameter) rather than its FP8 copy, whose bytes it casts again; the repr names neither
+    flag."""
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    assert "save_" not in repr(m)
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16).requires_grad_()
+    with qr.autocast(recipe=qr.Float8CurrentScaling()):
+        y, saved = _saved(lambda: m(x, counts=torch.tensor(COUNTS)))
+    y.sum().backward()
+    kept = {shape for dtype, shape in saved if dtype == torch.uint8}
+    assert (len(COUNTS), K, N) not in kept
+    assert any(s[0] == K for s in kept if len(s) == 2)
+    assert (len(COUNTS), N, K) in {s for d, s in saved if d == torch.bfloat16}
 
 
 def test_a_module_pickled_without_the_copy_flags_loads_and_runs(emulated):
