@@ -152,13 +152,17 @@ def grouped_forms(e: int, m: int, k: int, n: int) -> list[dict]:
 
 
 def triton_forms(m: int, k: int, n: int) -> list[dict]:
-    """One E5M2 x E4M3 product through a plain Triton tile kernel."""
+    """One E5M2 x E4M3 product through a plain Triton tile kernel, with the second operand
+    stored ``[n, k]`` (contiguous along the contraction, K-major: what Hopper's FP8 tensor-core
+    instructions read) or ``[k, n]`` (contiguous along the output columns, MN-major: a weight's
+    rowwise copy read for the input gradient, which Triton must reorder on the way to the
+    tensor cores), promoted every 128 products or with fast accumulation."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def mm(a_ptr, b_ptr, c_ptr, M, N, K, IMPRECISE: tl.constexpr, BM: tl.constexpr,
-           BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+           BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, B_KN: tl.constexpr):
         pid = tl.program_id(0)
         npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
         width = GROUP * npn
@@ -173,27 +177,35 @@ def triton_forms(m: int, k: int, n: int) -> list[dict]:
         acc = tl.zeros((BM, BN), tl.float32)
         for k0 in range(0, K, BK):
             a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
-            b = tl.load(b_ptr + rn[None, :] * K + (k0 + rk)[:, None])
+            if B_KN:
+                b = tl.load(b_ptr + (k0 + rk)[:, None] * N + rn[None, :])
+            else:
+                b = tl.load(b_ptr + rn[None, :] * K + (k0 + rk)[:, None])
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
         tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16))
 
     a = _fp8((m, k), E5M2)
     b = _fp8((n, k), E4M3)
+    b_kn = b.t().contiguous()
     want = a.float() @ b.float().t()
     rows = []
-    for imprecise in (0, 1 << 30):
-        for bm, bn, bk, warps, stages in ((128, 256, 128, 8, 3), (128, 128, 128, 4, 4)):
-            c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    for kn in (False, True):
+        for imprecise in (128, 1 << 30):
+            for bm, bn, bk, warps, stages in ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
+                                              (128, 128, 128, 4, 4)):
+                c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
-            def run(c=c, grid=grid, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages,
-                    imprecise=imprecise):
-                mm[grid](a, b, c, m, n, k, IMPRECISE=imprecise, BM=bm, BN=bn, BK=bk, GROUP=8,
-                         num_warps=warps, num_stages=stages)
-                return c
-            acc = "fast" if imprecise else "promoted"
-            rows.append(_row(f"triton e5m2xe4m3 {acc} {bm}x{bn}x{bk} w{warps} s{stages}", run,
-                             lambda: want, 2.0 * m * n * k))
+                def run(c=c, grid=grid, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages,
+                        imprecise=imprecise, kn=kn):
+                    mm[grid](a, b_kn if kn else b, c, m, n, k, IMPRECISE=imprecise, BM=bm,
+                             BN=bn, BK=bk, GROUP=8, B_KN=kn, num_warps=warps,
+                             num_stages=stages)
+                    return c
+                acc = "fast" if imprecise > 128 else "promoted"
+                rows.append(_row(f"triton e5m2xe4m3 b [{'k, n' if kn else 'n, k'}] {acc} "
+                                 f"{bm}x{bn}x{bk} w{warps} s{stages}", run, lambda: want,
+                                 2.0 * m * n * k))
     return rows
 
 
@@ -322,6 +334,10 @@ def cast_forms(counts: list[int], k: int) -> list[dict]:
 def main(args) -> None:
     """The forms ``speed.py probe``'s options select: a JSON line each, then the table."""
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
+    if args.triton_only:
+        rows = triton_forms(args.rows, args.hidden, args.out)
+        _table(rows)
+        return
     rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
     rows += [] if args.own or args.no_triton else triton_forms(args.rows, args.hidden, args.out)
     counts = group_rows(args.experts, args.rows, args.ragged)
@@ -329,6 +345,11 @@ def main(args) -> None:
                                      "total": sum(counts)}}))
     rows += (cast_forms(counts, args.hidden) if args.cast
              else own_forms(counts, args.hidden, args.out))
+    _table(rows)
+
+
+def _table(rows: list[dict]) -> None:
+    """The forms' table: whether each ran, its error, ms and TFLOP/s."""
     print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
         if r["ok"]:
