@@ -90,3 +90,39 @@ def test_gathered_rows_clear_errors():
     for impl in (B.fp8_block_quantize, ref.fp8_block_quantize):
         with pytest.raises(TypeError, match="rows must be a 1D int32/int64"):
             impl(x, rows=torch.zeros(4, dtype=torch.float32, device=DEVICE), **kw)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the fills launched and fills every fp32 ``empty`` with NaN, so that a scale
+    entry the kernel leaves unwritten differs from the reference's."""
+
+    FILLS = {torch.ops.aten.zeros.default, torch.ops.aten.zero_.default,
+             torch.ops.aten.fill_.Scalar, torch.ops.aten.new_zeros.default}
+
+    def __init__(self):
+        super().__init__()
+        self.fills = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.fills += func in self.FILLS
+        if func is torch.ops.aten.empty.memory_format and out.dtype == torch.float32:
+            out.fill_(float("nan"))
+        return out
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("shape", [(256, 512), (200, 300), (130, 140), (7, 1100)])
+def test_scale_layouts_are_filled_only_where_they_pad(dim, shape):
+    """The scale-inverse layouts hold the reference's bytes even where their memory starts as
+    NaN, and are zero-filled only where they pad (1x128: the rows, or columns, to a multiple
+    of 4; 128x128: the blocks): a layout without padding costs no fill launch."""
+    x = make_input(*shape, torch.bfloat16, seed=9)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=dim, force_pow_2_scales=False,
+              amax_epsilon=0.0, rowwise=True, columnwise=True)
+    with _Allocations() as mode:
+        got = B.fp8_block_quantize(x.to(DEVICE), **kw)
+    assert_all_same(got, ref.fp8_block_quantize(x, **kw), DType.E4M3, NAMES)
+    m, k = shape
+    padded = ([m, k] if dim == 1 else [-(-k // 128), -(-m // 128)])
+    assert mode.fills == sum(n % 4 != 0 for n in padded)

@@ -138,6 +138,15 @@ def _slab(pid_m, r, rk, M, K, BM: tl.constexpr, SLAB: tl.constexpr):
     return rm, (rm[:, None] < M) & (rk[None, :] < K)
 
 
+def _scale_buffer(shape: tuple[int, int], written: int, dev: torch.device) -> torch.Tensor:
+    """An fp32 scale-inverse layout of ``shape`` whose first ``written`` columns the kernel
+    writes in every row: the columns past them (the layout's padding to 4) are zeros, as the
+    reference's; with no padding, no fill is launched."""
+    if shape[1] == written:
+        return torch.empty(shape, dtype=torch.float32, device=dev)
+    return torch.zeros(shape, dtype=torch.float32, device=dev)
+
+
 def fp8_block_quantize(
     x: torch.Tensor,
     *,
@@ -164,12 +173,13 @@ def fp8_block_quantize(
     rs_shape = shapes.fp8_block_rowwise_scale_shape(m, k, block_scaling_dim)
     cs_shape = shapes.fp8_block_columnwise_scale_shape(m, k, block_scaling_dim)
     rd_arg = cd_arg = None
+    two_d = block_scaling_dim == 2
     if rowwise:
         rd_arg, rd = fp8_data((m, k), fp8_dtype, dev)
-        rs = torch.zeros(rs_shape, dtype=torch.float32, device=dev)
+        rs = _scale_buffer(rs_shape, ceil_div(k, BLOCK) if two_d else m, dev)
     if columnwise:
         cd_arg, cd = fp8_data((k, m), fp8_dtype, dev)
-        cs = torch.zeros(cs_shape, dtype=torch.float32, device=dev)
+        cs = _scale_buffer(cs_shape, ceil_div(m, BLOCK) if two_d else k, dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
     row_only = block_scaling_dim == 1 and not columnwise
