@@ -34,12 +34,18 @@ def test_route_sorts_the_pairs_by_expert_stably():
     assert routes.copies.tolist() == [[4, 0], [1, 2], [5, 3]]
 
 
+def _row_of(ids) -> dict[int, int]:
+    """Each (token, route) pair ``t * k + j``'s row, in plain Python: the pairs sorted by
+    expert, then by pair."""
+    pairs = sorted(range(ids.numel()), key=lambda p: (int(ids.reshape(-1)[p]), p))
+    return {pair: r for r, pair in enumerate(pairs)}
+
+
 def _combine_loop(y, weights, ids):
-    """Per token and route, in plain Python: the row of (t, j) found by scanning the pairs in
-    expert order; fp32 products, fp32 sum in route order, one rounding."""
+    """Per token and route, in plain Python: the row of (t, j) from :func:`_row_of`; fp32
+    products, fp32 sum in route order, one rounding."""
     tokens, k = weights.shape
-    pairs = sorted(range(tokens * k), key=lambda p: (int(ids.reshape(-1)[p]), p))
-    row_of = {pair: r for r, pair in enumerate(pairs)}
+    row_of = _row_of(ids)
     out = torch.empty(tokens, y.shape[1], dtype=y.dtype)
     for t in range(tokens):
         acc = torch.zeros(y.shape[1], dtype=torch.float32)
@@ -107,10 +113,11 @@ def test_a_gathered_token_gets_the_sum_of_its_rows_gradients(tokens, k, dtype):
     assert torch.equal(got, x[routes.rows])
     d = torch.randn(tokens * k, 16, generator=g).to(dtype)
     got.backward(d)
+    row_of = _row_of(ids)
     want = torch.zeros(tokens, 16, dtype=torch.float32)
     for t in range(tokens):
         for j in range(k):
-            want[t] += d[routes.copies[t, j]].float()
+            want[t] += d[row_of[t * k + j]].float()
     assert torch.equal(x.grad, want.to(dtype))
 
 
@@ -180,7 +187,8 @@ def test_fp64_operands_keep_their_precision_and_pass_gradcheck():
     y, weights, routes, ids = _case(7, 3, hidden=5, dtype=torch.float64)
     x = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     got = combine_routes(y, weights, routes)
-    want = torch.stack([sum(y[routes.copies[t, j]] * weights[t, j] for j in range(3))
+    row_of = _row_of(ids)
+    want = torch.stack([sum(y[row_of[t * 3 + j]] * weights[t, j] for j in range(3))
                         for t in range(7)])
     torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
     args = (y.requires_grad_(), weights.requires_grad_())

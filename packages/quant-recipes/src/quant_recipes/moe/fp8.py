@@ -72,6 +72,11 @@ class Layout:
         return self.src.shape[0]
 
     @property
+    def total(self):
+        """The layer's rows ``T`` (unpadded; an int or a SymInt)."""
+        return self.gid.shape[0]
+
+    @property
     def groups(self) -> int:
         return self.offs.shape[0]
 

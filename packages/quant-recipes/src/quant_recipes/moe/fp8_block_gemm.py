@@ -100,7 +100,7 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
     times ``w[g]ᵀ`` (plus ``b[g]``, :mod:`.bias`)."""
     # 1x128 blocks: the rows quantized where they are, the kernel reads each group in place
     xd, xsi, _, _ = _indexed_rows(qx, x, x_rows, True, False)
-    total = lay.gid.shape[0]
+    total = lay.total
     wd, sw = _experts(w, qw)
     count_path("fp8_block_grouped_gemm")
     y = backends.get(None, x.device).fp8_block_grouped_rows_gemm(

@@ -207,9 +207,9 @@ def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool =
     if route == "fp8_grouped_gemm":
         return backends.get(None, a.device).fp8_grouped_rows_gemm(
             a, sa[:, 0], b, sb[:, 0], lay.offs, lay.ends if padded else lay.offs,
-            total=lay.gid.shape[0], a_dtype=qa.dtype, b_dtype=qb.dtype,
+            total=lay.total, a_dtype=qa.dtype, b_dtype=qb.dtype,
             out_dtype=torch.float32 if fp32 else torch.bfloat16, fast_accum=fast_accum)
-    out = a.new_empty((lay.gid.shape[0], cols), dtype=torch.bfloat16)
+    out = a.new_empty((lay.total, cols), dtype=torch.bfloat16)
     av, bv = _fp8(a, qa), _fp8(b, qb)
     for g, (s, e, ps, _) in enumerate(groups or _host_groups(lay)):
         if e > s:

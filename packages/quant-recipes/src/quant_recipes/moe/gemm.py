@@ -186,7 +186,7 @@ def _forward_rows(x: torch.Tensor, lay: fp8.Layout, q, x_rows: torch.Tensor | No
     """``(bf16 values of x (x[x_rows]) quantized rowwise by q, the ends of its groups' rows)``:
     the rows where they are when ``q`` quantizes rows apart, else the padded layout
     (``lay.ends``)."""
-    if lay.gid.shape[0] and q.rows_quantize_apart():
+    if lay.total and q.rows_quantize_apart():
         return _decoded(x, q, False, None, x_rows), lay.offs
     return _decoded(x, q, False, lay, x_rows), lay.ends
 
@@ -199,7 +199,7 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
     (xv, a_ends), wv = _forward_rows(x, lay, qx, x_rows), _experts(w, qw, False)
     if b is not None:
         y = backends.get(None, x.device).grouped_rows_gemm(
-            xv, wv, lay.offs, a_ends, total=lay.gid.shape[0], out_dtype=torch.float32)
+            xv, wv, lay.offs, a_ends, total=lay.total, out_dtype=torch.float32)
         count_path("decoded_grouped_gemm")
         return bias_added(y, b, lay.gid, x.dtype)
     out = torch._grouped_mm(xv, wv.transpose(1, 2), offs=a_ends)
@@ -236,7 +236,7 @@ def grouped_fprop(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, b, qx, qw, 
     (``fast_accum`` its plan's); ``lay`` the groups' layout padded to ``align`` rows
     (:func:`.fp8.layout`). ``x_rows`` (int64 ``[T]``): the rows are ``x[x_rows]``, read where
     they lie by the grouped routes (gathered first on the per-group path)."""
-    (total, k), n = (lay.gid.shape[0], x.shape[1]), w.shape[1]
+    total, k, n = lay.total, x.shape[1], w.shape[1]
     if fp8_gemm.takes((qx, qw), x.device, x.dtype, align, k, n):
         return fp8_gemm.forward(x, lay, w, qx, qw, False, False, b, fast_accum, None,
                                 x_rows)[0]

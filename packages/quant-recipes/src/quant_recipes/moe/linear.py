@@ -338,11 +338,10 @@ class GroupedProjection(QuantizedModule):
         return self.project(x, self.offsets(x, offs, None), w, b)
 
     def _copies_repr(self) -> str:
-        """The copy flags that differ from the defaults."""
-        defaults = GroupedProjection
+        """The copy flags that differ from the defaults (the class attributes)."""
         return "".join(f", {flag}={getattr(self, flag)}"
                        for flag in ("save_weight_copy", "save_input_copy")
-                       if getattr(self, flag) != getattr(defaults, flag))
+                       if getattr(self, flag) != getattr(GroupedProjection, flag))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

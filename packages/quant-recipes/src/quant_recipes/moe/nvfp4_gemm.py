@@ -105,7 +105,7 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
     wd, ws, wa = _experts(w, qw)
     count_path("nvfp4_grouped_gemm")
     y = backends.get(None, x.device).nvfp4_grouped_rows_gemm(
-        xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=lay.gid.shape[0], a_swizzled=False,
+        xd, xs, xa, wd, ws, wa, lay.offs, lay.ends, total=lay.total, a_swizzled=False,
         b_swizzled=False, out_dtype=x.dtype if b is None else torch.float32)
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 

@@ -71,7 +71,7 @@ def _fprop(x, lay, w, b, q, align, fast_accum=False, x_rows=None):
 
 
 def _fprop_fake(x, lay, w, b, q, align, fast_accum=False, x_rows=None):
-    return x.new_empty((lay[0].shape[0], w.shape[1]))
+    return x.new_empty((_layout(lay).total, w.shape[1]))
 
 
 def _bprop(gy, x, lay, w, q, col, align, dgrad, wgrad, bias, fast_dgrad=False,
