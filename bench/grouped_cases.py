@@ -223,22 +223,25 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
                                                "num_stages": 4}))
 
 
-def group_rows(e: int, m: int, ragged: bool) -> list[int]:
+def group_rows(e: int, m: int, ragged: bool, multiple: int = 16) -> list[int]:
     """``e`` groups of ``m`` rows, or (``ragged``) as a router skews them: multinomial draws
-    around ``m`` on average, rounded up to multiples of 16 (the padded layout's groups)."""
+    around ``m`` on average; rounded up to multiples of ``multiple`` (the padded layout's
+    groups)."""
     if not ragged:
-        return [m] * e
+        return [-(-m // multiple) * multiple] * e
     gen = torch.Generator().manual_seed(0)
     weights = torch.exp(torch.randn(e, generator=gen) * 0.3)
     counts = torch.multinomial(weights, e * m, replacement=True, generator=gen).bincount(
         minlength=e)
-    return [-(-int(c) // 16) * 16 for c in counts]
+    return [-(-int(c) // multiple) * multiple for c in counts]
 
 
-def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
+def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dict]:
     """quant-kernels' grouped FP8 GEMMs (E5M2 x E4M3, HYBRID's gradient GEMMs) at the rows
     form and the contraction form, over tile configs and promotion intervals, with groups of
-    ``counts`` rows."""
+    ``counts`` rows; the contraction form told the groups' row multiple is 16 (descriptors made
+    per program) and, where ``multiple`` is more, that multiple (host descriptors where it is
+    a multiple of the tile's chunk)."""
     from quant_core.dtypes import DType
     from quant_kernels import configs
     from quant_kernels import fp8_grouped_gemm as kern
@@ -280,11 +283,15 @@ def own_forms(counts: list[int], k: int, n: int) -> list[dict]:
                             lambda: kern.fp8_grouped_rows_gemm(
                                 u8(a), sa, u8(w), sb, offs, offs, total=total, **kw),
                             rows_ref, flops))
-        if cfg["COLS_FASTEST"]:  # the contraction kernel has one program order
+        if not cfg["COLS_FASTEST"]:  # the contraction kernel has one program order
+            continue
+        for gm in sorted({16, multiple}):
+            host = cfg["tma"] and gm % cfg["BK"] == 0
+            form = "host tma" if host else loads[cfg["tma"]]
             with configs.overridden("fp8_grouped_tokens_gemm", tokens_cfg):
-                out.append(_row(f"own tokens {tag} {loads[cfg['tma']]}",
-                                lambda: kern.fp8_grouped_tokens_gemm(
-                    u8(at), sa, u8(bt), sb, offs, **kw), tok_ref, flops))
+                out.append(_row(f"own tokens {tag} {form} (groups of {gm})",
+                                lambda gm=gm: kern.fp8_grouped_tokens_gemm(
+                    u8(at), sa, u8(bt), sb, offs, **kw, group_multiple=gm), tok_ref, flops))
     return out
 
 
@@ -340,11 +347,11 @@ def main(args) -> None:
         return
     rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
     rows += [] if args.own or args.no_triton else triton_forms(args.rows, args.hidden, args.out)
-    counts = group_rows(args.experts, args.rows, args.ragged)
+    counts = group_rows(args.experts, args.rows, args.ragged, args.multiple)
     print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
                                      "total": sum(counts)}}))
     rows += (cast_forms(counts, args.hidden) if args.cast
-             else own_forms(counts, args.hidden, args.out))
+             else own_forms(counts, args.hidden, args.out, args.multiple))
     _table(rows)
 
 

@@ -683,6 +683,9 @@ def commands(sub) -> dict:
     r.add_argument("--own", action="store_true", help="quant-kernels' forms only")
     r.add_argument("--ragged", action="store_true",
                    help="the own forms' groups skewed as a router makes them (--rows on average)")
+    r.add_argument("--multiple", type=int, default=16,
+                   help="the row multiple the groups are padded to; the weight-gradient kernel "
+                   "runs with 16 and, where this is more, with it too")
     r.add_argument("--cast", action="store_true",
                    help="instead of the own GEMMs: the grouped FP8 quantize over tile configs "
                    "(TFLOP/s column: the share of a bf16 copy's speed)")

@@ -85,8 +85,10 @@ def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded, fast_accum):
 
 @pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
 @pytest.mark.parametrize("fast_accum", [False, True])
-def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum):
-    counts = [16, 0, 80, 144, 0]  # whole contraction chunks and partial ones
+@pytest.mark.parametrize("counts, multiple", [
+    ([16, 0, 80, 144, 0], 16),  # whole contraction chunks and partial ones
+    ([128, 0, 256, 128], 128)])  # whole chunks only: loaded from descriptors made on the host
+def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum, counts, multiple):
     ends = _ends(counts)
     r, m, n = int(ends[-1]), 72, 40
     a = _bytes((m, r), a_dtype, 5, True)
@@ -96,9 +98,18 @@ def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum):
     kw = {"a_dtype": a_dtype, "b_dtype": b_dtype}
     want = reference.fp8_grouped_tokens_gemm(*args, **kw)
     got = kern.fp8_grouped_tokens_gemm(*(t.to(DEVICE) for t in args), **kw,
-                                       fast_accum=fast_accum)
+                                       fast_accum=fast_accum, group_multiple=multiple)
     assert torch.equal(got.cpu(), want)
-    assert not want[1].any() and not want[4].any()  # the groups without tokens: zeros
+    assert [bool(want[g].any()) for g in range(len(counts))] == [c > 0 for c in counts]
+
+
+@pytest.mark.parametrize("multiple", [0, 8, 24, 16.0, True])
+def test_tokens_gemm_rejects_a_group_multiple_not_of_16(multiple):
+    a = torch.zeros((8, 32), dtype=torch.uint8)
+    s = torch.ones(2)
+    with pytest.raises(ValueError, match="group_multiple must be a positive multiple of 16"):
+        kern.fp8_grouped_tokens_gemm(a, s, a, s, torch.tensor([16, 32]), a_dtype=DType.E4M3,
+                                     b_dtype=DType.E4M3, group_multiple=multiple)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

@@ -204,12 +204,14 @@ class Backend(Protocol):
                                 b: torch.Tensor, b_scale_inv: torch.Tensor, ends: torch.Tensor,
                                 *, a_dtype: DType, b_dtype: DType,
                                 out_dtype: torch.dtype = torch.bfloat16,
-                                fast_accum: bool = False) -> torch.Tensor:
+                                fast_accum: bool = False,
+                                group_multiple: int = 16) -> torch.Tensor:
         """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
         b_scale_inv[g]`` over columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]``, ``b [N, R]``
-        (zeros for a group without columns); every group starts at a multiple of 16 columns
-        (the padded layout of a grouped layer; a fast backend may read 16-byte vectors).
-        ``fast_accum`` as :meth:`fp8_grouped_rows_gemm`'s."""
+        (zeros for a group without columns); every group starts and ends on a multiple of
+        ``group_multiple`` columns, a multiple of 16 (the padded layout of a grouped layer; a
+        fast backend may read 16-byte vectors, or whole chunks of the contraction where the
+        multiple allows). ``fast_accum`` as :meth:`fp8_grouped_rows_gemm`'s."""
 
     def fp8_block_grouped_rows_gemm(self, a: torch.Tensor, a_scale_inv: torch.Tensor,
                                     b: torch.Tensor, b_scale_inv: torch.Tensor,

@@ -216,6 +216,18 @@ def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr
 
 
 @triton.jit
+def _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N,
+                      OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Group ``g``'s fp32 product tile ``acc`` at ``(m0, n0)`` of the ``[E, M, N]`` output,
+    scaled by the group's two scale-inverses and rounded once to the dtype ``OUT`` codes."""
+    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, to_out(acc, OUT), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
 def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -242,11 +254,31 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
         a = a_desc.load([m0, k0])
         b = b_desc.load([n0, k0])
         acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
-    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
-    rm = m0 + tl.arange(0, BM)
-    rn = n0 + tl.arange(0, BN)
-    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, to_out(acc, OUT), mask=(rm < M)[:, None] & (rn < N)[None, :])
+    _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
+
+
+@triton.jit
+def _tokens_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
+                       A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       PROMOTE: tl.constexpr):
+    """:func:`_tokens_kernel` for groups that start and end on multiples of ``BK`` columns:
+    every chunk lies inside its group, so the tiles come by the tensor memory accelerator from
+    the descriptors made on the host over the whole operands (``a [M, R]``, ``b [N, R]``), with
+    no descriptor made per program. The same products and order of sums as
+    :func:`_tokens_kernel`."""
+    g = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
+    start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), BK)
+    end = tl.load(ends_ptr + g).to(tl.int32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(start, end, BK):
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+    _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -389,10 +421,13 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
 
 
 def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                ends: torch.Tensor, dtypes, out_dtype, config, fast_accum: bool = False
-                ) -> torch.Tensor:
+                ends: torch.Tensor, dtypes, out_dtype, config, fast_accum: bool = False,
+                group_multiple: int = 16) -> torch.Tensor:
     """The launch of a grouped tokens GEMM of checked operands ``a [M, R]``, ``b [N, R]``, as
-    :func:`rows_gemm`'s."""
+    :func:`rows_gemm`'s; every group's columns start and end on a multiple of
+    ``group_multiple``: where that is a multiple of the tile's contraction chunk, the tiles
+    come from descriptors made on the host (:func:`_tokens_tma_kernel`), else from descriptors
+    each program makes over its group's columns."""
     (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
@@ -405,9 +440,12 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
     else:
-        if a.is_cuda:
-            device_descriptors_allowed()
-        _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
+        if group_multiple % cfg["BK"] == 0:
+            _tokens_tma_kernel[grid](*tma[1], *rest, **flags)
+        else:
+            if a.is_cuda:
+                device_descriptors_allowed()
+            _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
     return out
 
 
@@ -433,15 +471,25 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
 def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                             b_scale_inv: torch.Tensor, ends: torch.Tensor, *, a_dtype: DType,
                             b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16,
-                            fast_accum: bool = False) -> torch.Tensor:
+                            fast_accum: bool = False, group_multiple: int = 16) -> torch.Tensor:
     """``out [E, M, N]``: group ``g``'s ``(a[:, s:e] @ b[:, s:e]ᵀ) * a_scale_inv[g] *
     b_scale_inv[g]`` over its columns ``s:e = ends[g-1]:ends[g]`` of ``a [M, R]`` and
-    ``b [N, R]`` (uint8 FP8 bytes; ``ends`` ``[E]`` cumulative, every group starting at a multiple
-    of 16 columns: the padded layout of a grouped layer). A group without columns gives zeros.
-    ``fast_accum`` as :func:`fp8_grouped_rows_gemm`'s."""
+    ``b [N, R]`` (uint8 FP8 bytes; ``ends`` ``[E]`` cumulative, every group starting and ending
+    on a multiple of ``group_multiple`` columns, 16 or a multiple of it: the padded layout of a
+    grouped layer). A group without columns gives zeros. ``fast_accum`` as
+    :func:`fp8_grouped_rows_gemm`'s."""
     name = "fp8_grouped_tokens_gemm"
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("ends", ends),), a_dtype, b_dtype, out_dtype)
     check_tokens_shapes(name, a, b)
+    check_group_multiple(name, group_multiple)
     return tokens_gemm(a, a_scale_inv, b, b_scale_inv, ends, (a_dtype, b_dtype), out_dtype,
-                       launch_config("fp8_grouped_tokens_gemm"), fast_accum)
+                       launch_config("fp8_grouped_tokens_gemm"), fast_accum, group_multiple)
+
+
+def check_group_multiple(name: str, group_multiple) -> None:
+    """A clear error unless ``group_multiple`` is a positive int multiple of 16."""
+    if (isinstance(group_multiple, bool) or not isinstance(group_multiple, int)
+            or group_multiple < 16 or group_multiple % 16):
+        raise ValueError(f"{name}: group_multiple must be a positive multiple of 16 (the "
+                         f"columns every group starts and ends on), got {group_multiple!r}")

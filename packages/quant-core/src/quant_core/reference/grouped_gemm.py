@@ -66,11 +66,12 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
 def fp8_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                             b_scale_inv: torch.Tensor, ends: torch.Tensor, *, a_dtype: DType,
                             b_dtype: DType, out_dtype: torch.dtype = torch.bfloat16,
-                            fast_accum: bool = False) -> torch.Tensor:
+                            fast_accum: bool = False, group_multiple: int = 16) -> torch.Tensor:
     """``out [E, M, N]``: group ``g``'s ``a[:, s:e] @ b[:, s:e]ᵀ`` over its columns
     ``ends[g-1]:ends[g]`` of ``a [M, R]`` and ``b [N, R]``, scaled by the group's
     scale-inverses (zeros for a group without columns); sums in fp32 whatever ``fast_accum``
-    says."""
+    says. ``group_multiple`` (the columns every group starts and ends on) only lets fast
+    backends load whole chunks; the result does not depend on it."""
     out = torch.zeros((ends.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     for g, (s, e) in enumerate(_bounds(ends)):
         p = fp8_decode(a[:, s:e], a_dtype) @ fp8_decode(b[:, s:e], b_dtype).t()
