@@ -233,7 +233,7 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
-                  "copy": (), "index": (), "weight_copy": ()}
+                  "copy": (), "index": (), "weight_copy": (), "chunks": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
@@ -290,8 +290,23 @@ def index_routes():
         hf_experts.combine_routes, linear.token_gradients = saved
 
 
+@contextlib.contextmanager
+def whole_chunk_groups():
+    """The FP8 current grouped layers' padded layout at 128 rows a group (``:chunks``): the
+    weight-gradient kernel loads whole chunks from descriptors made on the host instead of
+    one pair per program, for more zero padding in the transposed copies."""
+    from quant_recipes.moe import fp8_gemm
+
+    saved = fp8_gemm.TOKENS_GROUP_MULTIPLE
+    fp8_gemm.TOKENS_GROUP_MULTIPLE = 128
+    try:
+        yield
+    finally:
+        fp8_gemm.TOKENS_GROUP_MULTIPLE = saved
+
+
 #: ``:variant`` suffix -> a context the config compiles and runs in.
-PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes}
+PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups}
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
@@ -299,7 +314,9 @@ LLAMA_CONFIG_HELP = (
     "experts' routed rows gathered into a copy first, with the quantize's own amax pass; index: "
     "the experts' routes as autograd's index forms: the combine a sum over a gather, the "
     "tokens' gradient a scatter; weight_copy: the experts' grouped layers keep their weights' "
-    "transposed FP8 copies for backward instead of casting them again) and "
+    "transposed FP8 copies for backward instead of casting them again; chunks: the FP8 "
+    "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
+    "gradient's contraction loaded from descriptors made on the host) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")

@@ -11,6 +11,8 @@ scale shapes torch's kernel requires).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import quant_recipes as qr
 import torch
@@ -616,6 +618,41 @@ def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
         for a, b in zip(*results, strict=True):
             assert a == b if isinstance(a, dict) else torch.equal(a, b)
     assert counter.frame_count == 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the grouped kernels run here through Triton's interpreter")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_whole_chunk_groups_give_the_same_bits(emulated, compiled):
+    """``TOKENS_GROUP_MULTIPLE`` 128: the layout pads every group to whole chunks of the weight
+    gradient's contraction and tells the backend's kernel so (it then loads the chunks from
+    descriptors made on the host); the outputs and gradients are those of the 16-row layout,
+    bit for bit, eagerly and compiled."""
+    pytest.importorskip("quant_kernels")
+    emulated.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
+    backend = backends.get("triton")
+    tokens_gemm, multiples = backend.fp8_grouped_tokens_gemm, []
+
+    def recording(a, sa, b, sb, ends, group_multiple=16, **kw):
+        multiples.append((group_multiple, int(ends[-1]) % group_multiple))
+        return tokens_gemm(a, sa, b, sb, ends, group_multiple=group_multiple, **kw)
+
+    emulated.setattr(backend, "fp8_grouped_tokens_gemm", recording)
+    counter = _compiled_counter() if compiled else None
+    recipe = qr.Float8CurrentScaling()
+    results = []
+    for multiple in (16, 128):
+        emulated.setattr(grouped_fp8_gemm, "TOKENS_GROUP_MULTIPLE", multiple)
+        m, step, compiled_step, x, gy = _layer_steps(recipe, counter or "eager")
+        x.requires_grad_()
+        with backends.using("triton"):
+            y = (compiled_step if compiled else step)(x, torch.tensor(COUNTS))
+            y.backward(gy)
+        results.append((y.detach(), x.grad, m.weight.grad))
+        torch._dynamo.reset()
+    assert multiples == [(16, 0), (128, 0)]  # the layout's groups end on the multiple
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("save_input_copy", [True, False])

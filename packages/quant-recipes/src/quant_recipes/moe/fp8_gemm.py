@@ -36,6 +36,7 @@ per-group quantize call would make (they do not depend on the layout).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from quant_core import backends
@@ -107,6 +108,14 @@ ROUTE = "auto"
 #: the former and torch's grouped kernel for the latter. 0: always the grouped kernels.
 OWN_KERNEL_MIN_EXPERTS = 64
 
+#: The row multiple of the quantize-once path's padded layout where the weight gradient runs on
+#: the backend's grouped kernel (at least the recipe's token alignment; 16 by default, the
+#: kernels' 16-byte loads). At a multiple of the kernel's contraction chunk (128) every group of
+#: the transposed copies starts and ends on a whole chunk, so the kernel loads its tiles from
+#: descriptors made once on the host rather than once per program, for more zero padding in
+#: the transposed copies (up to 127 rows a group). The bytes of every GEMM are the same.
+TOKENS_GROUP_MULTIPLE = 16
+
 #: Layers of fewer than :data:`OWN_KERNEL_MIN_EXPERTS` experts run the pairs torch's grouped
 #: kernel does not take on cuBLAS per group (``"scaled_mm_per_group"``). That is faster with a
 #: few large experts, but backward then reads the group bounds on the host: the step waits for
@@ -141,6 +150,15 @@ def takes(quantizers, device: torch.device, out_dtype: torch.dtype, align: int,
     return (device.type in SCALED_GROUPED_MM_DEVICES and out_dtype == torch.bfloat16
             and all(fp8.takes(q) for q in quantizers)
             and all(w % 16 == 0 for w in (align, *widths)) and _per_group_runs(device))
+
+
+def layout_alignment(align: int, qg, qx, device: torch.device, experts: int) -> int:
+    """The row multiple of the padded layout for a layer of token alignment ``align`` on this
+    path: ``align``, or where the weight gradient (``qg`` x ``qx`` operands) runs on the
+    backend's grouped kernel, the least multiple of it and :data:`TOKENS_GROUP_MULTIPLE`."""
+    if _route(qg, qx, device, experts) != "fp8_grouped_gemm":
+        return align
+    return math.lcm(align, TOKENS_GROUP_MULTIPLE)
 
 
 def describe(device: torch.device | str) -> str:
@@ -218,11 +236,12 @@ def rows_gemm(a, sa, b, sb, lay, qa, qb, padded: bool, groups=None, fp32: bool =
     return out
 
 
-def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None, fast_accum: bool = False
-                ) -> torch.Tensor:
+def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None, fast_accum: bool = False,
+                group_multiple: int = 16) -> torch.Tensor:
     """``[E, m, n]``: per group ``a_gᵀ b_g`` of the transposed padded copies ``at [m, rows]`` and
     ``bt [n, rows]``, the contraction over the group's padded tokens (an empty group's are
-    zeros, so is its product); ``fast_accum`` as :func:`rows_gemm`'s."""
+    zeros, so is its product); ``fast_accum`` as :func:`rows_gemm`'s; ``group_multiple``: the
+    row multiple of the layout ``lay`` (:func:`layout_alignment`)."""
     m, n = at.shape[0], bt.shape[0]
     route = _route(qa, qb, at.device, lay.groups)
     count_path(route)
@@ -232,7 +251,7 @@ def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None, fast_accum: bool = Fal
     if route == "fp8_grouped_gemm":
         return backends.get(None, at.device).fp8_grouped_tokens_gemm(
             at, sa[:, 0], bt, sb[:, 0], lay.ends, a_dtype=qa.dtype, b_dtype=qb.dtype,
-            fast_accum=fast_accum)
+            fast_accum=fast_accum, group_multiple=group_multiple)
     out = at.new_empty((lay.groups, m, n), dtype=torch.bfloat16)
     av, bv = _fp8(at, qa), _fp8(bt, qb)
     for g, (_, _, ps, pe) in enumerate(groups or _host_groups(lay)):
@@ -280,10 +299,11 @@ def weight_transposed(w, qw, sw=None):
 
 
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-             fast_dgrad: bool = False, fast_wgrad: bool = False):
+             fast_dgrad: bool = False, fast_wgrad: bool = False, group_multiple: int = 16):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
-    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``."""
+    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``;
+    ``group_multiple`` as :func:`tokens_gemm`'s."""
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
@@ -291,5 +311,6 @@ def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
     dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups,
                    fast_accum=fast_dgrad) if dgrad else None
-    dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad) if wgrad else None
+    dw = (tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad, group_multiple)
+          if wgrad else None)
     return dx, dw

@@ -118,7 +118,8 @@ class _GroupedFP8Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, rows, copies = args[Layout.FIELDS:]
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, align, rows, copies = \
+            args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
@@ -126,7 +127,7 @@ class _GroupedFP8Fn(torch.autograd.Function):
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
                               rows, copies, *lay.tensors())
-        ctx.q, ctx.traced, ctx.fast_accum = (qg, qx, qw), traced, fast
+        ctx.q, ctx.traced, ctx.fast_accum, ctx.align = (qg, qx, qw), traced, fast, align
         ctx.bias_dtype = None if b is None else b.dtype
         return y
 
@@ -146,11 +147,11 @@ class _GroupedFP8Fn(torch.autograd.Function):
         # is made (a SwiGLU's backward), the row reduction turns Inductor's pointwise kernel
         # into a looped reduction that costs more than the pass it saves
         dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
-                           ctx.traced, *ctx.fast_accum[1:])
+                           ctx.traced, *ctx.fast_accum[1:], ctx.align)
         if dx is not None and copies is not None:
             dx = token_gradients(dx, copies)
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 9)
+        return _grads(ctx, dx, dw, db, 10)
 
 
 def _row_amaxes(t: torch.Tensor, traced: bool, rows: torch.Tensor | None = None
@@ -320,13 +321,16 @@ class GroupedProjection(QuantizedModule):
         # keeps one, the per-group paths quantize both operands again
         qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
         align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        lay = _layout(offs, total, align, layouts)
         if (plan.columnwise and w.dtype == x.dtype and fp8_gemm.takes(
                 (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
                 self.out_features)):
+            align = fp8_gemm.layout_alignment(align, qset.bwd[0], qx, x.device,
+                                              self.num_experts)
+            lay = _layout(offs, total, align, layouts)
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
-                                       plan.fast_accum, *_route_args(routes))
+                                       plan.fast_accum, align, *_route_args(routes))
+        lay = _layout(offs, total, align, layouts)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
         return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
                                 traced, plan.fast_accum, *_route_args(routes))

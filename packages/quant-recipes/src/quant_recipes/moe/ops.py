@@ -142,14 +142,15 @@ def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row
             sx, wt if keep_w_t else _empty_for_none(None, x), sw)
 
 
-def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False):
+def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False,
+               group_multiple=16):
     dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
-                               wgrad, fast_dgrad, fast_wgrad)
+                               wgrad, fast_dgrad, fast_wgrad, group_multiple)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
 def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
-                    fast_wgrad=False):
+                    fast_wgrad=False, group_multiple=16):
     total, n = gy.shape
     return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
             gy.new_empty((lay[5].shape[0], n, xt.shape[0]) if wgrad else (0,)))
@@ -160,8 +161,8 @@ _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, boo
     "(Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fp8_fprop, _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
-    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False) -> "
-    "(Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
+    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False, "
+    "int group_multiple=16) -> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
 def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False,
@@ -200,16 +201,17 @@ def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, trac
 
 
 def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-              traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False):
+              traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
+              group_multiple: int = 16):
     """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
         return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
-                                 fast_wgrad)
+                                 fast_wgrad, group_multiple)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
     return torch.ops.quant_recipes.grouped_fp8_bprop(
         gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
-        specs, dgrad, wgrad, fast_dgrad, fast_wgrad)
+        specs, dgrad, wgrad, fast_dgrad, fast_wgrad, group_multiple)
 
 
 def fp8_rows_t(x, lay: Layout, qx, traced: bool, sx=None, x_rows=None):
