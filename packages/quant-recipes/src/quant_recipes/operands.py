@@ -209,10 +209,11 @@ def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, neede
     if override is not None:
         return bufs, ()
     dropped = unread_by_transposed_use(bufs, meta)
-    kept = []
-    for i, t in enumerate(bufs):  # a loop: Dynamo traces a comprehension as a nested function
-        if i not in dropped:
-            kept.append(t)
+    # deleted from the end (the positions ascend): the cheapest form for Dynamo to trace (a
+    # comprehension is a nested function, enumerate a generator)
+    kept = list(bufs)
+    for i in dropped[::-1]:
+        del kept[i]
     return kept, dropped
 
 
