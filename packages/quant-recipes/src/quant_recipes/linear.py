@@ -34,7 +34,7 @@ from quant_core.storage import QuantizedStorage, storage_class
 from quant_core.tensor import tags_of
 
 from .autocast import current_region
-from .compiling import DERIVES_IN_GRAPH, compiling, dynamo
+from .compiling import DERIVES_IN_GRAPH, compiling, dynamo, trace_time_constant
 from .delayed import update_registered
 from .fsdp_layout import base
 from .gemm import HP_META, quantizer_meta
@@ -50,6 +50,7 @@ from .operands import (
     tuple_new,
     wgrad,
 )
+from .recipe import LINEAR_SLOTS
 from .role import QuantizerRole
 from .states import RecipeState
 
@@ -58,6 +59,13 @@ def _rowwise(w: QuantizedStorage, q: Quantizer) -> torch.Tensor | None:
     """The rowwise data of ``w``, a storage of ``q``'s format (read from the quantizer: under
     compile ``w`` is a traced tensor)."""
     return getattr(w, storage_class(q.storage_format).rowwise_data_name)
+
+
+@trace_time_constant
+def described(q: Quantizer) -> str:
+    """``repr(q)``, found at trace time where compiled code holds ``q`` as a constant (Dynamo
+    cannot trace the repr of one kept on a recipe)."""
+    return repr(q)
 
 
 def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None:
@@ -78,8 +86,8 @@ def check_weight_quantizer(w: QuantizedStorage, q: Quantizer, name: str) -> None
     if not same:
         raise ValueError(
             f"Linear {name!r}: the weight is quantized by {wq!r} but autocast's recipe quantizes "
-            f"this layer's weight with {q!r}; run the layer under the recipe its weight was "
-            "quantized for (quantized_model_init / enable_fsdp_quantized_all_gather)"
+            f"this layer's weight with {described(q)}; run the layer under the recipe its "
+            "weight was quantized for (quantized_model_init / enable_fsdp_quantized_all_gather)"
         )
     if _rowwise(w, q) is None:
         raise ValueError(f"Linear {name!r}: the quantized weight holds no rowwise data for the "
@@ -98,6 +106,16 @@ _COPIES = {
     "weight": "the weight's columnwise copy for the input-gradient GEMM",
     "grad_output": "grad_output's columnwise copy for the weight-gradient GEMM",
 }
+
+
+@trace_time_constant
+def step_blocks(inputs: tuple, weights: tuple, grad) -> tuple[int, int]:
+    """``(in_block, out_block)``: the least common multiple of the blocks
+    (``Quantizer.shape_rule``) of a step's quantizers of operands along ``in_features``
+    (``inputs``, ``weights``; None entries skipped) and along ``out_features`` (``grad``, or
+    None): a width is a multiple of every block where it is one of this."""
+    ins = [q.shape_rule()[1] for q in (*inputs, *weights) if q is not None]
+    return math.lcm(1, *ins), 1 if grad is None else grad.shape_rule()[1]
 
 
 def check_step_shapes(name: str, in_features: int, out_features: int, recipe,
@@ -283,6 +301,13 @@ class Linear(QuantizedModule, torch.nn.Linear):
             self._grad_input_quantizer_role,
         )
 
+    def _kept_slots(self, recipe, num_gemms: int):
+        """The dense Linear's slots a built-in recipe keeps (``keep_linear_slots``), where this
+        class's roles are Linear's own."""
+        if num_gemms != 1 or type(self).get_quantizer_roles is not Linear.get_quantizer_roles:
+            return None
+        return getattr(recipe, LINEAR_SLOTS, None)
+
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
         roles = self._fwd_roles if fwd else self._bwd_roles
         if num_quantizers != len(roles):
@@ -337,6 +362,13 @@ class Linear(QuantizedModule, torch.nn.Linear):
         """:func:`check_step_shapes` for every quantize of this step: the input's, the weight's
         (``w``; None for a quantized weight, checked when it was quantized) and, when a backward
         follows, the output gradient's."""
+        grad = backward and plan.override is None
+        if compiling():  # the widths against the blocks, found at trace time; the message below
+            bi, bo = step_blocks((plan.input, plan.input_bwd),
+                                 (plan.weight, plan.weight_bwd) if w is not None else (),
+                                 plan.grad if grad else None)
+            if not (self.in_features % bi or self.out_features % bo):
+                return
         # plain appends: Dynamo traces a list comprehension as a nested function
         checked = [("input", plan.input, x2)]
         if plan.input_bwd is not None:
@@ -345,7 +377,7 @@ class Linear(QuantizedModule, torch.nn.Linear):
             checked.append(("weight", plan.weight, w))
             if plan.weight_bwd is not None:
                 checked.append(("weight", plan.weight_bwd, w))
-        if backward and plan.override is None:
+        if grad:
             checked.append(("grad_output", plan.grad, x2))
         check_step_shapes(self.name, self.in_features, self.out_features, recipe, checked)
 

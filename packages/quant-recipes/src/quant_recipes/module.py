@@ -30,6 +30,7 @@ from .compiling import (
     raise_error,
     trace_time_constant,
 )
+from .recipe import BUILT_HOOKS, LINEAR_SLOTS
 from .recipe_names import as_recipe
 from .recipes import Recipe
 from .role import QuantizerRole
@@ -133,6 +134,37 @@ def derive(q: Quantizer, **fields: Any) -> Quantizer:
     if is_value(q):
         return q.replace(**fields)
     return q.derive(**fields)
+
+
+#: The roles of the slots a dense Linear reads: forward input and weight, backward output
+#: gradient (no built-in recipe's quantizer depends on a role's name or on the unread slots).
+_LINEAR_FWD_ROLES = (QuantizerRole("linear", "input"), QuantizerRole("linear", "weight"), None)
+_LINEAR_BWD_ROLES = (QuantizerRole("linear", "grad_output"), None)
+
+
+def keep_linear_slots(recipe: Recipe) -> None:
+    """Keep on a built-in ``recipe`` object the interned quantizers a dense Linear reads (a
+    :class:`QuantizerSet` of its input, weight and output-gradient slots), made once per recipe
+    object when it is built (``recipe.BUILT_HOOKS``), so that compiled code reads them instead
+    of tracing the recipe states that make them: equal recipes give the same interned objects,
+    so their graphs are shared. Not for a CustomRecipe (its factory may answer per role) or
+    delayed scaling (live state); a recipe whose slots cannot be made is left to raise where a
+    layer asks for them."""
+    if LINEAR_SLOTS in recipe.__dict__ or recipe.custom() or recipe.delayed():
+        return
+    try:
+        fwd = RecipeState.create(recipe, mode="forward", num_quantizers=3,
+                                 roles=_LINEAR_FWD_ROLES)
+        bwd = RecipeState.create(recipe, mode="backward", num_quantizers=2,
+                                 roles=_LINEAR_BWD_ROLES)
+        qset = QuantizerSet(("value", recipe), recipe, None, None,
+                            (intern(fwd._make(0)), intern(fwd._make(1))), (intern(bwd._make(0)),))
+    except (TypeError, ValueError):
+        return
+    object.__setattr__(recipe, LINEAR_SLOTS, qset)
+
+
+BUILT_HOOKS.append(keep_linear_slots)
 
 
 class LazySlots:
@@ -285,6 +317,9 @@ class QuantizedModule(torch.nn.Module):
                     "DelayedScaling is not supported under torch.compile (live amax/scale state); "
                     "use a stateless recipe such as Float8CurrentScaling",
                 )
+            qset = self._kept_slots(recipe, num_gemms)
+            if qset is not None:
+                return qset
             return self._build(None, recipe, fwd_roles, bwd_roles, num_gemms, device, None)
         key = (recipe_key(recipe), fwd_roles, bwd_roles, num_gemms,
                device if recipe.delayed() or recipe.custom() else None)
@@ -297,6 +332,11 @@ class QuantizedModule(torch.nn.Module):
         self._qset = qset
         self.quantizer_builds += 1
         return qset
+
+    def _kept_slots(self, recipe: Recipe, num_gemms: int) -> QuantizerSet | None:
+        """While tracing: the quantizer set ``recipe`` keeps for this module's roles
+        (:func:`keep_linear_slots`), or None to build one; the base module keeps none."""
+        return None
 
     def _build(self, key, recipe, fwd_roles, bwd_roles, num_gemms, device, old) -> QuantizerSet:
         states = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import os
 import types
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from quant_core import DType
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -124,6 +126,35 @@ def _fast_accumulation_of(recipe: Recipe) -> tuple[bool, bool, bool]:
         params = getattr(recipe, name, None)
         out.append(not (split if params is None else params.use_split_accumulator))
     return out[0], out[1], out[2]
+
+
+#: Called with every recipe once it is complete (constructed and validated, unpickled or
+#: copied), outside compiled code: ``quant_recipes.module`` keeps there the quantizers that
+#: compiled Linear layers read (``keep_linear_slots``).
+BUILT_HOOKS: list[Callable[[Recipe], None]] = []
+#: The attribute where a recipe keeps those quantizers (interned in this process: not pickled).
+LINEAR_SLOTS = "_linear_slots"
+
+
+def built(recipe: Recipe) -> None:
+    """Run :data:`BUILT_HOOKS` on ``recipe``, unless Dynamo is tracing (a recipe made in traced
+    code is a new object of that trace)."""
+    if not torch.compiler.is_compiling():
+        for hook in BUILT_HOOKS:
+            hook(recipe)
+
+
+def _then_built(post_init: Callable) -> Callable:
+    """``post_init`` (a recipe class's ``__post_init__``), then :func:`built` where it is the
+    outermost one: a subclass's ``__post_init__`` that calls its parent's validates more after
+    it."""
+    @functools.wraps(post_init)
+    def __post_init__(self) -> None:
+        post_init(self)
+        if type(self).__post_init__ is __post_init__:
+            built(self)
+
+    return __post_init__
 
 
 @dataclass(frozen=True)
@@ -295,6 +326,21 @@ class Recipe:
             _convertible_fields(cls)
         except NameError:  # a forward reference: resolved at the first construction
             pass
+        post = cls.__dict__.get("__post_init__")
+        if post is not None:
+            cls.__post_init__ = _then_built(post)
+
+    def __getstate__(self) -> dict:
+        """The fields and the derived data, less what :data:`BUILT_HOOKS` keep on the object
+        (:data:`LINEAR_SLOTS`: quantizers interned in this process), which an unpickled or
+        copied recipe makes again (:meth:`__setstate__`)."""
+        state = dict(self.__dict__)
+        state.pop(LINEAR_SLOTS, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)  # a frozen dataclass: not through __setattr__
+        built(self)
 
     # The kind predicates (TransformerEngine's API): each recipe class answers its own.
     def delayed(self) -> bool:
