@@ -308,8 +308,6 @@ class QuantizedModule(torch.nn.Module):
                    device: torch.device | None = None) -> QuantizerSet:
         """The forward and backward quantizers for ``frame``'s recipe."""
         recipe = frame.recipe
-        fwd_roles = self.get_quantizer_roles(fwd=True, num_quantizers=3 * num_gemms)
-        bwd_roles = self.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
         if compiling():
             if recipe.delayed():
                 raise_error(
@@ -320,6 +318,9 @@ class QuantizedModule(torch.nn.Module):
             qset = self._kept_slots(recipe, num_gemms)
             if qset is not None:
                 return qset
+        fwd_roles = self.get_quantizer_roles(fwd=True, num_quantizers=3 * num_gemms)
+        bwd_roles = self.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
+        if compiling():
             return self._build(None, recipe, fwd_roles, bwd_roles, num_gemms, device, None)
         key = (recipe_key(recipe), fwd_roles, bwd_roles, num_gemms,
                device if recipe.delayed() or recipe.custom() else None)
