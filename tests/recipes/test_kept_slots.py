@@ -14,6 +14,7 @@ import quant_recipes as qr
 import torch
 from quant_recipes import module as qmodule
 from quant_recipes.autocast import Frame
+from quant_recipes.moe.linear import GroupedProjection
 from quant_recipes.recipe import LINEAR_SLOTS
 from quant_recipes.role import QuantizerRole
 from quant_recipes.states import RecipeState
@@ -33,6 +34,17 @@ def test_kept_slots_are_the_slots_a_named_linear_builds(name):
     m.output_quantizer_role = QuantizerRole("linear", "output", "fc1")
     m.grad_input_quantizer_role = QuantizerRole("linear", "grad_input", "fc1")
     built = m.quantizers(Frame(True, recipe, False, None))
+    assert (*kept.fwd, *kept.bwd) == (built.fwd[0], built.fwd[1], built.bwd[0])
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_kept_slots_are_the_slots_a_grouped_layer_builds(name):
+    """Grouped layers read the same kept quantizers: no built-in recipe tells a grouped layer's
+    roles from a dense Linear's."""
+    recipe = RECIPES[name]
+    kept = getattr(recipe, LINEAR_SLOTS)
+    built = GroupedProjection(4, 32, 16, name="experts").quantizers(
+        Frame(True, recipe, False, None))
     assert (*kept.fwd, *kept.bwd) == (built.fwd[0], built.fwd[1], built.bwd[0])
 
 

@@ -38,7 +38,14 @@ from .compiling import DERIVES_IN_GRAPH, compiling, dynamo, trace_time_constant
 from .delayed import update_registered
 from .fsdp_layout import base
 from .gemm import HP_META, quantizer_meta
-from .module import QuantizedModule, check_operands, intern, is_value, module_frame
+from .module import (
+    QuantizedModule,
+    check_operands,
+    intern,
+    is_value,
+    kept_linear_slots,
+    module_frame,
+)
 from .operands import (
     Operand,
     dgrad,
@@ -50,7 +57,6 @@ from .operands import (
     tuple_new,
     wgrad,
 )
-from .recipe import LINEAR_SLOTS
 from .role import QuantizerRole
 from .states import RecipeState
 
@@ -302,11 +308,7 @@ class Linear(QuantizedModule, torch.nn.Linear):
         )
 
     def _kept_slots(self, recipe, num_gemms: int):
-        """The dense Linear's slots a built-in recipe keeps (``keep_linear_slots``), where this
-        class's roles are Linear's own."""
-        if num_gemms != 1 or type(self).get_quantizer_roles is not Linear.get_quantizer_roles:
-            return None
-        return getattr(recipe, LINEAR_SLOTS, None)
+        return kept_linear_slots(self, Linear, recipe, num_gemms)
 
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
         roles = self._fwd_roles if fwd else self._bwd_roles

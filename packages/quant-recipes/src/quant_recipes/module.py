@@ -167,6 +167,16 @@ def keep_linear_slots(recipe: Recipe) -> None:
 BUILT_HOOKS.append(keep_linear_slots)
 
 
+def kept_linear_slots(module: QuantizedModule, roles_of: type, recipe: Recipe,
+                      num_gemms: int) -> QuantizerSet | None:
+    """The quantizers ``recipe`` keeps (:func:`keep_linear_slots`) for ``module``, a layer of
+    one GEMM whose input, weight and output-gradient roles are class ``roles_of``'s own (a
+    subclass that answers other roles builds its own); None otherwise."""
+    if num_gemms != 1 or type(module).get_quantizer_roles is not roles_of.get_quantizer_roles:
+        return None
+    return getattr(recipe, LINEAR_SLOTS, None)
+
+
 class LazySlots:
     """A recipe state's quantizers, each made when first read (``slots[i]``, ``slots[a:b]``).
     While tracing, a layer reads three of a state's five slots, and every quantizer made is

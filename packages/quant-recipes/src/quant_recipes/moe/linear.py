@@ -34,7 +34,7 @@ from quant_core.storage import QuantizedStorage
 
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
-from ..module import QuantizedModule, intern, module_frame
+from ..module import QuantizedModule, intern, kept_linear_slots, module_frame
 from ..operands import plan_operands, requantizable, requantizing_backward
 from ..role import QuantizerRole
 from . import fp8_gemm
@@ -222,6 +222,11 @@ class GroupedProjection(QuantizedModule):
                            self._output_quantizer_role)
         self._bwd_roles = (QuantizerRole("grouped_linear", "grad_output", name),
                            self._grad_input_quantizer_role)
+
+    def _kept_slots(self, recipe, num_gemms: int):
+        # a grouped layer's slots are a dense Linear's: no built-in recipe tells the two
+        # module types apart (MXFP8's 2D weights take both)
+        return kept_linear_slots(self, GroupedProjection, recipe, num_gemms)
 
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int):
         roles = self._fwd_roles if fwd else self._bwd_roles
