@@ -48,6 +48,21 @@ def test_kept_slots_are_the_slots_a_grouped_layer_builds(name):
     assert (*kept.fwd, *kept.bwd) == (built.fwd[0], built.fwd[1], built.bwd[0])
 
 
+def test_a_subclass_with_its_own_roles_builds_its_own():
+    """A Linear subclass that precomputes other roles is not handed the kept set."""
+    class Weightless(qr.Linear):
+        def _roles_changed(self) -> None:
+            super()._roles_changed()
+            self._fwd_roles = (QuantizerRole("linear", "input"),) * 3
+
+    recipe = qr.recipe("fp8_block")
+    assert qmodule.kept_linear_slots(Weightless(32, 16), qr.Linear, recipe, 1) is None
+    assert qmodule.kept_linear_slots(qr.Linear(32, 16), qr.Linear, recipe, 1) is getattr(
+        recipe, LINEAR_SLOTS)
+    built = Weightless(32, 16).quantizers(Frame(True, recipe, False, None))
+    assert built.fwd[1] != getattr(recipe, LINEAR_SLOTS).fwd[1]  # an input's 1x128 blocks
+
+
 def test_custom_and_delayed_recipes_keep_none():
     custom = qr.CustomRecipe(qfactory=lambda role: None)
     for recipe in (custom, qr.recipe("delayed")):

@@ -171,8 +171,10 @@ def kept_linear_slots(module: QuantizedModule, roles_of: type, recipe: Recipe,
                       num_gemms: int) -> QuantizerSet | None:
     """The quantizers ``recipe`` keeps (:func:`keep_linear_slots`) for ``module``, a layer of
     one GEMM whose input, weight and output-gradient roles are class ``roles_of``'s own (a
-    subclass that answers other roles builds its own); None otherwise."""
-    if num_gemms != 1 or type(module).get_quantizer_roles is not roles_of.get_quantizer_roles:
+    subclass that answers or precomputes other roles builds its own); None otherwise."""
+    cls = type(module)
+    if (num_gemms != 1 or cls.get_quantizer_roles is not roles_of.get_quantizer_roles
+            or cls._roles_changed is not roles_of._roles_changed):
         return None
     return getattr(recipe, LINEAR_SLOTS, None)
 
