@@ -726,6 +726,9 @@ def commands(sub) -> dict:
     t.add_argument("--repeat", type=int, default=1, help="runs per config")
     t.add_argument("--regional", action="store_true",
                    help="compile each decoder layer (layer.compile()) instead of the whole model")
+    t.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE model at the tiny-moe widths (grouped experts) instead of "
+                   "the Llama")
     t.add_argument("--no-count", action="store_true",
                    help="do not count traced instructions (their counting costs time)")
     t.add_argument("--top-functions", type=int, default=0, metavar="N",

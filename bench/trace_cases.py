@@ -62,18 +62,26 @@ def _model(layers: int):
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def run(config: str, layers: int, count: bool, regional: bool = False, top: int = 0) -> dict:
+def run(config: str, layers: int, count: bool, regional: bool = False, top: int = 0,
+        moe: bool = False) -> dict:
     """One config's row: the model converted under ``config`` (a recipe name, or bf16),
     compiled with aot_eager (whole, or each decoder layer when ``regional``: the layers share
     one traced graph), one training step traced and run, then a second step. ``top``: how many
-    of quant's functions to list, by instructions traced in them (their own, not callees')."""
+    of quant's functions to list, by instructions traced in them (their own, not callees').
+    ``moe``: a Qwen3-MoE model at ``steps.MOE_SIZES["tiny-moe"]`` widths instead of the Llama
+    (on the CPU its grouped layers run their per-group path)."""
     import quant_recipes as qr
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     torch._dynamo.reset()
     counters.clear()
     compilation_time_metrics.clear()
-    model = _model(layers)
+    if moe:
+        from steps import MOE_SIZES, moe_model
+
+        model, vocab = moe_model("tiny-moe", torch.device("cpu"), layers), MOE_SIZES["tiny-moe"][7]
+    else:
+        model, vocab = _model(layers), 1024
     recipe = None if config == "bf16" else qr.recipe(config)
     if recipe is not None:
         qr.convert(model, recipe=recipe)
@@ -82,7 +90,7 @@ def run(config: str, layers: int, count: bool, regional: bool = False, top: int 
             layer.compile(backend="aot_eager")
     else:
         model.compile(backend="aot_eager")
-    ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(1))
 
     def step():
         if recipe is None:
@@ -142,7 +150,7 @@ def main(args) -> None:
         for _ in range(args.repeat):
             try:
                 row = run(config, args.layers, not args.no_count, args.regional,
-                          args.top_functions)
+                          args.top_functions, args.moe)
             except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
                 row = {"config": config, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
