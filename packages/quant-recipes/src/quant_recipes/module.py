@@ -150,14 +150,14 @@ def keep_linear_slots(recipe: Recipe) -> None:
     so their graphs are shared. Not for a CustomRecipe (its factory may answer per role) or
     delayed scaling (live state); a recipe whose slots cannot be made is left to raise where a
     layer asks for them."""
-    if LINEAR_SLOTS in recipe.__dict__ or recipe.custom() or recipe.delayed():
+    if recipe.custom() or recipe.delayed():
         return
     try:
         fwd = RecipeState.create(recipe, mode="forward", num_quantizers=3,
                                  roles=_LINEAR_FWD_ROLES)
         bwd = RecipeState.create(recipe, mode="backward", num_quantizers=2,
                                  roles=_LINEAR_BWD_ROLES)
-        qset = QuantizerSet(("value", recipe), recipe, None, None,
+        qset = QuantizerSet(recipe_key(recipe), recipe, None, None,
                             (intern(fwd._make(0)), intern(fwd._make(1))), (intern(bwd._make(0)),))
     except (TypeError, ValueError):
         return
