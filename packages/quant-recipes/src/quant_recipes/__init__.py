@@ -46,6 +46,7 @@ from .recipes import (
 from .reuse import shared_activations
 from .role import QuantizerRole
 from .states import RecipeState
+from .step_weights import StepWeights, quantize_weights_per_step
 from .tensor_parallel import (
     PrepareQuantModuleInput,
     QuantColwiseParallel,
@@ -71,7 +72,7 @@ __all__ = [
     "all_gather_bytes",
     "reset_all_gather_bytes", "quantized_model_init", "MasterWeights", "requantize_",
     "get_high_precision_init_val", "clear_high_precision_init_val", "cached_weights",
-    "invalidate_cached_weights", "shared_activations",
+    "invalidate_cached_weights", "quantize_weights_per_step", "StepWeights", "shared_activations",
     "recipe", "RECIPE_NAMES", "QuantColwiseParallel", "QuantRowwiseParallel",
     "PrepareQuantModuleInput", "tensor_parallel_gather_bytes",
     "reset_tensor_parallel_gather_bytes", "compressed_tensors_state_dict",

@@ -59,6 +59,7 @@ from .operands import (
 )
 from .role import QuantizerRole
 from .states import RecipeState
+from .step_weights import KeptWeight, drop, kept_buffers
 
 
 def _rowwise(w: QuantizedStorage, q: Quantizer) -> torch.Tensor | None:
@@ -187,14 +188,18 @@ class _QLinearFn(torch.autograd.Function):
     arguments (:func:`~quant_recipes.operands.plan_operands`)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, plan, group, region):
+    def forward(ctx, x, w, b, plan, group, region, kept_w):
         m, k = x.shape
         n = w.shape[0]
         # Operand(...) spelled tuple_new(Operand, (...)): the same tuple, cheaper to trace
         xop = tuple_new(Operand, (quantize_buffers(x, plan.input, group),
                                   quantizer_meta(plan.input), (m, k)))
-        wb = (w.buffer_list(x) if isinstance(w, QuantizedStorage)
-              else quantize_buffers(w, plan.weight, group))
+        if kept_w is not None:  # the weight's buffers under plan.weight, made after the step
+            wb = list(kept_w)
+        elif isinstance(w, QuantizedStorage):
+            wb = w.buffer_list(x)
+        else:
+            wb = quantize_buffers(w, plan.weight, group)
         wop = tuple_new(Operand, (wb, quantizer_meta(plan.weight), (n, k)))
         y = fprop(xop, wop, b, x.dtype, fast_accum=plan.fast_accum[0])
         save_operands(ctx, x, xop, w, wop, plan)
@@ -222,7 +227,7 @@ class _QLinearFn(torch.autograd.Function):
             db = gy.to(torch.float32).sum(0).to(w_dtype)
         if ctx.region is not None:
             update_registered(ctx.region.backward)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Linear(QuantizedModule, torch.nn.Linear):
@@ -243,6 +248,8 @@ class Linear(QuantizedModule, torch.nn.Linear):
     #: Defaults for modules pickled before the two flags existed (the instance's own win).
     save_weight_copy = True
     save_input_copy = True
+    #: The weight quantized after the last optimizer step (:mod:`quant_recipes.step_weights`).
+    _step_weight: KeptWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
@@ -342,10 +349,13 @@ class Linear(QuantizedModule, torch.nn.Linear):
             check_weight_quantizer(w, qset.fwd[1], self.name)
         grad = torch.is_grad_enabled()
         group = frame.amax_reduction_group
+        kept = self._step_weight
         plan = plan_operands(qset, frame.recipe.backward_override,
                              wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
-                             keep_weight=self.save_weight_copy, keep_input=self.save_input_copy,
-                             group=group, weight_quantized=quantized_w)
+                             keep_weight=self.save_weight_copy or kept is not None,
+                             keep_input=self.save_input_copy, group=group,
+                             weight_quantized=quantized_w)
+        kept_w = None if kept is None else kept_buffers(kept, w, plan.weight)
         # a 2-D input goes in and comes out as it is: a reshaped output would be a view, which a
         # compiled function regenerates on every call (aten._unsafe_view, host time)
         flat = x.dim() == 2
@@ -356,8 +366,12 @@ class Linear(QuantizedModule, torch.nn.Linear):
                                  or (b is not None and b.requires_grad))
             self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
         region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
-        y = _QLinearFn.apply(x2, w, b, plan, group, region)
+        y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w)
         return y if flat else y.reshape(*lead, self.out_features)
+
+    def _apply(self, fn, recurse: bool = True):
+        drop(self)  # a conversion (.to, .half) changes the weight the kept copies were made of
+        return super()._apply(fn, recurse)
 
     def _check_step(self, recipe, plan, x2: torch.Tensor, w: torch.Tensor | None,
                     backward: bool) -> None:

@@ -30,9 +30,10 @@ report the result, which costs more than the quantization the cache saves.
 Leaving the context frees every cached copy. Until then they are held, one per weight and
 quantizer (a copy made before a step until the weight is next quantized): the FP8 formats'
 rowwise and columnwise copies are 2 bytes per parameter. The cache is per thread, and only eager
-code reads it. A compiled graph quantizes its weights in every call: Dynamo cannot guard on a
-tensor's version. Inference tensors (weights made under ``torch.inference_mode``) have no
-version and are not cached.
+code reads it: Dynamo cannot guard on a tensor's version, so a compiled graph quantizes its
+weights in every call (:func:`~quant_recipes.quantize_weights_per_step` keeps them from one
+optimizer step to the next for compiled code too). Inference tensors (weights made under
+``torch.inference_mode``) have no version and are not cached.
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ _open = 0  # how many threads are inside cached_weights()
 
 
 def invalidate_cached_weights() -> None:
-    """Quantize every weight again at its next use, in every thread's :func:`cached_weights`:
-    call it after changing a weight in a way the cache does not see (a write that bypasses the
-    version counter outside an optimizer step, see the module docstring)."""
+    """Quantize every weight again at its next use, in every thread's :func:`cached_weights`,
+    and refresh the weights :func:`~quant_recipes.quantize_weights_per_step` keeps: call it after
+    changing a weight in a way the caches do not see (a write that bypasses the version counter
+    outside an optimizer step, see the module docstring; for compiled code, any write outside an
+    optimizer step)."""
     global _step
     _step = next(_steps)
+    from .step_weights import refresh_all
+
+    refresh_all()
 
 
 def _stepped(_optimizer, _args, _kwargs) -> None:
