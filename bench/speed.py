@@ -210,24 +210,27 @@ def cmd_step(args, p) -> None:
 
 
 def run_model(config: str, size: str, n_steps: int, device: torch.device,
-              layers: int | None = None) -> dict:
+              layers: int | None = None, micro: int = 1) -> dict:
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
-    (``layers``: decoder layers instead of the size's)."""
+    (``layers``: decoder layers instead of the size's; ``micro``: the batch's forward and
+    backward run that many times per optimizer step, as gradient accumulation does)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
         model, forward, opt = steps.compiled_training(config, size, device, layers)
-        row: dict = {"config": config, "size": size, "layers": len(model.model.layers)}
+        row: dict = {"config": config, "size": size, "layers": len(model.model.layers),
+                     "micro": micro}
         losses: list[float] = []
         held: list[int] = []
 
         def step(ids, record=True):
-            before = torch.cuda.memory_allocated(device) if cuda else 0
-            loss = forward(ids)
-            if cuda:
-                held.append(torch.cuda.memory_allocated(device) - before)
-            loss.backward()
+            for _ in range(micro):
+                before = torch.cuda.memory_allocated(device) if cuda else 0
+                loss = forward(ids)
+                if cuda:
+                    held.append(torch.cuda.memory_allocated(device) - before)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if record:
@@ -253,7 +256,7 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
             times.append((time.perf_counter() - t) * 1e3)
         row["ms"] = statistics.median(times)
         seq, batch = steps.seq_batch(size)
-        row["tok_s"] = batch * seq / row["ms"] * 1e3
+        row["tok_s"] = micro * batch * seq / row["ms"] * 1e3
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             row["act_gib"] = statistics.median(held) / 2**30
@@ -339,6 +342,8 @@ def model_table(rows: list[dict]) -> str:
 
 
 def cmd_model(args, p) -> None:
+    if args.micro < 1:
+        p.error(f"--micro must be at least 1, got {args.micro}")
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     import quant_dynamo  # compile support; before any quant module is traced
@@ -349,7 +354,7 @@ def cmd_model(args, p) -> None:
     for config in args.configs.split(","):
         t0 = time.perf_counter()
         try:
-            row = run_model(config, args.size, args.steps, device, args.layers)
+            row = run_model(config, args.size, args.steps, device, args.layers, args.micro)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -571,6 +576,9 @@ def commands(sub) -> dict:
     m.add_argument("--steps", type=int, default=150)
     m.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: the size's, 8 at 8b widths, 16 at 1b, 4 MoE)")
+    m.add_argument("--micro", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation: each step "
+                   "runs the batch's forward and backward this many times; ms is per step)")
     m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
                    help=steps.LLAMA_CONFIG_HELP)
     m.add_argument("--device", default="cuda")

@@ -233,7 +233,8 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
-                  "copy": (), "index": (), "weight_copy": (), "chunks": ()}
+                  "copy": (), "index": (), "weight_copy": (), "chunks": (),
+                  "step_weights": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
@@ -316,7 +317,9 @@ LLAMA_CONFIG_HELP = (
     "tokens' gradient a scatter; weight_copy: the experts' grouped layers keep their weights' "
     "transposed FP8 copies for backward instead of casting them again; chunks: the FP8 "
     "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
-    "gradient's contraction loaded from descriptors made on the host) and "
+    "gradient's contraction loaded from descriptors made on the host; step_weights: the "
+    "Linear weights quantized after each optimizer step and read by every forward, "
+    "quantize_weights_per_step) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")
@@ -485,6 +488,8 @@ def convert_llama(config: str, model):
                 for attr in GROUPED_KEEPS.get(variant, ()):
                     setattr(m, attr, True)
 
+        if variant == "step_weights":  # held by quant until the model is gone
+            qr.quantize_weights_per_step(model, recipe)
         patch = PATCH_VARIANTS.get(variant, contextlib.nullcontext)
 
         def forward(ids):
