@@ -210,15 +210,16 @@ def cmd_step(args, p) -> None:
 
 
 def run_model(config: str, size: str, n_steps: int, device: torch.device,
-              layers: int | None = None, micro: int = 1) -> dict:
+              layers: int | None = None, micro: int = 1, kv_cache: bool = False) -> dict:
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
     (``layers``: decoder layers instead of the size's; ``micro``: the batch's forward and
-    backward run that many times per optimizer step, as gradient accumulation does)."""
+    backward run that many times per optimizer step, as gradient accumulation does;
+    ``kv_cache``: the model builds a KV cache in training, see ``steps.llama``)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
-        model, forward, opt = steps.compiled_training(config, size, device, layers)
+        model, forward, opt = steps.compiled_training(config, size, device, layers, kv_cache)
         row: dict = {"config": config, "size": size, "layers": len(model.model.layers),
                      "micro": micro}
         losses: list[float] = []
@@ -354,7 +355,8 @@ def cmd_model(args, p) -> None:
     for config in args.configs.split(","):
         t0 = time.perf_counter()
         try:
-            row = run_model(config, args.size, args.steps, device, args.layers, args.micro)
+            row = run_model(config, args.size, args.steps, device, args.layers, args.micro,
+                            args.kv_cache)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -579,6 +581,10 @@ def commands(sub) -> dict:
     m.add_argument("--micro", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation: each step "
                    "runs the batch's forward and backward this many times; ms is per step)")
+    m.add_argument("--kv-cache", action="store_true",
+                   help="the models' configs with use_cache=True: training forwards build a KV "
+                   "cache, and each compiled decoder layer is traced again (its guards on the "
+                   "cache's per-layer state fail) instead of reusing the first layer's code")
     m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
                    help=steps.LLAMA_CONFIG_HELP)
     m.add_argument("--device", default="cuda")
@@ -734,6 +740,8 @@ def commands(sub) -> dict:
     t.add_argument("--repeat", type=int, default=1, help="runs per config")
     t.add_argument("--regional", action="store_true",
                    help="compile each decoder layer (layer.compile()) instead of the whole model")
+    t.add_argument("--kv-cache", action="store_true",
+                   help="the model's config with use_cache=True (see model --kv-cache)")
     t.add_argument("--moe", action="store_true",
                    help="a Qwen3-MoE model at the tiny-moe widths (grouped experts) instead of "
                    "the Llama")

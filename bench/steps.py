@@ -342,19 +342,22 @@ def seq_batch(size: str) -> tuple[int, int]:
     return (SIZES.get(size) or MOE_SIZES[size])[-2:]
 
 
-def moe_model(size: str, device: torch.device, layers: int | None = None):
+def moe_model(size: str, device: torch.device, layers: int | None = None,
+              kv_cache: bool = False):
     """The bf16 Hugging Face MoE model of ``size`` (:data:`MOE_SIZES`: ``Qwen3MoeForCausalLM``,
     ``MixtralForCausalLM`` or ``GptOssForCausalLM``) from a config, seeded, its experts on
     transformers' own ``grouped_mm`` implementation (``torch._grouped_mm``: the bf16
     baseline). GPT-OSS's expert biases, which transformers initialises to zero, are drawn at
-    random, so that their gradients are not zero."""
+    random, so that their gradients are not zero. ``kv_cache``: the config's ``use_cache``
+    (see :func:`llama`)."""
     import transformers
 
     hidden, inter, experts, top_k, heads, kv, head_dim, vocab, n, _, _ = MOE_SIZES[size]
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers or n,
                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                   num_experts_per_tok=top_k, max_position_embeddings=8192,
-                  tie_word_embeddings=False, experts_implementation="grouped_mm")
+                  tie_word_embeddings=False, experts_implementation="grouped_mm",
+                  use_cache=kv_cache)
     if size == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
                                          **common)
@@ -379,10 +382,12 @@ def moe_model(size: str, device: torch.device, layers: int | None = None):
     return model.to(torch.bfloat16)
 
 
-def llama(size: str, device: torch.device, layers: int | None = None):
+def llama(size: str, device: torch.device, layers: int | None = None, kv_cache: bool = False):
     """The bf16 ``LlamaForCausalLM`` of ``size`` from a config (random init, no download),
     seeded: every config starts from the same weights; ``layers`` decoder layers (default: the
-    size's)."""
+    size's). ``kv_cache``: the config's ``use_cache``. A training forward with it builds a KV
+    cache, whose per-layer state Dynamo guards on: each decoder layer compiled on its own is
+    then traced again instead of reusing the first layer's compiled code."""
     import transformers
 
     hidden, mlp, heads, kv, vocab, n, _, _ = SIZES[size]
@@ -390,7 +395,7 @@ def llama(size: str, device: torch.device, layers: int | None = None):
         vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
         num_hidden_layers=layers or n,
         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-        tie_word_embeddings=False,
+        tie_word_embeddings=False, use_cache=kv_cache,
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -412,12 +417,14 @@ def corpus(tokens: int) -> torch.Tensor:
     return torch.tensor(list(data[:tokens]), dtype=torch.int64)
 
 
-def compiled_training(config: str, size: str, device: torch.device, layers: int | None = None):
+def compiled_training(config: str, size: str, device: torch.device, layers: int | None = None,
+                      kv_cache: bool = False):
     """``(model, forward, optimizer)`` of the model benchmark: ``size``'s model (Llama or
     mixture of experts) with ``layers`` decoder layers, converted for ``config``
     (:func:`convert_llama`), every decoder layer compiled (per block, as torchtitan compiles),
-    AdamW (fused on CUDA). Call it inside :func:`llama_lowering` of ``config``."""
-    model = (moe_model if size in MOE_SIZES else llama)(size, device, layers)
+    AdamW (fused on CUDA); ``kv_cache``: see :func:`llama`. Call it inside
+    :func:`llama_lowering` of ``config``."""
+    model = (moe_model if size in MOE_SIZES else llama)(size, device, layers, kv_cache)
     forward = convert_llama(config, model)
     for layer in model.model.layers:
         layer.compile()

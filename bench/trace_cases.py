@@ -52,24 +52,27 @@ class _StepCounter:
         self.cls.step = self.original
 
 
-def _model(layers: int):
+def _model(layers: int, kv_cache: bool):
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        use_cache=kv_cache)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
 def run(config: str, layers: int, count: bool, regional: bool = False, top: int = 0,
-        moe: bool = False) -> dict:
+        moe: bool = False, kv_cache: bool = False) -> dict:
     """One config's row: the model converted under ``config`` (a recipe name, or bf16),
     compiled with aot_eager (whole, or each decoder layer when ``regional``: the layers share
     one traced graph), one training step traced and run, then a second step. ``top``: how many
     of quant's functions to list, by instructions traced in them (their own, not callees').
     ``moe``: a Qwen3-MoE model at ``steps.MOE_SIZES["tiny-moe"]`` widths instead of the Llama
-    (on the CPU its grouped layers run their per-group path)."""
+    (on the CPU its grouped layers run their per-group path). ``kv_cache``: the config's
+    ``use_cache``; with it the training forward builds a KV cache, each compiled layer's guards
+    on the cache's per-layer state fail, and every layer is traced again."""
     import quant_recipes as qr
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -79,9 +82,10 @@ def run(config: str, layers: int, count: bool, regional: bool = False, top: int 
     if moe:
         from steps import MOE_SIZES, moe_model
 
-        model, vocab = moe_model("tiny-moe", torch.device("cpu"), layers), MOE_SIZES["tiny-moe"][7]
+        model = moe_model("tiny-moe", torch.device("cpu"), layers, kv_cache)
+        vocab = MOE_SIZES["tiny-moe"][7]
     else:
-        model, vocab = _model(layers), 1024
+        model, vocab = _model(layers, kv_cache), 1024
     recipe = None if config == "bf16" else qr.recipe(config)
     if recipe is not None:
         qr.convert(model, recipe=recipe)
@@ -112,7 +116,7 @@ def run(config: str, layers: int, count: bool, regional: bool = False, top: int 
     step()
     second = time.perf_counter() - t0
     phases = {k: sum(v) for k, v in compilation_time_metrics.items()}
-    row = {"config": config, "layers": layers, "regional": regional,
+    row = {"config": config, "layers": layers, "regional": regional, "kv_cache": kv_cache,
            "first_s": round(first, 2),
            "second_s": round(second, 2),
            "graphs": int(counters["stats"]["unique_graphs"]),
@@ -150,7 +154,7 @@ def main(args) -> None:
         for _ in range(args.repeat):
             try:
                 row = run(config, args.layers, not args.no_count, args.regional,
-                          args.top_functions, args.moe)
+                          args.top_functions, args.moe, args.kv_cache)
             except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
                 row = {"config": config, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
