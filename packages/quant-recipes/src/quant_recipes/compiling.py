@@ -54,6 +54,11 @@ def dynamo() -> Any:
 #: quantizer it wraps).
 FOLDING_MODES = frozenset({"opaque_value", "opaque_value_base"})
 
+#: ``quant_dynamo`` itself, or None without it: traced code on a path that compiling has
+#: already required it for reads it in one instruction (``QUANT_DYNAMO or dynamo()``), where
+#: :func:`dynamo` inlines a call.
+QUANT_DYNAMO: Any = _quant_dynamo
+
 #: Whether functions marked by :func:`trace_time_constant` run at trace time (a mode of
 #: :data:`FOLDING_MODES`). 2.10 bakes quantizers through their repr; it, and releases not
 #: verified, trace such functions as before.

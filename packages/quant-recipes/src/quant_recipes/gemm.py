@@ -20,7 +20,7 @@ import torch
 from quant_core.kernel_capture import NotCapturable
 from quant_core.storage import format_at, format_index, storage_class, storage_formats
 
-from .compiling import available, dynamo, trace_time_constant
+from .compiling import available, compiling, dynamo, trace_time_constant
 from .gemm_fast import fast_gemm
 
 #: The format index of an unquantized operand (a quantized format's is 1 + its position in
@@ -116,8 +116,23 @@ def dequantize(bufs: list[torch.Tensor], meta: list[int], m: int, k: int, column
 
 def unread_by_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> tuple[int, ...]:
     """The positions in ``bufs`` that a GEMM using the operand transposed does not read (the
-    storage's ``unread_by_transposed_use``); none for a high-precision operand."""
-    return () if meta[0] == HP else _storage_type(meta).unread_by_transposed_use(bufs)
+    storage's ``unread_by_transposed_use``); none for a high-precision operand. Traced code
+    reads the positions off the storage class at trace time (the buffers come from quant's
+    ops, whose count the storage fixes)."""
+    if meta[0] == HP:
+        return ()
+    if not compiling():
+        return _storage_type(meta).unread_by_transposed_use(bufs)
+    columnwise, unread = _transposed_reads(meta)
+    return unread if bufs[columnwise].numel() else ()
+
+
+@trace_time_constant
+def _transposed_reads(meta: list[int]) -> tuple[int, tuple[int, ...]]:
+    """``(the columnwise data's position, the positions a transposed use does not read when the
+    columnwise data is present)`` in a buffer list of ``meta``'s storage."""
+    cls = storage_class(format_at(meta[0] - 1))
+    return cls._columnwise_position, cls._rowwise_only_positions
 
 
 def for_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> list[torch.Tensor]:

@@ -236,17 +236,30 @@ def check_operands(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
     is not floating point. Floating dtypes may differ (unlike ``nn.Linear``): each operand is
     quantized from its own dtype and the output has the input's dtype. Metadata only: no host
     sync, and static under ``torch.compile``."""
+    # written out, not a loop over the three: Dynamo traces every iteration of a loop
     device = x.device
-    for what, t in (("input", x), ("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if t.device != device:
-            raise RuntimeError(f"{_label(module)}: input is on {device} but {what} on "
-                               f"{t.device}; move the module or the input so that both are on "
-                               "one device")
-        if not (t.is_floating_point() or (what == "weight" and quantized_weight)):
-            raise RuntimeError(f"{_label(module)}: the {what} is {t.dtype}; a quantized Linear "
-                               "takes floating-point operands, as nn.Linear does")
+    if not x.is_floating_point():
+        raise _not_floating(module, "input", x)
+    if weight.device != device:
+        raise _elsewhere(module, "weight", weight, device)
+    if not (quantized_weight or weight.is_floating_point()):
+        raise _not_floating(module, "weight", weight)
+    if bias is not None:
+        if bias.device != device:
+            raise _elsewhere(module, "bias", bias, device)
+        if not bias.is_floating_point():
+            raise _not_floating(module, "bias", bias)
+
+
+def _elsewhere(module: torch.nn.Module, what: str, t: torch.Tensor,
+               device: torch.device) -> RuntimeError:
+    return RuntimeError(f"{_label(module)}: input is on {device} but {what} on {t.device}; "
+                        "move the module or the input so that both are on one device")
+
+
+def _not_floating(module: torch.nn.Module, what: str, t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(f"{_label(module)}: the {what} is {t.dtype}; a quantized Linear takes "
+                        "floating-point operands, as nn.Linear does")
 
 
 def _label(module: torch.nn.Module) -> str:

@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
-from quant_core.storage import QuantizedStorage, absent_buffer
+from quant_core.storage import QuantizedStorage
 
-from .compiling import compiling, dynamo
+from .compiling import QUANT_DYNAMO, compiling, dynamo
 from .fsdp_layout import columnwise_buffer_list
 from .gemm import (
     HP_META,
@@ -98,7 +98,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     if group is not None and amax_per_row(q):
         group = None
     if compiling():
-        ops = dynamo()
+        ops = QUANT_DYNAMO or dynamo()
         # with a group, the layer asks every quantizer for the reduction (with_amax_reduction),
         # as eager code does; torch 2.10 cannot derive that variant in a graph, so it is not read
         if group is not None and q.reduces_amax:
@@ -149,10 +149,13 @@ def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool
     backward from the operand saved as is where requantizing gives the same bytes (not for an
     operand that arrives quantized), and ``with_amax_reduction`` with a ``group`` (not for a
     per-row amax: :func:`amax_per_row`)."""
-    def variant(q, **fields):
-        if group is not None and not amax_per_row(q):
-            fields["with_amax_reduction"] = True
-        return qset.variant(q, **fields)
+    if group is None:  # the set's own method: a wrapper's frame costs every call a trace more
+        variant = qset.variant
+    else:
+        def variant(q, **fields):
+            if not amax_per_row(q):
+                fields["with_amax_reduction"] = True
+            return qset.variant(q, **fields)
 
     transposed = override is None
     fwd_in, fwd_w = qset.fwd[0], qset.fwd[1]
@@ -220,8 +223,8 @@ def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, neede
 def _with_absent(bufs: list[torch.Tensor], dropped: tuple[int, ...], like: torch.Tensor
                  ) -> list[torch.Tensor]:
     """``bufs`` with an absent buffer at each position of ``dropped`` (ascending)."""
-    for i in dropped:
-        bufs.insert(i, absent_buffer(like))
+    for i in dropped:  # absent_buffer(like), written out: a call per buffer costs a trace more
+        bufs.insert(i, like.new_empty((0,), dtype=torch.uint8))
     return bufs
 
 
