@@ -287,3 +287,35 @@ def test_bad_arguments_are_refused():
         qr.quantize_weights_per_step(object())
     with pytest.raises(ValueError, match="quantize_weights_per_step"):
         qr.quantize_weights_per_step(_model(), "fp9")
+
+
+@compiles
+def test_dynamic_shapes_and_a_frozen_layer_keep_the_bits():
+    recipe = qr.Float8CurrentScaling()
+
+    def frozen_first():
+        model = _model()
+        model[0].requires_grad_(False)
+        return model
+
+    plain, model = frozen_first(), frozen_first()
+    handle = qr.quantize_weights_per_step(model, recipe)
+    assert list(model.state_dict()) == list(plain.state_dict())  # nothing kept is state
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.25)
+    ref_opt = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.25)
+    gen = torch.Generator().manual_seed(3)
+    for rows in (16, 48, 32):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+        outs = []
+        for net, o in ((compiled, opt), (plain, ref_opt)):
+            with qr.autocast(recipe=recipe):
+                y = net(x)
+            y.float().pow(2).sum().backward()
+            outs.append((y.detach(), x.grad.clone()))
+            x.grad = None
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert model[0]._step_weight is not None  # frozen: never stepped, still kept
+    handle.remove()
