@@ -55,9 +55,11 @@ def module_frame(module: torch.nn.Module) -> Frame | None:
     last eager forward, whatever region backward runs in (`behaviour.md` §7): ``None`` when
     that forward was outside every region or under ``enabled=False``. Eager forwards outside
     backward record their frame for that purpose."""
-    frame = active_frame()
-    if frame is None and current_frame() is None:  # outside every autocast: a bound recipe
+    frame = current_frame()
+    if frame is None:  # outside every autocast: a bound recipe
         frame = getattr(module, "_bound_frame", None)
+    elif not (frame.enabled or frame.calibrating):  # an enabled=False region: none
+        frame = None
     if compiling():
         return frame
     if _in_backward():
@@ -407,11 +409,3 @@ class QuantizedModule(torch.nn.Module):
     def delayed_states(self, qset: QuantizerSet):
         """``(forward, backward)`` delayed-scaling states behind ``qset`` (eager)."""
         return delayed_states(qset.fwd_state), delayed_states(qset.bwd_state)
-
-
-def active_frame() -> Frame | None:
-    """The innermost autocast frame when it quantizes or calibrates, else ``None``."""
-    frame = current_frame()
-    if frame is None or not (frame.enabled or frame.calibrating):
-        return None
-    return frame
