@@ -325,3 +325,28 @@ def test_dynamic_shapes_and_a_frozen_layer_keep_the_bits():
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert model[0]._step_weight is not None  # frozen: never stepped, still kept
     handle.remove()
+
+
+def test_two_threads_training_their_own_models_keep_the_bits():
+    """Each thread's optimizer steps refresh its own model's weights only, while the other
+    thread's forwards read theirs."""
+    recipe = qr.Float8CurrentScaling()
+    want = _train(_model(), recipe, steps=3)
+    got, errors = {}, []
+
+    def worker(i):
+        try:
+            model = _model()
+            handle = qr.quantize_weights_per_step(model, recipe)
+            got[i] = _train(model, recipe, steps=3)
+            handle.remove()
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert _equal(got[0], want) and _equal(got[1], want)
