@@ -152,10 +152,19 @@ def test_a_recomputed_forward_reads_the_kept_weight(monkeypatch):
     assert torch.equal(y, want)
 
 
-def _one_step_model(recipe):
+def _kept_model(recipe):
     model = _model()
     handle = qr.quantize_weights_per_step(model, recipe)
     return model, handle
+
+
+def _changed_model(change):
+    """A model with other weights: ``change(p)`` applied in place to each parameter."""
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            change(p)
+    return model
 
 
 def _forward(model, recipe, x=None):
@@ -166,11 +175,8 @@ def _forward(model, recipe, x=None):
 @compiles
 def test_load_state_dict_and_invalidate_refresh_the_kept_weights():
     recipe = qr.Float8CurrentScaling()
-    model, handle = _one_step_model(recipe)
-    other = _model()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(-2)
+    model, handle = _kept_model(recipe)
+    other = _changed_model(lambda p: p.mul_(-2))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = _batches(1)[0]
     model.load_state_dict(other.state_dict())
@@ -189,7 +195,7 @@ def test_load_state_dict_and_invalidate_refresh_the_kept_weights():
 
 def test_eager_forwards_see_in_place_writes_and_data_assignment():
     recipe = qr.Float8CurrentScaling()
-    model, handle = _one_step_model(recipe)
+    model, handle = _kept_model(recipe)
     plain = _model()
     with torch.no_grad():
         model[0].weight.mul_(0.5)
@@ -203,7 +209,7 @@ def test_eager_forwards_see_in_place_writes_and_data_assignment():
 
 def test_conversions_copies_and_pickles_drop_the_kept_weights():
     recipe = qr.Float8CurrentScaling()
-    model, handle = _one_step_model(recipe)
+    model, handle = _kept_model(recipe)
     assert copy.deepcopy(model)[0]._step_weight is None
     assert pickle.loads(pickle.dumps(model))[1]._step_weight is None
     assert model[0]._step_weight is not None
@@ -222,11 +228,8 @@ def test_conversions_copies_and_pickles_drop_the_kept_weights():
 @compiles
 def test_functional_call_uses_the_weights_it_is_given():
     recipe = qr.Float8CurrentScaling()
-    model, handle = _one_step_model(recipe)
-    other = _model()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(1)
+    model, handle = _kept_model(recipe)
+    other = _changed_model(lambda p: p.add_(1))
     params = dict(other.named_parameters())
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = _batches(1)[0]
@@ -240,7 +243,7 @@ def test_functional_call_uses_the_weights_it_is_given():
 def test_no_grad_and_frozen_inputs_quantize_in_forward(monkeypatch):
     recipe = qr.Float8CurrentScaling()
     calls = count_quantizations(monkeypatch, type(formats.format_of("current").quantizer()))
-    model, handle = _one_step_model(recipe)
+    model, handle = _kept_model(recipe)
     calls.clear()
     with torch.no_grad():  # no input gradient: the rowwise copy alone, quantized in forward
         _forward(model, recipe)
@@ -256,7 +259,7 @@ def test_no_grad_and_frozen_inputs_quantize_in_forward(monkeypatch):
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=compiles)])
 def test_another_recipe_quantizes_in_forward(compiled):
-    model, handle = _one_step_model(qr.Float8CurrentScaling())
+    model, handle = _kept_model(qr.Float8CurrentScaling())
     plain = _model()
     call = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
     x = _batches(1)[0]
@@ -267,7 +270,7 @@ def test_another_recipe_quantizes_in_forward(compiled):
     handle.remove()
 
 
-def test_delayed_scaling_and_stochastic_rounding_keep_nothing():
+def test_delayed_scaling_keeps_nothing():
     model = _model()
     assert len(qr.quantize_weights_per_step(model, qr.DelayedScaling())) == 0
     handle = qr.quantize_weights_per_step(model, "fp8_current")
@@ -277,7 +280,7 @@ def test_delayed_scaling_and_stochastic_rounding_keep_nothing():
 
 def test_a_step_in_another_thread_refreshes_only_its_weights():
     recipe = qr.Float8CurrentScaling()
-    model, handle = _one_step_model(recipe)
+    model, handle = _kept_model(recipe)
     first, second = model[0]._step_weight, model[1]._step_weight
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
     _forward(model, recipe).float().sum().backward()

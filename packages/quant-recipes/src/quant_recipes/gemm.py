@@ -131,7 +131,7 @@ def unread_by_transposed_use(bufs: list[torch.Tensor], meta: list[int]) -> tuple
 def _transposed_reads(meta: list[int]) -> tuple[int, tuple[int, ...]]:
     """``(the columnwise data's position, the positions a transposed use does not read when the
     columnwise data is present)`` in a buffer list of ``meta``'s storage."""
-    cls = storage_class(format_at(meta[0] - 1))
+    cls = _storage_type(meta)
     return cls._columnwise_position, cls._rowwise_only_positions
 
 

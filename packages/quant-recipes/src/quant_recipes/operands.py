@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
-from quant_core.storage import QuantizedStorage
+from quant_core.storage import QuantizedStorage, absent_buffer
 
 from .compiling import QUANT_DYNAMO, compiling, dynamo
 from .fsdp_layout import columnwise_buffer_list
@@ -223,8 +223,8 @@ def kept_for_backward(bufs: list[torch.Tensor], meta: list[int], override, neede
 def _with_absent(bufs: list[torch.Tensor], dropped: tuple[int, ...], like: torch.Tensor
                  ) -> list[torch.Tensor]:
     """``bufs`` with an absent buffer at each position of ``dropped`` (ascending)."""
-    for i in dropped:  # absent_buffer(like), written out: a call per buffer costs a trace more
-        bufs.insert(i, like.new_empty((0,), dtype=torch.uint8))
+    for i in dropped:
+        bufs.insert(i, absent_buffer(like))
     return bufs
 
 

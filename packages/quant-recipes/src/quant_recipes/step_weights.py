@@ -87,10 +87,6 @@ def _nothing() -> None:
     return None
 
 
-#: The attribute of a layer that holds its :class:`KeptWeight` (the class default: None).
-ATTRIBUTE = "_step_weight"
-
-
 @trace_time_constant
 def _same_quantizer(kept: Quantizer, q: Quantizer) -> bool:
     return kept == q
@@ -112,8 +108,7 @@ def kept_buffers(kept: KeptWeight, w: torch.Tensor, q: Quantizer
 
 def drop(layer: torch.nn.Module) -> None:
     """Forget ``layer``'s kept weight (it quantizes in forward until refreshed)."""
-    if layer.__dict__.get(ATTRIBUTE) is not None:
-        setattr(layer, ATTRIBUTE, None)
+    layer._step_weight = None
 
 
 def _keep(layer, recipe) -> KeptWeight | None:
@@ -178,7 +173,7 @@ class StepWeights:
         for layer in list(self._layers):
             if which is None or which(layer):
                 drop(layer)  # the old buffers go before the new ones are made
-                setattr(layer, ATTRIBUTE, _keep(layer, self.recipe))
+                layer._step_weight = _keep(layer, self.recipe)
 
     def remove(self) -> None:
         """Drop the kept weights; forwards quantize their weights again, steps refresh nothing."""
@@ -197,7 +192,7 @@ class StepWeights:
 
     def __len__(self) -> int:
         """How many layers hold a kept weight."""
-        return sum(layer.__dict__.get(ATTRIBUTE) is not None for layer in self._layers)
+        return sum(layer._step_weight is not None for layer in self._layers)
 
 
 def quantize_weights_per_step(model: torch.nn.Module, recipe=None) -> StepWeights:
