@@ -4,7 +4,10 @@ launched under ncu, and ncu's raw CSV summarized as one table line per launch.
 Cases: ``kernels``, every benchmarked quantize kernel (``kernel_cases.cases``) at bf16 16384^2
 plus a device-to-device copy as the baseline; ``gemm``, the MXFP8 / NVFP4 GEMM implementations at
 16384x8192x8192 (fprop: the fused Triton mainloops that dequantize to bf16, and the default
-dequantize + cuBLAS path) next to a bf16 ``torch.mm``.
+dequantize + cuBLAS path) next to a bf16 ``torch.mm``; ``grouped``, the grouped FP8 GEMMs of
+quant-kernels at a Qwen3-MoE gate/up projection (128 experts, ~512 ragged rows each, 2048 ->
+1536; the rows form and the weight gradient's contraction form, E5M2 x E4M3) next to bf16
+``torch._grouped_mm`` on the same groups.
 Each case runs twice (the first launch compiles).
 """
 
@@ -56,6 +59,8 @@ FILTERS = {
     "kernels": "regex:^(?!.*(distribution|fill|randn|normal)).*",
     "gemm": "regex:^(?!.*(distribution|fill|randn|normal|copy|elementwise|amax|_mxfp8_kernel|"
             "_nvfp4_row|_nvfp4_col|current_scale)).*",
+    "grouped": "regex:^(?!.*(distribution|fill|randn|normal|copy|elementwise|cumsum|scan|"
+               "reduce|arange)).*",
 }
 
 
@@ -93,6 +98,39 @@ def launch_gemm() -> None:
             for _ in range(2):
                 G.qgemm_impl(*args, None, torch.bfloat16)
             torch.cuda.synchronize()
+
+
+def launch_grouped() -> None:
+    import grouped_cases
+    import torch
+    from quant_core.dtypes import DType
+    from quant_kernels import fp8_grouped_gemm as kern
+
+    e, rows, k, n = 128, 512, 2048, 1536
+    for multiple in (16, 128):
+        counts = grouped_cases.group_rows(e, rows, True, multiple)
+        total = sum(counts)
+        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        a8 = torch.randint(0, 120, (total, k), device="cuda", dtype=torch.uint8)
+        w8 = torch.randint(0, 120, (e, n, k), device="cuda", dtype=torch.uint8)
+        at8 = torch.randint(0, 120, (n, total), device="cuda", dtype=torch.uint8)
+        bt8 = torch.randint(0, 120, (k, total), device="cuda", dtype=torch.uint8)
+        s = torch.ones(e, device="cuda")
+        kw = {"a_dtype": DType.E5M2, "b_dtype": DType.E4M3}
+        print("case own rows, tokens: groups of", multiple, file=sys.stderr, flush=True)
+        for _ in range(2):
+            kern.fp8_grouped_rows_gemm(a8, s, w8, s, offs, offs, total=total, **kw)
+            kern.fp8_grouped_tokens_gemm(at8, s, bt8, s, offs, **kw, group_multiple=multiple)
+        torch.cuda.synchronize()
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    gt = torch.randn(n, total, device="cuda", dtype=torch.bfloat16)
+    xt = torch.randn(k, total, device="cuda", dtype=torch.bfloat16)
+    print("case bf16 _grouped_mm rows, tokens", file=sys.stderr, flush=True)
+    for _ in range(2):
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(gt, xt.t(), offs=offs)
+    torch.cuda.synchronize()
 
 
 def read_rows(path: str) -> list[dict]:
@@ -156,4 +194,5 @@ def summarize_gemm(path: str) -> None:
 
 #: case set -> (metrics, launch, summarize)
 SETS = {"kernels": (METRICS, launch_kernels, summarize_kernels),
-        "gemm": (GEMM_METRICS, launch_gemm, summarize_gemm)}
+        "gemm": (GEMM_METRICS, launch_gemm, summarize_gemm),
+        "grouped": (METRICS, launch_grouped, summarize_kernels)}

@@ -213,8 +213,9 @@ def commands(sub) -> dict:
                        "$OUT/ncu_<cases>.csv and prints one line per launch: time, DRAM and L2 "
                        "traffic, SM and issue activity, occupancy, registers, shared memory, "
                        "store / load sectors per request and the top warp stalls (the gemm set: "
-                       "tensor, FMA and LSU pipes).")
-    n.add_argument("cases", choices=("kernels", "gemm"))
+                       "tensor, FMA and LSU pipes; grouped: the grouped FP8 GEMMs against bf16 "
+                       "_grouped_mm at a Qwen3-MoE projection).")
+    n.add_argument("cases", choices=("kernels", "gemm", "grouped"))
     n.add_argument("--out", help="directory of the CSV files (default $OUT, else .)")
     n.add_argument("--limit", type=int, default=240, help="seconds for the ncu run")
     n.add_argument("--launch", action="store_true", help="only launch the cases (under ncu)")
