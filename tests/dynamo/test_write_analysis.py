@@ -32,7 +32,7 @@ def test_quant_kernels_are_analysed_once_per_signature():
         from _sm90 import run_as_script
     finally:
         sys.path.remove(_KERNELS_TESTS)
-    run_as_script(__file__, min_ok=5, timeout=600)
+    run_as_script(__file__, min_ok=7, timeout=600)
 
 
 def traced_launches(backend, dtype) -> int:
@@ -116,6 +116,7 @@ def main() -> int:
         before = generated[0]
         got = [writes(kept, kernel, kw) for kernel, kw in bound]
         made = generated[0] - before
+        analysed.bound = bound
         return [(g, writes(fresh, kernel, kw)) for g, (kernel, kw) in zip(got, bound,
                                                                           strict=True)], made
 
@@ -125,6 +126,37 @@ def main() -> int:
     again, made = analysed(torch.randn(256, 256, dtype=torch.bfloat16))
     check(made == 0 and again == first,
           f"the same signature again: {made} TTIR generations, the same writes")
+    bound = analysed.bound
+
+    def lowered(kw, symbols=None):
+        """``kw`` as Inductor's lowering passes it: tensors as tensor boxes; with ``symbols``,
+        ints (not bools) as the sympy expressions it gives for their names."""
+        from torch._inductor import ir
+
+        def box(name, t):
+            layout = ir.FixedLayout(t.device, t.dtype, list(t.shape))
+            return ir.TensorBox.create(ir.InputBuffer(name=name, layout=layout))
+        return {k: box(k, v) if isinstance(v, torch.Tensor)
+                else symbols(k) if symbols and type(v) is int else v for k, v in kw.items()}
+
+    before = generated[0]
+    boxed = [writes(kept, kernel, lowered(kw)) for kernel, kw in bound]
+    check(generated[0] == before and boxed == [k for k, _ in first],
+          f"the same launches as Inductor's lowering passes them (tensor boxes): "
+          f"{generated[0] - before} TTIR generations, the same writes")
+    import sympy
+
+    ints = [kw for _, kw in bound if any(type(v) is int for v in kw.values())]
+    before = generated[0]
+    for tag in ("s", "t"):
+        symbolic = [writes(kept, kernel, lowered(kw, lambda k, tag=tag: sympy.Symbol(tag + k)))
+                    for kernel, kw in bound]
+    torch_own = [writes(fresh, kernel, lowered(kw, lambda k: sympy.Symbol("u" + k)))
+                 for kernel, kw in bound]
+    made = generated[0] - before - len(bound)
+    check(ints and made == len(bound) and symbolic == torch_own,
+          f"sizes as symbols, twice with other symbols: {made} TTIR generations for "
+          f"{len(bound)} launches, torch's writes")
     other, made = analysed(torch.randn(256, 256, dtype=torch.float32))
     check(made == len(other) and all(k == f for k, f in other),
           f"fp32 input: {made} TTIR generations for {len(other)} launches, torch's writes")

@@ -7,8 +7,12 @@ Compiling per decoder layer (``layer.compile()``) traces the same launches in ev
 the same analysis runs layers x launches times (about 0.1 s each). Its result depends only on
 the kernel, the dtypes of its tensor arguments and the values of its other arguments
 (constexprs included), so for quant's own kernels (modules of ``quant_kernels``) :func:`install`
-keeps it per such signature for the life of the process. Other kernels, and launches with an
-argument of any other kind (a symbolic size, Inductor's IR nodes), are analysed as torch does.
+keeps it per such signature for the life of the process. A tensor argument counts by its dtype
+alone, whether a tensor, a fake tensor or Inductor's ``TensorBox`` (torch generates the TTIR
+from an empty tensor of that dtype for each), and a symbolic value counts as one class (torch
+generates it with the value 2 for every one); so the functionalized launch and Inductor's
+lowering of it share one analysis, and a whole-model graph analyses each signature once. Other
+kernels, and launches with an argument of any other kind, are analysed as torch does.
 
 The analysis is ``identify_accessed_tensors`` on torch 2.13+ and ``identify_mutated_tensors``
 before (``torch._higher_order_ops.triton_kernel_wrap``); where neither exists nothing is
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,17 +54,35 @@ def signature(kernel: Any, kwargs: dict[str, Any], tma_metadata: Any) -> tuple |
 
 
 def _values(mapping: dict[str, Any]) -> tuple | None:
-    """``mapping`` as a sorted tuple, tensors as their dtype; None if a value is of another
-    kind."""
+    """``mapping`` as a sorted tuple, tensors (and Inductor's tensor boxes) as their dtype,
+    symbolic values as one class (as ``generate_ttir`` replaces each); None if a value is of
+    another kind."""
     parts = []
     for name, value in sorted(mapping.items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or _is_tensor_box(value):
             parts.append((name, "tensor", value.dtype))
+        elif _is_symbolic(value):
+            parts.append((name, "symbolic"))
         elif isinstance(value, _SCALARS):
             parts.append((name, type(value).__name__, value))
         else:
             return None
     return tuple(parts)
+
+
+def _is_tensor_box(value: Any) -> bool:
+    """Whether ``value`` is Inductor's ``TensorBox`` (what its lowering of a launch passes)."""
+    ir = sys.modules.get("torch._inductor.ir")
+    return ir is not None and isinstance(value, ir.TensorBox)
+
+
+def _is_symbolic(value: Any) -> bool:
+    """Whether ``value`` is a symbolic value ``generate_ttir`` replaces (a ``Sym*`` or a sympy
+    expression)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    sympy = sys.modules.get("sympy")
+    return sympy is not None and isinstance(value, sympy.Expr)
 
 
 def _unwrapped(kernel: Any) -> tuple[Any, tuple | None]:
