@@ -113,7 +113,9 @@ OWN_KERNEL_MIN_EXPERTS = 64
 #: kernels' 16-byte loads). At a multiple of the kernel's contraction chunk (128) every group of
 #: the transposed copies starts and ends on a whole chunk, so the kernel loads its tiles from
 #: descriptors made once on the host rather than once per program, for more zero padding in
-#: the transposed copies (up to 127 rows a group). The bytes of every GEMM are the same.
+#: the transposed copies (up to 127 rows a group). The bytes of every GEMM are the same. 16
+#: stays the default: at Qwen3-MoE widths 128 made the weight gradient 12% faster and the
+#: casts, which write the padded rows, slower by as much (bench/RESULTS.md).
 TOKENS_GROUP_MULTIPLE = 16
 
 #: Layers of fewer than :data:`OWN_KERNEL_MIN_EXPERTS` experts run the pairs torch's grouped
