@@ -1,8 +1,9 @@
 """quant-dynamo keeps torch's write analysis of quant's recorded Triton launches per signature
 (``quant_dynamo._write_analysis``): the second launch of a kernel with the same argument dtypes
 and scalars generates no TTIR and gets the same answer, also traced through ``wrap_triton``
-(which wraps every launch given ``num_warps`` in a new autotuner); another dtype or another
-kernel is analysed as torch does.
+(which wraps every launch given ``num_warps`` in a new autotuner), and as Inductor's lowering
+passes it (tensor boxes); symbolic sizes are analysed once for every symbol; another dtype or
+another kernel is analysed as torch does.
 
 torch's analysis compiles real TTIR, which the interpreter cannot give: this module runs itself
 in a subprocess without ``TRITON_INTERPRET``, for an sm_90 target on a CPU machine (as
