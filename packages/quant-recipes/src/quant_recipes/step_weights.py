@@ -39,7 +39,8 @@ before the next compiled training forward.
 
 Not kept: weights that are not plain Parameters (FSDP2's and tensor parallelism's DTensors,
 quantized parameters of :func:`~quant_recipes.quantized_model_init`, which are quantized once per
-step already), delayed scaling, stochastic rounding. Memory: the copies live from one step to
+step already), delayed scaling, stochastic rounding, and the experts' weights of grouped layers
+(:class:`~quant_recipes.GroupedLinear`, converted experts modules): only ``Linear`` layers. Memory: the copies live from one step to
 the next, both usages of every weight (two bytes per parameter for the FP8 formats), where a
 forward otherwise makes the rowwise copy transiently.
 """
