@@ -278,6 +278,27 @@ def test_delayed_scaling_keeps_nothing():
     handle.remove()
 
 
+def test_grouped_experts_weights_are_not_kept():
+    # the handle keeps Linear weights only: a grouped layer quantizes its experts' weights in
+    # forward, with and without it, to the same output
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"dense": qr.Linear(64, 64, bias=False),
+                                 "experts": qr.GroupedLinear(4, 64, 32)})
+    x = torch.randn(40, 64)
+    counts = torch.tensor([8, 0, 20, 12])
+
+    def run():
+        with qr.autocast(recipe="fp8_current"):
+            return model["experts"](model["dense"](x), counts=counts)
+
+    want = run()
+    handle = qr.quantize_weights_per_step(model, "fp8_current")
+    assert len(handle) == 1
+    assert getattr(model["experts"], "_step_weight", None) is None
+    assert torch.equal(run(), want)
+    handle.remove()
+
+
 def test_a_step_in_another_thread_refreshes_only_its_weights():
     recipe = qr.Float8CurrentScaling()
     model, handle = _kept_model(recipe)
