@@ -253,9 +253,9 @@ def routed_copy():
 
     project, row_amaxes = linear.GroupedProjection.project, linear._row_amaxes
 
-    def gathering(self, x, offs, w, b, layouts=None, routes=None):
+    def gathering(self, x, offs, w, b, layouts=None, routes=None, param=None):
         x = x if routes is None else gather_tokens(x, routes)
-        return project(self, x, offs, w, b, layouts)
+        return project(self, x, offs, w, b, layouts, param=param)
 
     linear.GroupedProjection.project = gathering
     linear._row_amaxes = lambda t, traced, rows=None: None
@@ -318,8 +318,8 @@ LLAMA_CONFIG_HELP = (
     "transposed FP8 copies for backward instead of casting them again; chunks: the FP8 "
     "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
     "gradient's contraction loaded from descriptors made on the host; step_weights: the "
-    "Linear weights quantized after each optimizer step and read by every forward, "
-    "quantize_weights_per_step) and "
+    "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
+    "and read by every forward, quantize_weights_per_step) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
     "kernels, opaque: opaque custom ops)")

@@ -228,9 +228,9 @@ def test_hf_experts_quantize_the_routed_rows_where_they_lie(monkeypatch, compile
     experts, (h, idx, weights) = _hf_experts(recipe)
     project = GroupedProjection.project
 
-    def gathering_first(self, x, offs, w, b, layouts=None, routes=None):
+    def gathering_first(self, x, offs, w, b, layouts=None, routes=None, param=None):
         return project(self, x if routes is None else gather_tokens(x, routes), offs, w, b,
-                       layouts)
+                       layouts, param=param)
 
     results = []
     for gather in (False, True):

@@ -778,6 +778,13 @@ def test_opcheck_fp8_ops(emulated):
     assert all(torch.equal(a, b) for a, b in zip(rows_t(x, lay, specs[0]), (xt, sx),
                                                  strict=True))
     assert all(torch.equal(a, b) for a, b in zip(experts_t(w, specs[1]), (wt, sw), strict=True))
+    # the weight's bytes given (kept after an optimizer step): the same output, no weight bytes
+    wd, _, _ = grouped_fp8.quantize_experts(w, q, True, False)
+    torch.library.opcheck(fprop, (x, lay, w, None, specs, True, False, False, None, None, wd,
+                                  sw))
+    given = fprop(x, lay, w, None, specs, True, False, False, None, None, wd, sw)
+    assert torch.equal(given[0], fprop(x, lay, w, None, specs, True, False)[0])
+    assert given[3].numel() == 0 and torch.equal(given[4], sw)
 
 
 def test_no_rows_at_all(emulated):
@@ -1030,9 +1037,9 @@ def test_hf_experts_quantize_their_routed_rows_where_they_lie(emulated, monkeypa
     calls = _recorded_quantize_calls(monkeypatch)
     project = GroupedProjection.project
 
-    def gathering_first(self, x, offs, w, b, layouts=None, routes=None):
+    def gathering_first(self, x, offs, w, b, layouts=None, routes=None, param=None):
         return project(self, x if routes is None else gather_tokens(x, routes), offs, w, b,
-                       layouts)
+                       layouts, param=param)
 
     def run(tokens, fn):
         gen = torch.Generator().manual_seed(tokens)
@@ -1083,3 +1090,170 @@ def test_hf_experts_recomputed_by_activation_checkpointing(emulated, inside):
     assert paths == again_paths == {"scaled_grouped_mm", "fp8_grouped_gemm"}
     for a, b in zip(plain, again, strict=True):
         assert torch.equal(a, b)
+
+
+def _experts_quantize_calls(emulated) -> list:
+    """``(rowwise, columnwise)`` of every call of the CPU backend's
+    ``fp8_group_quantize_experts`` from now on."""
+    backend = backends.get(None, torch.device("cpu"))
+    quantize, calls = backend.fp8_group_quantize_experts, []
+
+    def recording(*args, **kw):
+        calls.append((kw["rowwise"], kw["columnwise"]))
+        return quantize(*args, **kw)
+
+    emulated.setattr(backend, "fp8_group_quantize_experts", recording, raising=False)
+    return calls
+
+
+#: Four routings of the same 81 rows over 7 experts, two micro-batches per optimizer step.
+ROUTINGS = (COUNTS, [12] * 6 + [9], [0, 0, 81, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 60])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weights_quantized_per_step_give_the_same_bits(emulated, compiled):
+    """``quantize_weights_per_step`` on a GroupedLinear of the quantize-once path: two optimizer
+    steps of two micro-batches each give the outputs, input gradients and weights of quantizing
+    in forward, bit for bit. The experts' weights are quantized at the start and after each
+    step (both layouts, one call), never in forward or backward; compiled with
+    ``fullgraph=True``, the refreshes recompile nothing."""
+    recipe = qr.Float8CurrentScaling()
+    calls = _experts_quantize_calls(emulated)
+
+    def train(keep: bool):
+        counter = _compiled_counter() if compiled else None
+        torch.manual_seed(0)
+        m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        calls.clear()
+        handle = qr.quantize_weights_per_step(m, recipe) if keep else None
+        assert handle is None or len(handle) == 1
+
+        def step(x, counts):
+            with qr.autocast(recipe=recipe):
+                return m(x, counts=counts)
+
+        fn = torch.compile(step, fullgraph=True, backend=counter) if compiled else step
+        gen, out = torch.Generator().manual_seed(1), []
+        for first in (0, 2):
+            for counts in ROUTINGS[first:first + 2]:
+                x = torch.randn(sum(counts), K, generator=gen).bfloat16().requires_grad_()
+                y = fn(x, torch.tensor(counts))
+                y.float().pow(2).sum().backward()
+                out += [y.detach(), x.grad]
+            opt.step()
+            opt.zero_grad()
+        out.append(m.weight.detach().clone())
+        if handle is not None:
+            handle.remove()
+        return out, list(calls), counter and counter.frame_count
+
+    want, want_calls, _ = train(False)
+    got, got_calls, frames = train(True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert want_calls == [(True, False), (False, True)] * 4  # forward's, backward's cast
+    assert got_calls == [(True, True)] * 3  # at the start and after each step
+    assert frames in (None, 1)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_hf_experts_weights_quantized_per_step_give_the_same_bits(emulated, transposed):
+    """A converted Hugging Face experts block under ``quantize_weights_per_step`` (its weights
+    stored ``[experts, out, in]``, or transposed as GPT-OSS stores them, which the projections
+    read as a view of the Parameter): two optimizer steps give the outputs and gradients of
+    quantizing in forward, bit for bit, and the two projections' weights are quantized only at
+    the start and after each step."""
+    recipe = qr.Float8CurrentScaling()
+    calls = _experts_quantize_calls(emulated)
+
+    def train(keep: bool):
+        experts = _hf_experts_block()
+        if transposed:
+            for name in ("gate_up_proj", "down_proj"):
+                stored = getattr(experts, name).detach().transpose(1, 2).contiguous()
+                setattr(experts, name, torch.nn.Parameter(stored))
+            experts.is_transposed = True
+        opt = torch.optim.SGD(experts.parameters(), lr=0.5)
+        calls.clear()
+        handle = qr.quantize_weights_per_step(experts, recipe) if keep else None
+        assert handle is None or len(handle) == 2
+        gen, out = torch.Generator().manual_seed(3), []
+        for _ in range(2):
+            x = torch.randn(24, K, generator=gen).bfloat16().requires_grad_()
+            ids = torch.rand(24, 7, generator=gen).argsort(dim=1)[:, :2]
+            w = torch.rand(24, 2, generator=gen).softmax(-1).bfloat16()
+            with qr.autocast(recipe=recipe):
+                y = experts(x, ids, w)
+            y.float().pow(2).sum().backward()
+            out += [y.detach(), x.grad]
+            opt.step()
+            opt.zero_grad()
+        out += [experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()]
+        if handle is not None:
+            handle.remove()
+        return out, list(calls)
+
+    want, want_calls = train(False)
+    got, got_calls = train(True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # per step: the two projections' casts in forward, their transposed casts in backward
+    assert sorted(want_calls) == sorted([(True, False), (False, True)] * 4)
+    assert got_calls == [(True, True)] * 6  # two weights, at the start and after each step
+
+
+def test_kept_expert_weights_refresh_on_load_and_drop_on_conversion(emulated):
+    """A GroupedLinear's kept weight: ``load_state_dict`` and ``invalidate_cached_weights()``
+    quantize it again (the output then equals a fresh layer's with the loaded weights), and
+    ``.float()`` and ``copy.deepcopy`` drop it."""
+    import copy
+
+    recipe = qr.Float8CurrentScaling()
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    other = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
+
+    def out(layer):
+        with qr.autocast(recipe=recipe):
+            return layer(x.clone().requires_grad_(), counts=torch.tensor(COUNTS)).detach()
+
+    handle = qr.quantize_weights_per_step(m, recipe)
+    first = m._step_weight
+    m.load_state_dict(other.state_dict())
+    assert m._step_weight is not first and torch.equal(out(m), out(other))
+    with torch.no_grad():
+        m.weight.mul_(2)
+    qr.invalidate_cached_weights()
+    fresh = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(out(m), out(fresh))
+    assert copy.deepcopy(m)._step_weight is None and m._step_weight is not None
+    m.float()
+    assert m._step_weight is None and len(handle) == 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_kept_expert_weights_serve_only_their_quantizer(emulated, compiled):
+    """A forward under another recipe (power-of-2 scales: another weight quantizer) quantizes
+    the weights itself, eagerly and compiled, to the bytes of a layer without kept weights."""
+    calls = _experts_quantize_calls(emulated)
+    counter = _compiled_counter() if compiled else None
+    torch.manual_seed(0)
+    m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
+    x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
+    other = qr.Float8CurrentScaling(use_power_2_scales=True)
+
+    def step(x, counts):
+        with qr.autocast(recipe=other):
+            return m(x, counts=counts)
+
+    want = step(x, torch.tensor(COUNTS))
+    handle = qr.quantize_weights_per_step(m, qr.Float8CurrentScaling())
+    fn = torch.compile(step, fullgraph=True, backend=counter) if compiled else step
+    calls.clear()
+    assert torch.equal(fn(x, torch.tensor(COUNTS)), want)
+    assert calls == [(True, False)]  # the forward's own cast
+    handle.remove()

@@ -278,9 +278,10 @@ def test_delayed_scaling_keeps_nothing():
     handle.remove()
 
 
-def test_grouped_experts_weights_are_not_kept():
-    # the handle keeps Linear weights only: a grouped layer quantizes its experts' weights in
-    # forward, with and without it, to the same output
+def test_grouped_experts_off_the_quantize_once_path_keep_nothing():
+    # on the CPU the grouped layer runs its GEMMs per group (tests/recipes/test_grouped_fp8.py
+    # runs the quantize-once path, whose weights are kept): it quantizes in forward, to the
+    # same output
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"dense": qr.Linear(64, 64, bias=False),
                                  "experts": qr.GroupedLinear(4, 64, 32)})

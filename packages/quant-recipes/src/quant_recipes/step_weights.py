@@ -1,5 +1,5 @@
-"""``quantize_weights_per_step(model, recipe)``: each Linear's weight quantized once per optimizer
-step, for compiled code as for eager code.
+"""``quantize_weights_per_step(model, recipe)``: each Linear's (and grouped experts') weight
+quantized once per optimizer step, for compiled code as for eager code.
 
 A training forward quantizes every weight again, though the weight changes only when the
 optimizer steps: with gradient accumulation each micro-batch quantizes it, with activation
@@ -37,10 +37,16 @@ weight, an optimizer wrapper that broadcasts updated shards after its inner
 step such as ``ZeroRedundancyOptimizer``) call :func:`~quant_recipes.invalidate_cached_weights`
 before the next compiled training forward.
 
+Grouped experts (:class:`~quant_recipes.GroupedLinear`, converted ``transformers`` experts
+modules) keep their weights where they run the FP8 current-scaling quantize-once path
+(:mod:`~quant_recipes.moe.fp8_gemm`): the rowwise bytes, one scale per expert and the
+transposed bytes, which forward and backward read instead of casting the weights (at
+Qwen3-MoE widths the weights are most of the bytes a layer's step quantizes). Their other
+paths quantize in forward.
+
 Not kept: weights that are not plain Parameters (FSDP2's and tensor parallelism's DTensors,
 quantized parameters of :func:`~quant_recipes.quantized_model_init`, which are quantized once per
-step already), delayed scaling, stochastic rounding, and the experts' weights of grouped layers
-(:class:`~quant_recipes.GroupedLinear`, converted experts modules): only ``Linear`` layers. Memory: the copies live from one step to
+step already), delayed scaling, stochastic rounding. Memory: the copies live from one step to
 the next, both usages of every weight (two bytes per parameter for the FP8 formats), where a
 forward otherwise makes the rowwise copy transiently.
 """
@@ -93,14 +99,18 @@ def _same_quantizer(kept: Quantizer, q: Quantizer) -> bool:
     return kept == q
 
 
-def kept_buffers(kept: KeptWeight, w: torch.Tensor, q: Quantizer
+def kept_buffers(kept: KeptWeight, w: torch.Tensor, q: Quantizer, by_value: bool = False
                  ) -> tuple[torch.Tensor, ...] | None:
     """The buffers ``kept`` holds of ``w`` quantized by ``q``, or None: made from another
-    Parameter or with another quantizer, or (eagerly) ``w`` changed since."""
+    Parameter or with another quantizer, or (eagerly) ``w`` changed since. Compiled code
+    compares the quantizers by value where it folds trace-time constants or ``by_value`` says
+    the caller traces only where value quantizers' members are read in the graph (a grouped
+    layer), else by identity (the recipe's kept quantizers)."""
     if kept.weight is not w:
         return None
     if compiling():
-        same = _same_quantizer(kept.quantizer, q) if FOLDS_CONSTANTS else kept.quantizer is q
+        same = (_same_quantizer(kept.quantizer, q) if FOLDS_CONSTANTS or by_value
+                else kept.quantizer is q)
         return kept.buffers if same else None
     if kept.quantizer == q and contents_key(w, None) == kept.key:
         return kept.buffers
@@ -112,14 +122,18 @@ def drop(layer: torch.nn.Module) -> None:
     layer._step_weight = None
 
 
-def _keep(layer, recipe) -> KeptWeight | None:
-    """``layer``'s weight quantized as its training forward under ``recipe`` quantizes it, or
-    None where that is not kept (see the module docstring)."""
-    from .linear import check_step_shapes
-
-    w = layer.weight
+def _keep(layer, owner, name: str, recipe) -> KeptWeight | None:
+    """The Parameter ``name`` of ``owner`` quantized as ``layer``'s training forward under
+    ``recipe`` quantizes it, or None where that is not kept (see the module docstring)."""
+    w = getattr(owner, name, None)
     if type(w) is not torch.nn.Parameter or w.is_inference():
         return None
+    from .moe.linear import GroupedProjection
+
+    if isinstance(layer, GroupedProjection):
+        return _keep_experts(layer, owner, name, w, recipe)
+    from .linear import check_step_shapes
+
     qset = layer.quantizers(Frame(True, recipe, False, None), device=w.device)
     q = plan_operands(qset, recipe.backward_override, wgrad=w.requires_grad, dgrad=True,
                       keep_input=layer.save_input_copy).weight
@@ -133,6 +147,35 @@ def _keep(layer, recipe) -> KeptWeight | None:
     return KeptWeight(w, q, buffers, key)
 
 
+def _keep_experts(layer, owner, name: str, param: torch.nn.Parameter, recipe
+                  ) -> KeptWeight | None:
+    """The experts' weight ``param`` of grouped projection ``layer`` quantized as its
+    quantize-once FP8 forward quantizes it (:func:`~quant_recipes.moe.fp8_gemm.forward`: the
+    rowwise bytes, their scale-inverses and the transposed bytes, from one amax per expert),
+    or None where the layer would not take that path."""
+    from .moe import fp8_gemm
+    from .moe.fp8 import quantize_experts
+    from .moe.gemm import token_alignment
+    from .moe.hf_experts import is_quantized_experts, projection_weight
+
+    if recipe.delayed():
+        return None
+    w = projection_weight(owner, name) if is_quantized_experts(owner) else param
+    qset = layer.quantizers(Frame(True, recipe, False, None), device=w.device)
+    plan = plan_operands(qset, recipe.backward_override, wgrad=param.requires_grad, dgrad=True,
+                         keep_weight=layer.save_weight_copy, keep_input=layer.save_input_copy)
+    qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
+    align = token_alignment(recipe, (*qset.fwd[:2], qset.bwd[0]))
+    if not (plan.columnwise and requantizable(qx) and requantizable(qw) and fp8_gemm.takes(
+            (qx, qw, qset.bwd[0]), w.device, w.dtype, align, layer.in_features,
+            layer.out_features)):
+        return None
+    key = contents_key(param, None)
+    with torch.no_grad():
+        wd, wt, sw = quantize_experts(w, qw, True, True)
+    return KeptWeight(param, qw, (wd, sw, wt), key)
+
+
 _lock = threading.Lock()
 _handles: set[StepWeights] = set()  # live handles: held here until removed, so none goes stale
 _hook = None  # the optimizer step post-hook, while any handle is live
@@ -141,14 +184,13 @@ _hook = None  # the optimizer step post-hook, while any handle is live
 def _stepped(optimizer, _args, _kwargs) -> None:
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for handle in list(_handles):
-        handle.refresh(lambda layer: id(layer.weight) in stepped)
+        handle.refresh(lambda owner, name: id(getattr(owner, name, None)) in stepped)
 
 
-def _loaded(layer, _incompatible) -> None:
-    """``load_state_dict`` post-hook: refresh ``layer``'s kept weight."""
+def _loaded(module, _incompatible) -> None:
+    """``load_state_dict`` post-hook: refresh the kept weights of ``module``'s Parameters."""
     for handle in list(_handles):
-        if layer in handle._layers:
-            handle.refresh(lambda other: other is layer)
+        handle.refresh(lambda owner, _name: owner is module)
 
 
 def refresh_all() -> None:
@@ -161,20 +203,26 @@ class StepWeights:
     """The handle :func:`quantize_weights_per_step` returns: ``refresh()`` quantizes the kept
     weights again now, ``remove()`` drops them and stops refreshing them."""
 
-    def __init__(self, layers: Iterable[torch.nn.Module], recipe) -> None:
+    def __init__(self, layers: Iterable[tuple[torch.nn.Module, torch.nn.Module, str]],
+                 recipe) -> None:
         self.recipe = recipe
-        self._layers = weakref.WeakSet(layers)
+        # layer -> (its weight's owner, the Parameter's name): a Linear owns its weight, a
+        # converted experts module the weights of its two projections
+        self._layers = weakref.WeakKeyDictionary(
+            (layer, (weakref.ref(owner), name)) for layer, owner, name in layers)
+        owners = {id(o()): o() for o, _ in self._layers.values()}.values()
         # a module-level function: a hook that held the handle would not pickle, and a copy
         # of the model would carry a copy of the handle
-        self._hooks = [layer.register_load_state_dict_post_hook(_loaded)
-                       for layer in self._layers]
+        self._hooks = [owner.register_load_state_dict_post_hook(_loaded) for owner in owners]
 
     def refresh(self, which=None) -> None:
-        """Quantize the kept weights again (those of the layers ``which(layer)`` is true for)."""
-        for layer in list(self._layers):
-            if which is None or which(layer):
+        """Quantize the kept weights again (those whose owner and Parameter name
+        ``which(owner, name)`` is true for)."""
+        for layer, (owner_ref, name) in list(self._layers.items()):
+            owner = owner_ref()
+            if owner is not None and (which is None or which(owner, name)):
                 drop(layer)  # the old buffers go before the new ones are made
-                layer._step_weight = _keep(layer, self.recipe)
+                layer._step_weight = _keep(layer, owner, name, self.recipe)
 
     def remove(self) -> None:
         """Drop the kept weights; forwards quantize their weights again, steps refresh nothing."""
@@ -184,7 +232,7 @@ class StepWeights:
         self._hooks = []
         for layer in list(self._layers):
             drop(layer)
-        self._layers = weakref.WeakSet()
+        self._layers = weakref.WeakKeyDictionary()
         with _lock:
             _handles.discard(self)
             if not _handles and _hook is not None:
@@ -203,16 +251,30 @@ def quantize_weights_per_step(model: torch.nn.Module, recipe=None) -> StepWeight
     (see the module docstring for the contract). Returns the handle; ``handle.remove()`` undoes
     it."""
     global _hook
-    from .linear import Linear
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize_weights_per_step: model must be a torch.nn.Module, "
                         f"got {type(model).__name__}")
     recipe = default_recipe() if recipe is None else as_recipe(recipe, "quantize_weights_per_step")
-    handle = StepWeights((m for m in model.modules() if isinstance(m, Linear)), recipe)
+    handle = StepWeights(_weights(model), recipe)
     with _lock:
         _handles.add(handle)
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_stepped)
     handle.refresh()
     return handle
+
+
+def _weights(model: torch.nn.Module):
+    """``(layer, owner, name)`` for each weight :func:`quantize_weights_per_step` keeps: every
+    quantized ``Linear``'s and ``GroupedLinear``'s own, and the two projections' weights of
+    every converted experts module."""
+    from .linear import Linear
+    from .moe.hf_experts import is_quantized_experts, projections
+    from .moe.linear import GroupedLinear
+
+    for m in model.modules():
+        if isinstance(m, (Linear, GroupedLinear)):
+            yield m, m, "weight"
+        elif is_quantized_experts(m):
+            for layer, name in projections(m):
+                yield layer, m, name

@@ -268,19 +268,24 @@ def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
 
 
 def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accum: bool = False,
-            x_row_amax=None, x_rows=None):
+            x_row_amax=None, x_rows=None, w_bytes=None):
     """``(y [T, N], x_t [K, rows] | None, sx, w_t [E, K, N] | None, sw)``: the forward GEMM
     (group ``g`` of ``x [T, K]`` times ``w[g]ᵀ``, ``w [E, N, K]``, plus ``b[g]``, :mod:`.bias`;
     the groups' padded layout ``lay``; ``fast_accum`` as :func:`rows_gemm`'s), and the
     transposed bytes backward's GEMMs read (``keep_x_t`` for the weight gradient, ``keep_w_t``
     for the input gradient) with their ``scale_inv`` ``[E, SCALE_PITCH]``. ``x_row_amax``:
     the amax of each of the ``T`` rows, where the caller has it; ``x_rows [T]``: the rows are
-    ``x[x_rows]``, read where they lie (:func:`.fp8.quantize_rows`)."""
+    ``x[x_rows]``, read where they lie (:func:`.fp8.quantize_rows`). ``w_bytes``: ``(rowwise
+    bytes, scale_inv)`` of ``w`` quantized by ``qw`` already, multiplied instead of quantizing
+    ``w`` (then no transposed weight bytes are made)."""
     fp32 = b is not None
     padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded,
                                row_amax=x_row_amax, x_rows=x_rows)
-    wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
+    if w_bytes is None:
+        wd, wt, sw = quantize_experts(w, qw, True, keep_w_t)
+    else:
+        (wd, sw), wt = w_bytes, None
     y = rows_gemm(xd, sx, wd, sw, lay, qx, qw, padded, fp32=fp32, fast_accum=fast_accum)
     return (y if b is None else bias.added(y, b, lay.gid, x.dtype)), xt, sx, wt, sw
 

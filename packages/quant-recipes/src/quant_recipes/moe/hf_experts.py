@@ -63,10 +63,16 @@ def unsupported_reason(m: torch.nn.Module) -> str | None:
 
 def projection_shapes(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """``{parameter name: (in_features, out_features)}`` of the two projections."""
-    return {name: tuple(_weight(m, name).shape[:0:-1]) for name in (_up_name(m), "down_proj")}
+    return {name: tuple(projection_weight(m, name).shape[:0:-1])
+            for name in (_up_name(m), "down_proj")}
 
 
-def _weight(m: torch.nn.Module, name: str) -> torch.Tensor:
+def projections(m: torch.nn.Module) -> tuple[tuple[GroupedProjection, str], ...]:
+    """``(projection, its Parameter's name)`` of a converted experts module's two projections."""
+    return (m._quant_up, _up_name(m)), (m._quant_down, "down_proj")
+
+
+def projection_weight(m: torch.nn.Module, name: str) -> torch.Tensor:
     """Parameter ``name`` as ``[experts, out, in]`` (a transposed view where it is stored
     ``[experts, in, out]``)."""
     w = getattr(m, name)
@@ -138,14 +144,16 @@ class _QuantizedExperts:
         offs = torch.searchsorted(sorted_ids, experts, right=True)
         up_name = _up_name(self)
         bias = getattr(self, f"{up_name}_bias", None) if self.has_bias else None
-        w = _weight(self, up_name)
+        w = projection_weight(self, up_name)
         self._quant_up.check_input(hidden_states, w)  # offs are right by construction
         layouts = {}  # the two projections run over the same rows: one padded layout
         # the routed rows are hidden_states[routes.rows]: the grouped quantize reads them there
-        h = self._quant_up.project(hidden_states, offs, w, bias, layouts, routes)
+        h = self._quant_up.project(hidden_states, offs, w, bias, layouts, routes,
+                                   param=getattr(self, up_name))
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         bias = getattr(self, "down_proj_bias", None) if self.has_bias else None
-        y = self._quant_down.project(h, offs, _weight(self, "down_proj"), bias, layouts)
+        y = self._quant_down.project(h, offs, projection_weight(self, "down_proj"), bias, layouts,
+                                     param=self.down_proj)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         return combine_routes(y, top_k_weights.to(y.dtype), routes).to(hidden_states.dtype)

@@ -37,6 +37,7 @@ from ..identity import IdentityQuantizer
 from ..module import QuantizedModule, intern, kept_linear_slots, module_frame
 from ..operands import plan_operands, requantizable, requantizing_backward
 from ..role import QuantizerRole
+from ..step_weights import KeptWeight, drop, kept_buffers
 from . import fp8_gemm
 from .bias import group_sums
 from .fp8 import Layout, layout
@@ -113,17 +114,26 @@ class _GroupedFP8Fn(torch.autograd.Function):
     layer's rows are ``x[rows]``, which the grouped quantize reads where they lie (no gathered
     copy), with the groups' amaxes from each row of ``x``'s amax (read once, however many rows
     repeat it); the input gradient of each row of ``x`` is then the sum of its routed rows'
-    (:func:`~.routes.token_gradients`)."""
+    (:func:`~.routes.token_gradients`).
+
+    ``kept_w`` (or None): the weight's bytes ``(rowwise, scale_inv, transposed)`` quantized by
+    ``qw`` after the last optimizer step (:mod:`~quant_recipes.step_weights`): forward
+    multiplies the rowwise bytes and backward reads the transposed ones, and neither quantizes
+    the weight."""
 
     @staticmethod
     def forward(ctx, x, w, b, *args):
         lay = Layout(*args[:Layout.FIELDS])
-        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, align, rows, copies = \
+        qx, qw, qg, traced, keep_x_t, keep_w_t, fast, align, rows, copies, kept_w = \
             args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
-        keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t
+        keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t and kept_w is None
         y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
-                                      _row_amaxes(x, traced, rows), rows)
+                                      _row_amaxes(x, traced, rows), rows,
+                                      None if kept_w is None else kept_w[:2])
+        if kept_w is not None:
+            wt, sw = kept_w[2], kept_w[1]
+            keep_w_t = dgrad
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
                               rows, copies, *lay.tensors())
@@ -151,7 +161,7 @@ class _GroupedFP8Fn(torch.autograd.Function):
         if dx is not None and copies is not None:
             dx = token_gradients(dx, copies)
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
-        return _grads(ctx, dx, dw, db, 10)
+        return _grads(ctx, dx, dw, db, 11)
 
 
 def _row_amaxes(t: torch.Tensor, traced: bool, rows: torch.Tensor | None = None
@@ -201,6 +211,8 @@ class GroupedProjection(QuantizedModule):
     #: Defaults, also for modules pickled before the two flags existed (the instance's own win).
     save_weight_copy = False
     save_input_copy = True
+    #: The weight quantized after the last optimizer step (:mod:`quant_recipes.step_weights`).
+    _step_weight: KeptWeight | None = None
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *,
                  name: str = "", save_weight_copy: bool = False,
@@ -222,6 +234,10 @@ class GroupedProjection(QuantizedModule):
                            self._output_quantizer_role)
         self._bwd_roles = (QuantizerRole("grouped_linear", "grad_output", name),
                            self._grad_input_quantizer_role)
+
+    def _apply(self, fn, recurse: bool = True):
+        drop(self)  # a conversion (.to, .half) changes the weight the kept copies were made of
+        return super()._apply(fn, recurse)
 
     def _kept_slots(self, recipe, num_gemms: int):
         # a grouped layer's slots are a dense Linear's: no built-in recipe tells the two
@@ -283,7 +299,8 @@ class GroupedProjection(QuantizedModule):
 
     def project(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, layouts: dict | None = None,
-                routes: Routes | None = None) -> torch.Tensor:
+                routes: Routes | None = None, param: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Group ``g`` of ``x`` (rows ``offs[g-1]:offs[g]``) times ``w[g]ᵀ`` (plus ``b[g]``):
         quantized as the innermost :func:`~quant_recipes.autocast` (or the bound recipe) says,
         else in high precision. ``w [num_experts, out_features, in_features]``; the inputs are
@@ -294,7 +311,9 @@ class GroupedProjection(QuantizedModule):
         order, each token as many times as it is routed; the grouped routes read them where
         they lie (no gathered copy, and backward keeps ``x`` itself), the per-group path
         gathers them first. Each token's input gradient is the fp32 sum of its routed rows'
-        gradients in route order (deterministic)."""
+        gradients in route order (deterministic). ``param``: the Parameter ``w`` views (``w``
+        itself by default), whose kept quantized bytes (:mod:`~quant_recipes.step_weights`)
+        the quantize-once FP8 path reads when they are ``w``'s under this step's quantizer."""
         traced = compiling()
         frame = module_frame(self)
         total = x.shape[0] if routes is None else routes.rows.shape[0]
@@ -332,9 +351,13 @@ class GroupedProjection(QuantizedModule):
             align = fp8_gemm.layout_alignment(align, qset.bwd[0], qx, x.device,
                                               self.num_experts)
             lay = _layout(offs, total, align, layouts)
+            kept = self._step_weight
+            # compared by value: the plan derives its weight quantizer in the trace
+            kept_w = None if kept is None else kept_buffers(
+                kept, w if param is None else param, qw, by_value=True)
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
-                                       plan.fast_accum, align, *_route_args(routes))
+                                       plan.fast_accum, align, *_route_args(routes), kept_w)
         lay = _layout(offs, total, align, layouts)
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
         return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,

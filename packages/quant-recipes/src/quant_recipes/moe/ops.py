@@ -127,19 +127,22 @@ def _empty_for_none(t, like, dtype=torch.uint8):
 
 
 def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax=None,
-               x_rows=None):
+               x_rows=None, w_data=None, w_scale_inv=None):
+    w_bytes = None if w_data is None else (w_data, w_scale_inv)
     y, xt, sx, wt, sw = fp8_gemm.forward(x, _layout(lay), w, *map(quantizer_of, q), keep_x_t,
-                                         keep_w_t, b, fast_accum, x_row_amax, x_rows)
-    return y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x), sw
+                                         keep_w_t, b, fast_accum, x_row_amax, x_rows, w_bytes)
+    # an op's output may not be its input: the given scale-inverses come back as a copy
+    return (y, _empty_for_none(xt, x), sx, _empty_for_none(wt, x),
+            sw if w_bytes is None else sw.clone())
 
 
 def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax=None,
-                    x_rows=None):
+                    x_rows=None, w_data=None, w_scale_inv=None):
     xt, sx = _rows_t_fake(x, lay, q[0])
     wt, sw = _experts_t_fake(w, q[1])
     return (x.new_empty((lay[0].shape[0], w.shape[1])),
             xt if keep_x_t else _empty_for_none(None, x),
-            sx, wt if keep_w_t else _empty_for_none(None, x), sw)
+            sx, wt if keep_w_t and w_data is None else _empty_for_none(None, x), sw)
 
 
 def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False,
@@ -157,8 +160,8 @@ def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
 
 
 _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
-    "bool keep_w_t, bool fast_accum=False, Tensor? x_row_amax=None, Tensor? x_rows=None) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool keep_w_t, bool fast_accum=False, Tensor? x_row_amax=None, Tensor? x_rows=None, "
+    "Tensor? w_data=None, Tensor? w_scale_inv=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fp8_fprop, _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
     "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False, "
@@ -189,15 +192,16 @@ def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
 
 
 def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool,
-              fast_accum: bool = False, x_row_amax=None, x_rows=None):
+              fast_accum: bool = False, x_row_amax=None, x_rows=None, w_bytes=None):
     """:func:`~quant_recipes.moe.fp8_gemm.forward`, through its op when ``traced`` (the
     bytes not kept are empty tensors there, ``None`` here)."""
     if not traced:
         return fp8_gemm.forward(x, lay, w, qx, qw, keep_x_t, keep_w_t, b, fast_accum,
-                                x_row_amax, x_rows)
+                                x_row_amax, x_rows, w_bytes)
+    w_data, w_scale_inv = (None, None) if w_bytes is None else w_bytes
     return torch.ops.quant_recipes.grouped_fp8_fprop(
         x, lay.tensors(), w, b, [quantizer_spec(qx), quantizer_spec(qw)], keep_x_t, keep_w_t,
-        fast_accum, x_row_amax, x_rows)
+        fast_accum, x_row_amax, x_rows, w_data, w_scale_inv)
 
 
 def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
