@@ -1204,31 +1204,39 @@ def test_hf_experts_weights_quantized_per_step_give_the_same_bits(emulated, tran
 
 
 def test_kept_expert_weights_refresh_on_load_and_drop_on_conversion(emulated):
-    """A GroupedLinear's kept weight: ``load_state_dict`` and ``invalidate_cached_weights()``
-    quantize it again (the output then equals a fresh layer's with the loaded weights), and
+    """A GroupedLinear's kept weight: ``load_state_dict`` quantizes it again; after an in-place
+    write, which a compiled graph cannot see, ``invalidate_cached_weights()`` does (the compiled
+    output then equals a fresh layer's with the written weights, and differs before it);
     ``.float()`` and ``copy.deepcopy`` drop it."""
     import copy
 
     recipe = qr.Float8CurrentScaling()
+    counter = _compiled_counter()
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
     other = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
     x = torch.randn(sum(COUNTS), K, dtype=torch.bfloat16)
 
-    def out(layer):
+    def step(layer, x, counts):
         with qr.autocast(recipe=recipe):
-            return layer(x.clone().requires_grad_(), counts=torch.tensor(COUNTS)).detach()
+            return layer(x, counts=counts)
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+
+    def out(layer, fn=step):
+        return fn(layer, x.clone().requires_grad_(), torch.tensor(COUNTS)).detach()
 
     handle = qr.quantize_weights_per_step(m, recipe)
     first = m._step_weight
     m.load_state_dict(other.state_dict())
-    assert m._step_weight is not first and torch.equal(out(m), out(other))
+    assert m._step_weight is not first and torch.equal(out(m, compiled), out(other))
     with torch.no_grad():
         m.weight.mul_(2)
-    qr.invalidate_cached_weights()
     fresh = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16, name="experts")
     fresh.load_state_dict(m.state_dict())
-    assert torch.equal(out(m), out(fresh))
+    assert not torch.equal(out(m, compiled), out(fresh))  # the stale bytes
+    qr.invalidate_cached_weights()
+    assert torch.equal(out(m, compiled), out(fresh))
     assert copy.deepcopy(m)._step_weight is None and m._step_weight is not None
     m.float()
     assert m._step_weight is None and len(handle) == 0

@@ -358,10 +358,13 @@ def test_two_threads_training_their_own_models_keep_the_bits():
     recipe = qr.Float8CurrentScaling()
     want = _train(_model(), recipe, steps=3)
     got, errors = {}, []
+    # built here: _model() seeds and draws from torch's global generator, which two threads
+    # drawing at once would interleave
+    models = [_model() for _ in range(2)]
 
     def worker(i):
         try:
-            model = _model()
+            model = models[i]
             handle = qr.quantize_weights_per_step(model, recipe)
             got[i] = _train(model, recipe, steps=3)
             handle.remove()

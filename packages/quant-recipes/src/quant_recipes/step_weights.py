@@ -62,7 +62,7 @@ from quant_core import Quantizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .autocast import Frame, default_recipe
-from .compiling import FOLDS_CONSTANTS, compiling, trace_time_constant
+from .compiling import DERIVES_IN_GRAPH, FOLDS_CONSTANTS, compiling, trace_time_constant
 from .gemm import is_high_precision
 from .operands import plan_operands, requantizable
 from .recipe_names import as_recipe
@@ -99,17 +99,17 @@ def _same_quantizer(kept: Quantizer, q: Quantizer) -> bool:
     return kept == q
 
 
-def kept_buffers(kept: KeptWeight, w: torch.Tensor, q: Quantizer, by_value: bool = False
+def kept_buffers(kept: KeptWeight, w: torch.Tensor, q: Quantizer
                  ) -> tuple[torch.Tensor, ...] | None:
     """The buffers ``kept`` holds of ``w`` quantized by ``q``, or None: made from another
     Parameter or with another quantizer, or (eagerly) ``w`` changed since. Compiled code
-    compares the quantizers by value where it folds trace-time constants or ``by_value`` says
-    the caller traces only where value quantizers' members are read in the graph (a grouped
-    layer), else by identity (the recipe's kept quantizers)."""
+    compares the quantizers by value where it reads value quantizers' members (a quantizer
+    derived in the trace is a new object), by identity on torch 2.10 (the recipe's kept
+    quantizers, which a dense Linear reads)."""
     if kept.weight is not w:
         return None
     if compiling():
-        same = (_same_quantizer(kept.quantizer, q) if FOLDS_CONSTANTS or by_value
+        same = (_same_quantizer(kept.quantizer, q) if FOLDS_CONSTANTS or DERIVES_IN_GRAPH
                 else kept.quantizer is q)
         return kept.buffers if same else None
     if kept.quantizer == q and contents_key(w, None) == kept.key:
@@ -128,10 +128,12 @@ def _keep(layer, owner, name: str, recipe) -> KeptWeight | None:
     w = getattr(owner, name, None)
     if type(w) is not torch.nn.Parameter or w.is_inference():
         return None
+    from .moe.hf_experts import is_quantized_experts, projection_weight
     from .moe.linear import GroupedProjection
 
     if isinstance(layer, GroupedProjection):
-        return _keep_experts(layer, owner, name, w, recipe)
+        return layer.kept_weight(w, projection_weight(owner, name)
+                                 if is_quantized_experts(owner) else w, recipe)
     from .linear import check_step_shapes
 
     qset = layer.quantizers(Frame(True, recipe, False, None), device=w.device)
@@ -145,35 +147,6 @@ def _keep(layer, owner, name: str, recipe) -> KeptWeight | None:
     with torch.no_grad():
         buffers = tuple(q.quantize(w).buffer_list(w))
     return KeptWeight(w, q, buffers, key)
-
-
-def _keep_experts(layer, owner, name: str, param: torch.nn.Parameter, recipe
-                  ) -> KeptWeight | None:
-    """The experts' weight ``param`` of grouped projection ``layer`` quantized as its
-    quantize-once FP8 forward quantizes it (:func:`~quant_recipes.moe.fp8_gemm.forward`: the
-    rowwise bytes, their scale-inverses and the transposed bytes, from one amax per expert),
-    or None where the layer would not take that path."""
-    from .moe import fp8_gemm
-    from .moe.fp8 import quantize_experts
-    from .moe.gemm import token_alignment
-    from .moe.hf_experts import is_quantized_experts, projection_weight
-
-    if recipe.delayed():
-        return None
-    w = projection_weight(owner, name) if is_quantized_experts(owner) else param
-    qset = layer.quantizers(Frame(True, recipe, False, None), device=w.device)
-    plan = plan_operands(qset, recipe.backward_override, wgrad=param.requires_grad, dgrad=True,
-                         keep_weight=layer.save_weight_copy, keep_input=layer.save_input_copy)
-    qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
-    align = token_alignment(recipe, (*qset.fwd[:2], qset.bwd[0]))
-    if not (plan.columnwise and requantizable(qx) and requantizable(qw) and fp8_gemm.takes(
-            (qx, qw, qset.bwd[0]), w.device, w.dtype, align, layer.in_features,
-            layer.out_features)):
-        return None
-    key = contents_key(param, None)
-    with torch.no_grad():
-        wd, wt, sw = quantize_experts(w, qw, True, True)
-    return KeptWeight(param, qw, (wd, sw, wt), key)
 
 
 _lock = threading.Lock()

@@ -32,15 +32,17 @@ from quant_core.inputs import check_dense
 from quant_core.reference.fp8_grouped import row_amaxes
 from quant_core.storage import QuantizedStorage
 
+from ..autocast import Frame
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
 from ..module import QuantizedModule, intern, kept_linear_slots, module_frame
 from ..operands import plan_operands, requantizable, requantizing_backward
+from ..reuse import contents_key
 from ..role import QuantizerRole
 from ..step_weights import KeptWeight, drop, kept_buffers
 from . import fp8_gemm
 from .bias import group_sums
-from .fp8 import Layout, layout
+from .fp8 import Layout, layout, quantize_experts
 from .gemm import check_offsets, check_on_device, token_alignment
 from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
 from .routes import Routes, token_gradients
@@ -127,13 +129,14 @@ class _GroupedFP8Fn(torch.autograd.Function):
         qx, qw, qg, traced, keep_x_t, keep_w_t, fast, align, rows, copies, kept_w = \
             args[Layout.FIELDS:]
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
-        keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and keep_w_t and kept_w is None
-        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t, keep_w_t, traced, fast[0],
+        # the kept weight's transposed bytes stand for a transposed copy made here
+        keep_x_t, keep_w_t = wgrad and keep_x_t, dgrad and (keep_w_t or kept_w is not None)
+        y, xt, sx, wt, sw = fp8_fprop(x, lay, w, b, qx, qw, keep_x_t,
+                                      keep_w_t and kept_w is None, traced, fast[0],
                                       _row_amaxes(x, traced, rows), rows,
                                       None if kept_w is None else kept_w[:2])
         if kept_w is not None:
-            wt, sw = kept_w[2], kept_w[1]
-            keep_w_t = dgrad
+            _, sw, wt = kept_w
         ctx.requant = (wgrad and not keep_x_t, dgrad and not keep_w_t)
         ctx.save_for_backward(x if ctx.requant[0] else xt, sx, w if ctx.requant[1] else wt, sw,
                               rows, copies, *lay.tensors())
@@ -337,24 +340,15 @@ class GroupedProjection(QuantizedModule):
                     "same bytes when it quantizes again, which the backward does; use a value "
                     "quantizer without stochastic rounding for the input and weight")
         grad = torch.is_grad_enabled()
-        plan = plan_operands(qset, frame.recipe.backward_override,
-                             wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
-                             keep_weight=self.save_weight_copy, keep_input=self.save_input_copy)
-        # the grouped GEMMs quantize the forward operands rowwise; what backward reads, each
-        # path makes itself: the quantize-once FP8 path keeps transposed copies where the plan
-        # keeps one, the per-group paths quantize both operands again
-        qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
-        align = token_alignment(frame.recipe, (*qset.fwd[:2], qset.bwd[0]))
-        if (plan.columnwise and w.dtype == x.dtype and fp8_gemm.takes(
-                (qx, qw, qset.bwd[0]), x.device, x.dtype, align, self.in_features,
-                self.out_features)):
+        plan, qx, qw, align, once = self._plan(qset, frame.recipe, w.device, w.dtype, x.dtype,
+                                               grad and w.requires_grad, grad and x.requires_grad)
+        if once:
             align = fp8_gemm.layout_alignment(align, qset.bwd[0], qx, x.device,
                                               self.num_experts)
             lay = _layout(offs, total, align, layouts)
             kept = self._step_weight
-            # compared by value: the plan derives its weight quantizer in the trace
             kept_w = None if kept is None else kept_buffers(
-                kept, w if param is None else param, qw, by_value=True)
+                kept, w if param is None else param, qw)
             return _GroupedFP8Fn.apply(x, w, b, *lay.tensors(), qx, qw, qset.bwd[0], traced,
                                        plan.input_bwd is None, plan.weight_bwd is None,
                                        plan.fast_accum, align, *_route_args(routes), kept_w)
@@ -362,6 +356,43 @@ class GroupedProjection(QuantizedModule):
         again = requantizing_backward(plan, qset, _HIGH_PRECISION)
         return _GroupedFn.apply(x, w, b, *lay.tensors(), qx, qw, *again, plan.columnwise, align,
                                 traced, plan.fast_accum, *_route_args(routes))
+
+    def _plan(self, qset, recipe, device: torch.device, w_dtype: torch.dtype,
+              x_dtype: torch.dtype, wgrad: bool, dgrad: bool):
+        """``(plan, qx, qw, align, once)``: the step's operand plan, the rowwise input and
+        weight quantizers the grouped GEMMs take, the groups' token alignment, and whether the
+        step runs the quantize-once FP8 path (:mod:`.fp8_gemm`)."""
+        plan = plan_operands(qset, recipe.backward_override, wgrad=wgrad, dgrad=dgrad,
+                             keep_weight=self.save_weight_copy, keep_input=self.save_input_copy)
+        # the grouped GEMMs quantize the forward operands rowwise; what backward reads, each
+        # path makes itself: the quantize-once FP8 path keeps transposed copies where the plan
+        # keeps one, the per-group paths quantize both operands again
+        qx, qw = (qset.variant(q, columnwise_usage=False) for q in (plan.input, plan.weight))
+        align = token_alignment(recipe, (*qset.fwd[:2], qset.bwd[0]))
+        once = (plan.columnwise and w_dtype == x_dtype and fp8_gemm.takes(
+            (qx, qw, qset.bwd[0]), device, x_dtype, align, self.in_features, self.out_features))
+        return plan, qx, qw, align, once
+
+    def kept_weight(self, param: torch.nn.Parameter, w: torch.Tensor, recipe
+                    ) -> KeptWeight | None:
+        """``w`` (``param`` or the view of it this layer multiplies) quantized as a training
+        step under ``recipe`` quantizes it on the quantize-once FP8 path (the rowwise bytes,
+        their scale-inverses and the transposed bytes, from one amax per expert), for
+        :func:`~quant_recipes.quantize_weights_per_step`; None where the step takes another
+        path or quantizes again to other bytes."""
+        if recipe.delayed():
+            return None
+        qset = self.quantizers(Frame(True, recipe, False, None), device=w.device)
+        if not all(requantizable(q) for q in qset.fwd[:2]):
+            return None
+        _, _, qw, _, once = self._plan(qset, recipe, w.device, w.dtype, w.dtype,
+                                       param.requires_grad, True)
+        if not once:
+            return None
+        key = contents_key(param, None)
+        with torch.no_grad():
+            wd, wt, sw = quantize_experts(w, qw, True, True)
+        return KeptWeight(param, qw, (wd, sw, wt), key)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:
