@@ -298,6 +298,50 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
     return out
 
 
+#: The weight-gradient kernel's tile configs (``--wgrad``).
+WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
+                       "num_stages": 4, "tma": 1, **c} for c in (
+    {}, {"num_stages": 3}, {"BN": 128}, {"BN": 128, "num_stages": 6}))
+
+
+def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
+    """The weight-gradient GEMM of groups of ``counts`` rows (E5M2 x E4M3, HYBRID's): bf16
+    ``torch._grouped_mm`` (the baseline) and quant-kernels' grouped FP8 tokens GEMM over
+    :data:`WGRAD_CONFIGS`; output ``[E, m, n]``."""
+    from quant_core.dtypes import DType
+    from quant_kernels import configs
+    from quant_kernels import fp8_grouped_gemm as kern
+
+    e, total = len(counts), sum(counts)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    spans = list(zip([0, *offs.tolist()[:-1]], offs.tolist(), strict=True))
+    at, bt = _fp8((m, total), E5M2), _fp8((n, total), E4M3)
+    sa, sb = torch.rand(e, device="cuda") + 0.5, torch.rand(e, device="cuda") + 0.5
+    flops, want = 2.0 * total * m * n, []
+
+    def products():
+        if not want:
+            want.append(torch.stack([at[:, s:t].float() @ bt[:, s:t].float().t()
+                                     for s, t in spans]))
+        return want[0]
+
+    def ref():
+        return products() * (sa * sb)[:, None, None]
+
+    # as autograd's weight gradient of torch._grouped_mm reads them: token-major rows
+    ab, bb = (t.to(torch.bfloat16).t().contiguous() for t in (at, bt))
+    out = [_row("bf16 torch._grouped_mm wgrad",
+                lambda: torch._grouped_mm(ab.t(), bb, offs=offs), products, flops)]
+    u8 = (lambda t: t.view(torch.uint8))
+    for cfg in WGRAD_CONFIGS:
+        tag = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        with configs.overridden("fp8_grouped_tokens_gemm", cfg):
+            out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(
+                u8(at), sa, u8(bt), sb, offs, a_dtype=DType.E5M2, b_dtype=DType.E4M3),
+                ref, flops))
+    return out
+
+
 #: The grouped current-scaling quantize's sweep: (amax tile, cast tile) configs.
 CAST_CONFIGS = tuple(({"BM": 32, "BK": 256, "num_warps": 4, **a}, {"BM": 64, "BK": 128,
                                                                   "num_warps": 4, **c})
@@ -353,8 +397,11 @@ def main(args) -> None:
     counts = group_rows(args.experts, args.rows, args.ragged, args.multiple)
     print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
                                      "total": sum(counts)}}))
-    rows += (cast_forms(counts, args.hidden) if args.cast
-             else own_forms(counts, args.hidden, args.out, args.multiple))
+    if args.wgrad:
+        rows += wgrad_forms(counts, args.out, args.hidden)
+    else:
+        rows += (cast_forms(counts, args.hidden) if args.cast
+                 else own_forms(counts, args.hidden, args.out, args.multiple))
     _table(rows)
 
 

@@ -709,6 +709,10 @@ def commands(sub) -> dict:
     r.add_argument("--cast", action="store_true",
                    help="instead of the own GEMMs: the grouped FP8 quantize over tile configs "
                    "(TFLOP/s column: the share of a bf16 copy's speed)")
+    r.add_argument("--wgrad", action="store_true",
+                   help="instead of the own GEMMs: the weight-gradient GEMM ([E, --out, "
+                   "--hidden] from the groups' rows), bf16 torch._grouped_mm and the own "
+                   "grouped FP8 kernel over tile configs")
     r.add_argument("--triton-only", action="store_true",
                    help="only the plain Triton tile kernels of one --rows x --hidden x --out "
                    "product, the second operand K-major and MN-major")
