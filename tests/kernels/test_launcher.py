@@ -121,6 +121,34 @@ def test_what_triton_specialises_on_makes_a_new_key(kernel, change):
     assert _kinds(kernel) == ["triton", "triton"]
 
 
+def _descriptor(rows=64, block=(16, 32), dtype=torch.uint8, padding="zero"):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.zeros(rows, 64, dtype=dtype)
+    return TensorDescriptor(base, list(base.shape), list(base.stride()), list(block), padding)
+
+
+def test_a_descriptor_of_another_shape_and_base_keeps_its_key(kernel):
+    """A host tensor descriptor is specialised by Triton on its dtype and block shape only, so
+    the launches of the grouped GEMMs (whose descriptors are new objects over new tensors every
+    call) go straight to the compiled kernel from the second on."""
+    args, kwargs = _args(torch.empty(4))
+    _launcher.launch(kernel, (1,), (_descriptor(),) + args[1:], kwargs)
+    _launcher.launch(kernel, (1,), (_descriptor(rows=96),) + args[1:], kwargs)
+    assert _kinds(kernel) == ["triton", "direct"]
+    assert isinstance(kernel.log[1][1][9], type(_descriptor()))
+
+
+@pytest.mark.parametrize("change", [{"block": (32, 32)}, {"dtype": torch.float32},
+                                    {"padding": "nan", "dtype": torch.float32}])
+def test_a_descriptor_of_another_block_dtype_or_padding_is_a_new_key(kernel, change):
+    args, kwargs = _args(torch.empty(4))
+    first = {"dtype": torch.float32} if "padding" in change else {}
+    _launcher.launch(kernel, (1,), (_descriptor(**first),) + args[1:], kwargs)
+    _launcher.launch(kernel, (1,), (_descriptor(**change),) + args[1:], kwargs)
+    assert _kinds(kernel) == ["triton", "triton"]
+
+
 @pytest.mark.parametrize("hook", ["callable", "chain"])
 def test_launch_hooks_that_would_run_take_tritons_path(kernel, monkeypatch, hook):
     x = torch.empty(64)

@@ -14,6 +14,9 @@ compiled kernels:
 - an ``int`` by its value (Triton specialises on ``== 1``, ``% 16 == 0`` and the i32/i64 range);
 - a ``bool`` or ``float`` by type and value (``True == 1 == 1.0`` in Python, three types to
   Triton; the value also covers a constexpr passed by position);
+- a host tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``) by its base's
+  dtype, block shape and padding (Triton specialises on the dtype and block shape; the shape,
+  strides and base go to the launcher, which encodes the descriptor on every launch);
 - anything else (``None``, constexpr values) by value;
 - keyword arguments (constexprs, launch options such as ``num_warps``) by name and value;
 - the current CUDA device (a compiled function handle belongs to one device).
@@ -30,6 +33,7 @@ import inspect
 import operator
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 #: The most argument keys kept per kernel; past it the kernel's table starts again (dynamic shapes
 #: make one key per distinct M).
@@ -54,6 +58,8 @@ def _arg_key(a):
     t = type(a)
     if t is float or t is bool:  # 0.0 == 0 == False and hash alike; Triton types them apart
         return t, a
+    if t is TensorDescriptor:  # a dataclass compared by value: unhashable
+        return t, a.base.dtype, tuple(a.block_shape), a.padding
     return a
 
 

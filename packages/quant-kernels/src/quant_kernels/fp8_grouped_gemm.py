@@ -416,7 +416,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     if tma is None:
         launch(_rows_kernel, grid, a, b, *scales, **flags)
     else:
-        _rows_tma_kernel[grid](*tma[1], *scales, **flags)
+        launch(_rows_tma_kernel, grid, *tma[1], *scales, **flags)
     return out
 
 
@@ -441,11 +441,11 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
     else:
         if group_multiple % cfg["BK"] == 0:
-            _tokens_tma_kernel[grid](*tma[1], *rest, **flags)
+            launch(_tokens_tma_kernel, grid, *tma[1], *rest, **flags)
         else:
             if a.is_cuda:
                 device_descriptors_allowed()
-            _tokens_group_tma_kernel[grid](*tma[0], *rest, **flags)
+            launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
     return out
 
 
