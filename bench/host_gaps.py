@@ -7,7 +7,8 @@ kernel after the gap was launched.
 Per config: the step's wall ms, GPU busy ms, idle ms in gaps of at least ``--min-us`` and the
 operators (outermost named ones first) that launched the kernels after the largest gaps, summed.
 A gap means the host had nothing queued: the launches after it waited on Python, on a host
-synchronization, or on the allocator.
+synchronization, or on the allocator. ``--cprofile N``: then one more step under cProfile, its
+``N`` functions of most own host time and of most cumulative host time.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import tempfile
 import time
 
@@ -105,13 +110,30 @@ def gaps(step, min_us: float, rows: int) -> dict:
                      for k, v in by_op.most_common(rows)]}
 
 
-def run(config: str, size: str, layers: int | None, min_us: float, rows: int) -> dict:
+def host_profile(step, rows: int) -> str:
+    """cProfile of one call of ``step``: its ``rows`` functions of most own time, then of most
+    cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).strip_dirs()
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()
+
+
+def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
+        cprofile_rows: int = 0) -> dict:
     torch._dynamo.reset()
     # each compiled layer may compile once more under the profiler: room for all of them
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
     data = steps.batches(size, measure.WARMUP + 2, device)
-    with steps.llama_lowering(config):
+    # a patch variant holds for the whole step here, backward included
+    patch = steps.PATCH_VARIANTS.get(config.partition(":")[2], contextlib.nullcontext)
+    with steps.llama_lowering(config), patch():
         _, forward, opt = steps.compiled_training(config, size, device, layers)
 
         def step(ids):
@@ -123,7 +145,10 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int) ->
 
         for i in range(measure.WARMUP):
             step(data[i])
-        return {"config": config, **gaps(lambda: step(data[-1]), min_us, rows)}
+        res = {"config": config, **gaps(lambda: step(data[-1]), min_us, rows)}
+        if cprofile_rows:
+            res["cprofile"] = host_profile(lambda: step(data[-1]), cprofile_rows)
+        return res
 
 
 def main() -> None:
@@ -134,9 +159,12 @@ def main() -> None:
     p.add_argument("--configs", default="bf16,fp8_current")
     p.add_argument("--min-us", type=float, default=20.0, help="smallest gap counted")
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also one step under cProfile: its N functions of most own and of "
+                   "most cumulative host time")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
-    results = [run(c, args.size, args.layers, args.min_us, args.rows)
+    results = [run(c, args.size, args.layers, args.min_us, args.rows, args.cprofile)
                for c in args.configs.split(",")]
     for r in results:
         print(f"\n{r['config']}: wall {r['wall_ms']} ms, GPU busy {r['busy_ms']} ms, idle "
@@ -145,6 +173,8 @@ def main() -> None:
         print("| --- | --- | --- |")
         for g in r["gaps"]:
             print(f"| {g['op']} | {g['count']} | {g['ms']} |")
+        if "cprofile" in r:
+            print(r["cprofile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

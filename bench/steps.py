@@ -234,7 +234,7 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
-                  "step_weights": ()}
+                  "step_weights": (), "desc_slow": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
@@ -306,8 +306,28 @@ def whole_chunk_groups():
         fp8_gemm.TOKENS_GROUP_MULTIPLE = saved
 
 
+@contextlib.contextmanager
+def descriptors_by_identity():
+    """Host tensor descriptors keyed by the object, as before the direct launch path took them
+    (``:desc_slow``): every grouped GEMM launch with descriptors takes Triton's own path, for an
+    A/B in one process."""
+    from quant_kernels import _launcher
+
+    saved = _launcher._arg_key
+
+    def key(a):
+        return [a] if type(a) is _launcher.TensorDescriptor else saved(a)  # unhashable
+
+    _launcher._arg_key = key
+    try:
+        yield
+    finally:
+        _launcher._arg_key = saved
+
+
 #: ``:variant`` suffix -> a context the config compiles and runs in.
-PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups}
+PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
+                  "desc_slow": descriptors_by_identity}
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
@@ -317,7 +337,9 @@ LLAMA_CONFIG_HELP = (
     "tokens' gradient a scatter; weight_copy: the experts' grouped layers keep their weights' "
     "transposed FP8 copies for backward instead of casting them again; chunks: the FP8 "
     "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
-    "gradient's contraction loaded from descriptors made on the host; step_weights: the "
+    "gradient's contraction loaded from descriptors made on the host; desc_slow: the grouped "
+    "GEMMs' launches with host tensor descriptors through Triton's own launch path; "
+    "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "
     "@form "
