@@ -211,25 +211,28 @@ def cmd_step(args, p) -> None:
 
 def run_model(config: str, size: str, n_steps: int, device: torch.device,
               layers: int | None = None, micro: int = 1, kv_cache: bool = False,
-              whole: bool = False) -> dict:
+              whole: bool = False, mode: str = "default") -> dict:
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
     (``layers``: decoder layers instead of the size's; ``micro``: the batch's forward and
     backward run that many times per optimizer step, as gradient accumulation does;
     ``kv_cache``: the model builds a KV cache in training, see ``steps.llama``; ``whole``: the
-    whole model compiled at once instead of each decoder layer)."""
+    whole model compiled at once instead of each decoder layer; ``mode``: torch.compile's)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
     with steps.llama_lowering(config):
         model, forward, opt = steps.compiled_training(config, size, device, layers, kv_cache,
-                                                      whole)
+                                                      whole, mode)
         row: dict = {"config": config, "size": size, "layers": len(model.model.layers),
-                     "micro": micro, "whole": whole}
+                     "micro": micro, "whole": whole, "mode": mode}
+        graphs = mode == "reduce-overhead"
         losses: list[float] = []
         held: list[int] = []
 
         def step(ids, record=True):
             for _ in range(micro):
+                if graphs:  # a new iteration: the graphs' outputs of the last one are dead
+                    torch.compiler.cudagraph_mark_step_begin()
                 before = torch.cuda.memory_allocated(device) if cuda else 0
                 loss = forward(ids)
                 if cuda:
@@ -359,7 +362,7 @@ def cmd_model(args, p) -> None:
         t0 = time.perf_counter()
         try:
             row = run_model(config, args.size, args.steps, device, args.layers, args.micro,
-                            args.kv_cache, args.whole)
+                            args.kv_cache, args.whole, args.mode)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -591,6 +594,9 @@ def commands(sub) -> dict:
     m.add_argument("--whole", action="store_true",
                    help="compile the whole model at once (model.compile()) instead of each "
                    "decoder layer: every layer's Python is traced, in one graph")
+    m.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
+                   help="torch.compile's mode for every config (reduce-overhead: each compiled "
+                   "graph replayed as a CUDA graph, no host time per kernel)")
     m.add_argument("--configs", default=",".join(steps.LLAMA_DEFAULT),
                    help=steps.LLAMA_CONFIG_HELP)
     m.add_argument("--device", default="cuda")

@@ -440,19 +440,22 @@ def corpus(tokens: int) -> torch.Tensor:
 
 
 def compiled_training(config: str, size: str, device: torch.device, layers: int | None = None,
-                      kv_cache: bool = False, whole: bool = False):
+                      kv_cache: bool = False, whole: bool = False, mode: str = "default"):
     """``(model, forward, optimizer)`` of the model benchmark: ``size``'s model (Llama or
     mixture of experts) with ``layers`` decoder layers, converted for ``config``
     (:func:`convert_llama`), every decoder layer compiled (per block, as torchtitan compiles),
     AdamW (fused on CUDA); ``kv_cache``: see :func:`llama`; ``whole``: the whole model compiled
-    at once (``model.compile()``) instead. Call it inside :func:`llama_lowering` of ``config``."""
+    at once (``model.compile()``) instead; ``mode``: torch.compile's (``"reduce-overhead"``:
+    each compiled graph replayed as a CUDA graph). Call it inside :func:`llama_lowering` of
+    ``config``."""
     model = (moe_model if size in MOE_SIZES else llama)(size, device, layers, kv_cache)
     forward = convert_llama(config, model)
+    kw = {} if mode == "default" else {"mode": mode}
     if whole:
-        model.compile()
+        model.compile(**kw)
     else:
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(**kw)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     return model, forward, opt
 
