@@ -193,6 +193,42 @@ def test_load_state_dict_and_invalidate_refresh_the_kept_weights():
     handle.remove()
 
 
+def _kept_addresses(model):
+    return [[b.data_ptr() for b in m._step_weight.buffers] for m in model]
+
+
+def test_a_refresh_writes_into_the_kept_buffers(recipe_and_count):
+    """The kept buffers keep their addresses from step to step (a CUDA graph of a compiled
+    layer reads them where it recorded them), and hold the new step's bytes."""
+    recipe, _ = recipe_and_count
+    model, handle = _kept_model(recipe)
+    before = _kept_addresses(model)
+    first = [[b.clone() for b in m._step_weight.buffers] for m in model]
+    _train(model, recipe, steps=2, micro=1)
+    assert _kept_addresses(model) == before
+    want, other = _kept_model(recipe)
+    want.load_state_dict(model.state_dict())
+    for m, w, old in zip(model, want, first, strict=True):
+        assert _equal(m._step_weight.buffers, w._step_weight.buffers)
+        assert not _equal(m._step_weight.buffers, old)
+    handle.remove()
+    other.remove()
+
+
+def test_a_backward_that_saved_the_old_bytes_refuses_them_after_a_refresh():
+    recipe = qr.Float8CurrentScaling()
+    model, handle = _kept_model(recipe)
+    x = _batches(1)[0]
+    with qr.autocast(recipe=recipe):
+        y = model(x)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    handle.refresh()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+    handle.remove()
+
+
 def test_eager_forwards_see_in_place_writes_and_data_assignment():
     recipe = qr.Float8CurrentScaling()
     model, handle = _kept_model(recipe)
@@ -300,16 +336,22 @@ def test_grouped_experts_off_the_quantize_once_path_keep_nothing():
     handle.remove()
 
 
-def test_a_step_in_another_thread_refreshes_only_its_weights():
+def test_a_step_in_another_thread_refreshes_only_its_weights(monkeypatch):
+    from quant_recipes import step_weights
+
     recipe = qr.Float8CurrentScaling()
     model, handle = _kept_model(recipe)
-    first, second = model[0]._step_weight, model[1]._step_weight
+    kept, refreshed = step_weights._keep, []
+    monkeypatch.setattr(step_weights, "_keep", lambda layer, *a: refreshed.append(layer)
+                        or kept(layer, *a))
+    first = [b.clone() for b in model[0]._step_weight.buffers]
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
     _forward(model, recipe).float().sum().backward()
     t = threading.Thread(target=opt.step)
     t.start()
     t.join()
-    assert model[0]._step_weight is not first and model[1]._step_weight is second
+    assert refreshed == [model[0]]
+    assert not _equal(model[0]._step_weight.buffers, first)
     handle.remove()
 
 

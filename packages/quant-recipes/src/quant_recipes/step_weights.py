@@ -23,6 +23,8 @@ without them, until the next step refreshes it):
 - a ``torch.optim.Optimizer.step()`` over the weight, in any thread, refreshes it (a global
   step post-hook, fused optimizers included);
 - ``load_state_dict`` on the model or the layer refreshes it;
+- a refresh writes the new bytes into the buffers already kept (their addresses stay, as CUDA
+  graphs of compiled layers require), holding both copies of one layer's weight for a moment;
 - :func:`~quant_recipes.invalidate_cached_weights` refreshes every kept weight;
 - ``module.to()``, ``.half()`` and the other conversions drop them, as do ``copy.deepcopy`` and
   pickling (the copy is not refreshed by this handle);
@@ -149,6 +151,24 @@ def _keep(layer, owner, name: str, recipe) -> KeptWeight | None:
     return KeptWeight(w, q, buffers, key)
 
 
+def _refreshed(old: KeptWeight | None, new: KeptWeight | None) -> KeptWeight | None:
+    """``new``, its bytes written into ``old``'s buffers where both are of the same Parameter,
+    quantizer and buffer shapes: the kept buffers keep their addresses from step to step, so a
+    compiled graph replayed as a CUDA graph reads them where it recorded them (new tensors would
+    have it record again, or copy them in, on every step). A graph that saved the old bytes for
+    a backward still to run sees the write as an in-place change (autograd's version check)."""
+    if (old is None or new is None or old.weight is not new.weight
+            or old.quantizer != new.quantizer or len(old.buffers) != len(new.buffers)
+            or any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                   for a, b in zip(old.buffers, new.buffers, strict=True))):
+        return new
+    with torch.no_grad():
+        for a, b in zip(old.buffers, new.buffers, strict=True):
+            a.copy_(b)
+    old.key = new.key
+    return old
+
+
 _lock = threading.Lock()
 _handles: set[StepWeights] = set()  # live handles: held here until removed, so none goes stale
 _hook = None  # the optimizer step post-hook, while any handle is live
@@ -194,8 +214,8 @@ class StepWeights:
         for layer, (owner_ref, name) in list(self._layers.items()):
             owner = owner_ref()
             if owner is not None and (which is None or which(owner, name)):
-                drop(layer)  # the old buffers go before the new ones are made
-                layer._step_weight = _keep(layer, owner, name, self.recipe)
+                layer._step_weight = _refreshed(layer._step_weight,
+                                                _keep(layer, owner, name, self.recipe))
 
     def remove(self) -> None:
         """Drop the kept weights; forwards quantize their weights again, steps refresh nothing."""
