@@ -44,6 +44,9 @@ def main() -> int:
         "grouped fp8 experts": lambda: fp8_grouped.fp8_group_quantize(
             x, one, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0,
             rowwise=True, columnwise=True, group_rows=128),
+        "grouped fp8 + scales": lambda: fp8_grouped.fp8_group_quantize(
+            x, one, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0,
+            rowwise=True, columnwise=True, group_rows=128, scale_inv=torch.empty(1, 4)),
         "grouped amax": lambda: fp8_grouped.group_amax(x, 2, None, group_rows=128),
     }
     bad = 0

@@ -138,6 +138,16 @@ def test_expert_bytes_equal_one_quantize_per_expert(impl, qid, n):
         assert torch.equal(sinv[e, :1], ws)
 
 
+def test_the_scale_inverses_of_more_experts_than_one_block_of_them(impl):
+    """300 experts: the cast kernel writes the scale-inverses in more than one block of groups
+    (``quant_kernels.fp8_grouped.SCALE_INV_BLOCK``, 256)."""
+    torch.manual_seed(2)
+    w = torch.randn(300, 16, K, dtype=torch.bfloat16) * torch.logspace(-3, 3, 300)[:, None, None]
+    q = _quantizer("e4m3")
+    _, _, sinv = grouped_fp8.quantize_experts(w, q, True, False)
+    assert torch.equal(sinv[:, 0], torch.cat([q.quantize(e).buffer_list(e)[2] for e in w]))
+
+
 @pytest.mark.parametrize("qid", ["e4m3", "pow2"])
 def test_quantizing_again_from_the_kept_amaxes_gives_the_same_bytes(impl, qid):
     """Column 1 of the scale-inverses holds each group's amax; given back (``scale_inv``), the

@@ -39,6 +39,9 @@ from ._rounding import (
 )
 from .configs import launch_config
 
+#: Groups per step of the cast kernel's loop over the scale-inverses.
+SCALE_INV_BLOCK = tl.constexpr(256)
+
 
 @triton.jit
 def _row_groups(rm, rmask, gid_ptr, GROUP_ROWS: tl.constexpr):
@@ -72,12 +75,12 @@ def _group_amax_kernel(x_ptr, gid_ptr, amax_bits_ptr, R, K, GROUP_ROWS: tl.const
 
 
 @triton.jit
-def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
-                            POW2: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
-    """``div_rn(1, scale)`` of each group's current-scaling scale (``out [n, PITCH]`` fp32,
-    column 0), the amax in column 1 (``PITCH`` >= 2); the other columns written zero, so the
-    buffer needs no clearing first."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _store_scale_inv(amax_ptr, out_ptr, i, n, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                     PITCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Groups ``i`` (a ``[BLOCK]`` range, those below ``n``): ``div_rn(1, scale)`` of each
+    group's current-scaling scale in column 0 of ``out [n, PITCH]`` (fp32), the amax in column
+    1 (``PITCH`` >= 2); the other columns written zero, so the buffer needs no clearing
+    first."""
     amax = tl.load(amax_ptr + i, mask=i < n, other=0.0)
     s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
     tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=i < n)
@@ -88,13 +91,23 @@ def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
 
 
 @triton.jit
+def _group_scale_inv_kernel(amax_ptr, out_ptr, n, eps, FP8_MAX: tl.constexpr,
+                            POW2: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_store_scale_inv` of ``BLOCK`` groups per program."""
+    _store_scale_inv(amax_ptr, out_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), n, eps,
+                     FP8_MAX, POW2, PITCH, BLOCK)
+
+
+@triton.jit
 def _group_cast_kernel(
-    x_ptr, src_ptr, grp_ptr, amax_ptr, data_ptr, t_ptr, xrows_ptr, P, K, eps,
+    x_ptr, src_ptr, grp_ptr, amax_ptr, data_ptr, t_ptr, xrows_ptr, sinv_ptr, P, K, groups, eps,
     ROW: tl.constexpr, COL: tl.constexpr, ROW_PADDED: tl.constexpr, GROUP_ROWS: tl.constexpr,
     GATHER: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    PITCH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """One ``[BM, BK]`` tile of output rows: ``fp8_satfinite_rne(float(x) * scale[group])``.
+    """One ``[BM, BK]`` tile of output rows: ``fp8_satfinite_rne(float(x) * scale[group])``;
+    the first program also writes the ``groups`` groups' scale-inverses into ``sinv_ptr``
+    (:func:`_store_scale_inv`, ``PITCH`` > 0), so that no launch of its own makes them.
 
     Output row ``p`` (of ``P``) reads source row ``src[p]`` (``-1``: zeros) of group
     ``grp[p]``, which is row ``xrows[src[p]]`` of ``x`` with ``GATHER``; with ``GROUP_ROWS``
@@ -105,6 +118,11 @@ def _group_cast_kernel(
         group's ``[K, GROUP_ROWS]``, groups end to end.
     amax_ptr: fp32 ``[groups]`` amaxes (:func:`_group_amax_kernel`).
     """
+    if PITCH > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            for g0 in range(0, groups, SCALE_INV_BLOCK):
+                _store_scale_inv(amax_ptr, sinv_ptr, g0 + tl.arange(0, SCALE_INV_BLOCK), groups,
+                                 eps, FP8_MAX, POW2, PITCH, SCALE_INV_BLOCK)
     p0 = tl.program_id(0) * BM
     rp = (p0 + tl.arange(0, BM)).to(tl.int64)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -179,6 +197,17 @@ def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bo
     return out
 
 
+def _quantized(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch, **kw):
+    """``(data, transpose, scale_inv)``: :func:`fp8_group_quantize` of ``x``, the cast's launch
+    also writing :func:`group_scale_inv`'s ``[groups, scale_pitch]`` (a launch of its own only
+    where nothing is cast)."""
+    sinv = torch.empty((amax.shape[0], scale_pitch), dtype=torch.float32, device=x.device)
+    data, trans = fp8_group_quantize(x, amax, fp8_dtype=fp8_dtype,
+                                     force_pow_2_scales=force_pow_2_scales,
+                                     amax_epsilon=amax_epsilon, scale_inv=sinv, **kw)
+    return data, trans, sinv
+
+
 def fp8_group_quantize(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -193,12 +222,14 @@ def fp8_group_quantize(
     row_padded: bool = False,
     group_rows: int = 0,
     x_rows: torch.Tensor | None = None,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(data, transpose)``: ``x``'s rows cast with their groups' current-scaling scales
     (from ``amax``, :func:`group_amax`). Tokens (``src``, ``grp`` of ``P`` padded rows): data
     ``[P, K]`` when ``row_padded`` else ``[T, K]``, transpose ``[K, P]``; token row ``t`` is
     row ``x_rows[t]`` of ``x`` where ``x_rows [T]`` is given. Experts (``group_rows = N``,
-    ``x [E * N, K]``): data ``[E * N, K]``, transpose ``[E, K, N]``."""
+    ``x [E * N, K]``): data ``[E * N, K]``, transpose ``[E, K, N]``. ``scale_inv``: an fp32
+    ``[groups, pitch]`` buffer that receives :func:`group_scale_inv`'s values too."""
     check_input_dtype(x, "fp8_group_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     r, k = x.shape[0] if x_rows is None else x_rows.shape[0], x.shape[1]
@@ -216,10 +247,15 @@ def fp8_group_quantize(
         launch(_group_cast_kernel, (ceil_div(p, cfg["BM"]), ceil_div(k, cfg["BK"])), x,
                amax if src is None else src, amax if grp is None else grp, amax,
                data_arg if rowwise else amax, t_arg if columnwise else amax,
-               amax if x_rows is None else x_rows, p, k, float(amax_epsilon), ROW=rowwise,
-               COL=columnwise, ROW_PADDED=row_padded, GROUP_ROWS=group_rows,
-               GATHER=x_rows is not None, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
-               POW2=bool(force_pow_2_scales), **kw)
+               amax if x_rows is None else x_rows, amax if scale_inv is None else scale_inv, p,
+               k, amax.shape[0], float(amax_epsilon), ROW=rowwise, COL=columnwise,
+               ROW_PADDED=row_padded, GROUP_ROWS=group_rows, GATHER=x_rows is not None,
+               IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
+               POW2=bool(force_pow_2_scales),
+               PITCH=0 if scale_inv is None else scale_inv.shape[1], **kw)
+    elif scale_inv is not None:
+        scale_inv.copy_(group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                        scale_inv.shape[1]))
     return data, trans
 
 
@@ -246,12 +282,9 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
         amax = group_amax(x, groups, gid)
     else:
         amax = group_amax(row_amaxes(x)[x_rows.to(torch.int64), None], groups, gid)
-    data, trans = fp8_group_quantize(
-        x, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
-        amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
-        row_padded=row_padded, x_rows=x_rows)
-    return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                                        scale_pitch)
+    return _quantized(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
+                      rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
+                      row_padded=row_padded, x_rows=x_rows)
 
 
 def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
@@ -265,8 +298,5 @@ def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType
     n = w.shape[0] // groups if groups else 0
     amax = (group_amax(w, groups, None, group_rows=n) if amax is None
             else given_group_amax(amax, groups, w.device, "fp8_group_quantize_experts"))
-    data, trans = fp8_group_quantize(
-        w, amax, fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
-        amax_epsilon=amax_epsilon, rowwise=rowwise, columnwise=columnwise, group_rows=n)
-    return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                                        scale_pitch)
+    return _quantized(w, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
+                      rowwise=rowwise, columnwise=columnwise, group_rows=n)
