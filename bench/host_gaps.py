@@ -26,7 +26,7 @@ import tempfile
 import time
 
 import measure
-import steps
+import steps as bench_steps
 import torch
 
 #: Operator names that say nothing about which layer code ran (their children do).
@@ -71,20 +71,24 @@ def _named(names: list[str]) -> str:
     return " > ".join(kept[:2]) if kept else names[-1]
 
 
-def gaps(step, min_us: float, rows: int) -> dict:
-    """Profile one call of ``step`` and sum its GPU idle gaps by launching operators. A first
-    profiled call is not measured: compiled code may recompile once under the profiler."""
+def gaps(step, min_us: float, rows: int, steps: int = 1) -> dict:
+    """Profile ``steps`` calls of ``step`` in a row and sum their GPU idle gaps by launching
+    operators, per call (the mean; ``walls_ms``: each call's wall time, a gap between two calls
+    counted in the second). A first profiled call is not measured: compiled code may recompile
+    once under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=activities):
         step()
     torch.cuda.synchronize()
+    walls = []
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
@@ -104,10 +108,11 @@ def gaps(step, min_us: float, rows: int) -> dict:
             idle += gap
         busy += max(0.0, e - max(s, end))
         end = max(end, e)
-    return {"wall_ms": round(wall, 2), "busy_ms": round(busy / 1e3, 2),
-            "idle_ms": round(idle / 1e3, 2), "kernels": len(kernels),
-            "gaps": [{"op": k[:150], "count": count[k], "ms": round(v / 1e3, 3)}
-                     for k, v in by_op.most_common(rows)]}
+    return {"wall_ms": round(sum(walls) / steps, 2), "walls_ms": [round(w, 2) for w in walls],
+            "busy_ms": round(busy / 1e3 / steps, 2), "idle_ms": round(idle / 1e3 / steps, 2),
+            "kernels": len(kernels) // steps,
+            "gaps": [{"op": k[:150], "count": round(count[k] / steps, 1),
+                      "ms": round(v / 1e3 / steps, 3)} for k, v in by_op.most_common(rows)]}
 
 
 def host_profile(step, rows: int) -> str:
@@ -125,16 +130,16 @@ def host_profile(step, rows: int) -> str:
 
 
 def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
-        cprofile_rows: int = 0) -> dict:
+        cprofile_rows: int = 0, steps: int = 1) -> dict:
     torch._dynamo.reset()
     # each compiled layer may compile once more under the profiler: room for all of them
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
-    data = steps.batches(size, measure.WARMUP + 2, device)
+    data = bench_steps.batches(size, measure.WARMUP + 2, device)
     # a patch variant holds for the whole step here, backward included
-    patch = steps.PATCH_VARIANTS.get(config.partition(":")[2], contextlib.nullcontext)
-    with steps.llama_lowering(config), patch():
-        _, forward, opt = steps.compiled_training(config, size, device, layers)
+    patch = bench_steps.PATCH_VARIANTS.get(config.partition(":")[2], contextlib.nullcontext)
+    with bench_steps.llama_lowering(config), patch():
+        _, forward, opt = bench_steps.compiled_training(config, size, device, layers)
 
         def step(ids):
             loss = forward(ids)
@@ -145,7 +150,7 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
 
         for i in range(measure.WARMUP):
             step(data[i])
-        res = {"config": config, **gaps(lambda: step(data[-1]), min_us, rows)}
+        res = {"config": config, **gaps(lambda: step(data[-1]), min_us, rows, steps)}
         if cprofile_rows:
             res["cprofile"] = host_profile(lambda: step(data[-1]), cprofile_rows)
         return res
@@ -154,21 +159,26 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="qwen3-moe",
-                   choices=sorted([*steps.SIZES, *steps.MOE_SIZES]))
+                   choices=sorted([*bench_steps.SIZES, *bench_steps.MOE_SIZES]))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--configs", default="bf16,fp8_current")
     p.add_argument("--min-us", type=float, default=20.0, help="smallest gap counted")
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--steps", type=int, default=1,
+                   help="steps profiled in a row; the figures are per step (their mean)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also one step under cProfile: its N functions of most own and of "
                    "most cumulative host time")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
-    results = [run(c, args.size, args.layers, args.min_us, args.rows, args.cprofile)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    results = [run(c, args.size, args.layers, args.min_us, args.rows, args.cprofile, args.steps)
                for c in args.configs.split(",")]
     for r in results:
-        print(f"\n{r['config']}: wall {r['wall_ms']} ms, GPU busy {r['busy_ms']} ms, idle "
-              f"{r['idle_ms']} ms in gaps >= {args.min_us} us, {r['kernels']} kernels")
+        print(f"\n{r['config']}: wall {r['wall_ms']} ms (steps: {r['walls_ms']}), GPU busy "
+              f"{r['busy_ms']} ms, idle {r['idle_ms']} ms in gaps >= {args.min_us} us, "
+              f"{r['kernels']} kernels (per step)")
         print("| operators launching the kernel after the gap | gaps | ms |")
         print("| --- | --- | --- |")
         for g in r["gaps"]:
