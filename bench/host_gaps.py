@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import contextlib
 import cProfile
 import io
 import json
@@ -136,9 +135,7 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device("cuda")
     data = bench_steps.batches(size, measure.WARMUP + 2, device)
-    # a patch variant holds for the whole step here, backward included
-    patch = bench_steps.PATCH_VARIANTS.get(config.partition(":")[2], contextlib.nullcontext)
-    with bench_steps.llama_lowering(config), patch():
+    with bench_steps.llama_lowering(config), bench_steps.whole_step_patch(config):
         _, forward, opt = bench_steps.compiled_training(config, size, device, layers)
 
         def step(ids):

@@ -220,7 +220,7 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
-    with steps.llama_lowering(config):
+    with steps.llama_lowering(config), steps.whole_step_patch(config):
         model, forward, opt = steps.compiled_training(config, size, device, layers, kv_cache,
                                                       whole, mode)
         row: dict = {"config": config, "size": size, "layers": len(model.model.layers),

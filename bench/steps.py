@@ -328,6 +328,16 @@ def descriptors_by_identity():
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity}
+
+
+def whole_step_patch(config: str):
+    """The context of config ``config``'s ``:variant`` (:data:`PATCH_VARIANTS`; none: a null
+    context), for a caller to hold over whole training steps: the model's forward holds it
+    itself, and a variant whose code runs in backward too (an eager launch path, say) needs it
+    held there as well."""
+    return PATCH_VARIANTS.get(parse_llama_config(config)[1], contextlib.nullcontext)()
+
+
 LLAMA_CONFIG_HELP = (
     "bf16; torchao ao_fp8_tensorwise, ao_fp8_rowwise; quant fp8_current, fp8_block, mxfp8, "
     "nvfp4, each with an optional :variant (requant: save_weight_copy=False, requant_input: "
