@@ -148,6 +148,17 @@ def test_the_scale_inverses_of_more_experts_than_one_block_of_them(impl):
     assert torch.equal(sinv[:, 0], torch.cat([q.quantize(e).buffer_list(e)[2] for e in w]))
 
 
+@pytest.mark.parametrize("n, k", [(0, K), (4, 0)])
+def test_experts_without_elements_still_get_their_scale_inverses(impl, n, k):
+    """Nothing to cast (experts of no rows, or rows of no columns): empty bytes, and the
+    scale-inverses still written, each 1 (an amax of 0 gives a scale of 1), with the amax 0 and
+    zero padding in the pitch."""
+    w = torch.randn(3, n, k, dtype=torch.bfloat16)
+    data, trans, sinv = grouped_fp8.quantize_experts(w, _quantizer("e4m3"), True, True)
+    assert data.numel() == trans.numel() == 0 and trans.shape == (3, k, n)
+    assert sinv[:, 0].tolist() == [1.0] * 3 and not sinv[:, 1:].any()
+
+
 @pytest.mark.parametrize("qid", ["e4m3", "pow2"])
 def test_quantizing_again_from_the_kept_amaxes_gives_the_same_bytes(impl, qid):
     """Column 1 of the scale-inverses holds each group's amax; given back (``scale_inv``), the

@@ -184,12 +184,16 @@ def group_amax(x: torch.Tensor, groups: int, gid: torch.Tensor | None,
 
 
 def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bool,
-                    amax_epsilon: float, pitch: int = 1) -> torch.Tensor:
-    """fp32 ``[groups, pitch]``: column 0 holds each group's ``div_rn(1, scale)``, column 1 (a
-    pitch of 2 or more) its amax, the rest 0 (a pitch of 4 puts each group's scale on its own
-    16-byte boundary, as cuBLAS requires of a scale pointer)."""
+                    amax_epsilon: float, pitch: int = 1,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[groups, pitch]`` (``out`` where given): column 0 holds each group's
+    ``div_rn(1, scale)``, column 1 (a pitch of 2 or more) its amax, the rest 0 (a pitch of 4
+    puts each group's scale on its own 16-byte boundary, as cuBLAS requires of a scale
+    pointer)."""
     n = amax.shape[0]
-    out = torch.empty((n, pitch), dtype=torch.float32, device=amax.device)
+    if out is None:
+        out = torch.empty((n, pitch), dtype=torch.float32, device=amax.device)
+    pitch = out.shape[1]
     block = 1024
     launch(_group_scale_inv_kernel, (max(ceil_div(n, block), 1),), amax, out, n,
            float(amax_epsilon), FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
@@ -254,8 +258,7 @@ def fp8_group_quantize(
                POW2=bool(force_pow_2_scales),
                PITCH=0 if scale_inv is None else scale_inv.shape[1], **kw)
     elif scale_inv is not None:
-        scale_inv.copy_(group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                                        scale_inv.shape[1]))
+        group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon, out=scale_inv)
     return data, trans
 
 
@@ -298,5 +301,11 @@ def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType
     n = w.shape[0] // groups if groups else 0
     amax = (group_amax(w, groups, None, group_rows=n) if amax is None
             else given_group_amax(amax, groups, w.device, "fp8_group_quantize_experts"))
+    if n == 0:  # experts without rows: nothing to cast (and no row count marks the layout)
+        k = w.shape[1]
+        data = fp8_data((0, k), fp8_dtype, w.device)[1] if rowwise else None
+        trans = fp8_data((groups, k, 0), fp8_dtype, w.device)[1] if columnwise else None
+        return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                            scale_pitch)
     return _quantized(w, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
                       rowwise=rowwise, columnwise=columnwise, group_rows=n)
