@@ -82,6 +82,7 @@ def test_stochastic_rounding_seeds_advance_per_replay():
 
 
 def _linear(recipe_name: str):
+    """``(layer, forward under autocast, the recipe)``: a bf16 Linear 512 -> 256 on CUDA."""
     torch.manual_seed(0)
     lin = qr.Linear(512, 256, dtype=torch.bfloat16, device="cuda")
     # NVFP4's gradients round stochastically: a replay draws new seeds (the point of the seed
@@ -93,7 +94,7 @@ def _linear(recipe_name: str):
         with qr.autocast(recipe=recipe):
             return lin(x)
 
-    return lin, fwd
+    return lin, fwd, recipe
 
 
 def _step(lin, fwd, x, g):
@@ -106,7 +107,7 @@ def _step(lin, fwd, x, g):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_linear_under_manual_capture(name):
-    lin, fwd = _linear(name)
+    lin, fwd, _ = _linear(name)
     static_x = torch.zeros(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_g = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
@@ -141,7 +142,7 @@ def test_linear_under_manual_capture(name):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_linear_compiled_reduce_overhead(name):
-    lin, fwd = _linear(name)
+    lin, fwd, _ = _linear(name)
     compiled = torch.compile(fwd, mode="reduce-overhead", fullgraph=True)
     xs, gs = _inputs(4, seed=5), [t[:, :256].contiguous() for t in _inputs(4, seed=6)]
     for x, g in zip(xs, gs, strict=True):
@@ -156,14 +157,7 @@ def _trained(kept: bool, compiled: bool, steps: int = 3):
     """``steps`` SGD steps of an FP8 current-scaling Linear (compiled with
     ``mode="reduce-overhead"`` or eager; its weight kept per optimizer step or quantized in
     forward): each step's output and input gradient, then the final weight."""
-    torch.manual_seed(0)
-    lin = qr.Linear(512, 256, dtype=torch.bfloat16, device="cuda")
-    recipe = RECIPES["current"]()
-
-    def fwd(x):
-        with qr.autocast(recipe=recipe):
-            return lin(x)
-
+    lin, fwd, recipe = _linear("current")
     handle = qr.quantize_weights_per_step(lin, recipe) if kept else None
     run = torch.compile(fwd, mode="reduce-overhead", fullgraph=True) if compiled else fwd
     opt = torch.optim.SGD(lin.parameters(), lr=0.5)

@@ -206,13 +206,13 @@ def test_a_refresh_writes_into_the_kept_buffers(recipe_and_count):
     first = [[b.clone() for b in m._step_weight.buffers] for m in model]
     _train(model, recipe, steps=2, micro=1)
     assert _kept_addresses(model) == before
-    want, other = _kept_model(recipe)
+    want, want_handle = _kept_model(recipe)  # a fresh keep of the trained weights
     want.load_state_dict(model.state_dict())
     for m, w, old in zip(model, want, first, strict=True):
         assert _equal(m._step_weight.buffers, w._step_weight.buffers)
         assert not _equal(m._step_weight.buffers, old)
     handle.remove()
-    other.remove()
+    want_handle.remove()
 
 
 def test_a_backward_that_saved_the_old_bytes_refuses_them_after_a_refresh():
