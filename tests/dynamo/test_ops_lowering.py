@@ -31,8 +31,11 @@ CURRENT = Float8CurrentScalingQuantizer(columnwise_usage=True)
 
 
 @pytest.fixture
-def ops_on_cpu(cpu_ops_device):
-    """The CPU among the devices whose quantizers are lowered to reference ops."""
+def ops_on_cpu(cpu_ops_device, monkeypatch):
+    """The CPU among the devices whose quantizers are lowered to reference ops, and the ops
+    form first for every quantization (the default sends a columnwise copy to the kernels,
+    which the CPU lacks; a test may set another form)."""
+    monkeypatch.setenv("QUANT_LOWERING", "ops")
 
 
 def _compiled(fn, partitioned: bool = False):
@@ -164,15 +167,49 @@ def test_quant_lowering_picks_the_form(ops_on_cpu, recording_backend, monkeypatc
     assert (True in recording_backend) is (form == "kernels")  # recorded while capturing
 
 
-def test_without_capturable_kernels_the_default_traces_the_ops(ops_on_cpu):
-    compiled, graphs = _compiled(lambda t: quant_dynamo.quantize(t, CURRENT))
+@pytest.mark.parametrize("value", [None, "1"])
+def test_without_capturable_kernels_a_rowwise_cast_traces_the_ops(ops_on_cpu, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("QUANT_LOWERING")
+    else:
+        monkeypatch.setenv("QUANT_LOWERING", value)
+    rowwise = CURRENT.with_usage(columnwise=False)
+    compiled, graphs = _compiled(lambda t: quant_dynamo.quantize(t, rowwise))
     compiled(_x())
     assert "aten.amax.default" in _targets(graphs[0])
 
 
+COLUMNWISE = pytest.mark.parametrize("q", [CURRENT, CURRENT.with_usage(rowwise=False)],
+                                     ids=["both", "columnwise"])
+
+
+@COLUMNWISE
+def test_by_default_a_columnwise_copy_takes_the_kernels(ops_on_cpu, recording_backend,
+                                                        monkeypatch, q):
+    """Unset (``mixed``), a quantization that writes a columnwise copy is recorded as kernels,
+    whose transposed stores are tiled."""
+    monkeypatch.delenv("QUANT_LOWERING")
+    compiled, graphs = _compiled(lambda t: quant_dynamo.quantize(t, q))
+    x = _x()
+    assert all(torch.equal(a, b) for a, b in
+               zip(compiled(x), quant_dynamo.quantize(x, q), strict=True))
+    assert True in recording_backend
+
+
+@COLUMNWISE
+def test_by_default_a_columnwise_copy_never_traces_the_ops(ops_on_cpu, monkeypatch, q):
+    """Without capturable kernels it stays opaque rather than tracing the ops, whose transposed
+    stores Inductor fuses into reductions."""
+    monkeypatch.delenv("QUANT_LOWERING")
+    compiled, graphs = _compiled(lambda t: quant_dynamo.quantize(t, q))
+    compiled(_x())
+    assert any("quant.quantize" in t for t in _targets(graphs[0]))
+
+
 def test_an_unknown_quant_lowering_is_refused(monkeypatch):
     monkeypatch.setenv("QUANT_LOWERING", "fast")
-    with pytest.raises(ValueError, match="QUANT_LOWERING='fast'; allowed: 1, kernels, ops, 0"):
+    with pytest.raises(ValueError,
+                       match="QUANT_LOWERING='fast'; allowed: mixed, 1, kernels, ops, 0"):
         lowering.forms()
 
 

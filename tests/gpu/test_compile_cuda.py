@@ -112,3 +112,42 @@ def test_compiled_linear_equals_eager(name):
     assert torch.equal(eager, compiled)
     assert torch.equal(g_eager[0], x.grad)
     assert torch.equal(g_eager[1], layer.weight.grad)
+
+
+@pytest.mark.parametrize("lowering", ["1", "mixed", "ops"])
+@pytest.mark.parametrize("copies", [True, False], ids=["copies", "lean"])
+def test_compiled_linears_and_their_producers_equal_eager(lowering, copies, monkeypatch):
+    """A scaling feeding FP8 current-scaling Linears whose product feeds another, under each
+    lowering form, with and without the quantized copies kept for backward: Inductor's forward
+    and backward (the quantizations and their inputs recomputed there in the lean form) equal
+    eager bitwise. Inductor rounds its fused pointwise chains as eager does
+    (``emulate_precision_casts``: the input gradient's sum and scaling are two bf16 ops)."""
+    monkeypatch.setenv("QUANT_LOWERING", lowering)
+    torch.manual_seed(0)
+    flags = {"save_weight_copy": copies, "save_input_copy": copies}
+    gate, up = (qr.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16, **flags)
+                for _ in range(2))
+    down = qr.Linear(2048, 1024, bias=False, device="cuda", dtype=torch.bfloat16, **flags)
+    # no gradient for the scale: its sum over tokens is torch's reduction, in Inductor's order
+    norm = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    params = [gate.weight, up.weight, down.weight]
+
+    def block(h):
+        x = h * norm
+        with qr.autocast(recipe=qr.Float8CurrentScaling()):
+            return down(gate(x) * up(x))
+
+    h = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        t = h.clone().requires_grad_()
+        for p in params:
+            p.grad = None
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            y = fn(t)
+            y.float().pow(2).sum().backward()
+        results.append([y.detach(), t.grad, *(p.grad for p in params)])
+    torch.cuda.synchronize()
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)

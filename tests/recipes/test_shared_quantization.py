@@ -17,6 +17,7 @@ import pytest
 import quant_recipes as qr
 import torch
 from _counting import count_quantizations
+from _inductor_saved import compiled_recording_saved
 from quant_core import Float8CurrentScalingQuantizer
 from quant_recipes import reuse
 
@@ -173,25 +174,9 @@ def _saved_by_inductor(block, x):
     """The (shape, dtype) of every tensor the Inductor-compiled block's backward graph takes
     besides gradients (what its partitioner, which merges equal expressions first, chose to
     keep), and the block's results."""
-    import torch._inductor.compile_fx as compile_fx
-
-    saved = []
-
-    def recording(gm, example_inputs, **kwargs):
-        if kwargs.get("is_backward"):
-            for node in gm.graph.find_nodes(op="placeholder"):
-                val = node.meta.get("val")
-                if isinstance(val, torch.Tensor) and not node.name.startswith("tangents"):
-                    saved.append((tuple(val.shape), val.dtype))
-        return compile_fx.compile_fx_inner(gm, example_inputs, **kwargs)
-
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
-        fn = torch.compile(block, fullgraph=True, backend=lambda gm, ex: compile_fx.compile_fx(
-            gm, ex, inner_compile=recording))
+    with compiled_recording_saved(block) as (fn, saved):
         got = _run(fn, block, x)
-    return saved, got
+    return [(tuple(shape), dtype) for _, shape, dtype in saved], got
 
 
 @compiled_tests

@@ -21,25 +21,35 @@ keeps, recomputing a quantization there when that saves memory. The reference's 
 written to compile to its bytes (``reference/_rounding.py``), on the devices of
 :data:`OPS_DEVICES`.
 
-The two forms trade speed for memory: the traced ops let the partitioner keep less between
-forward and backward, and the recorded kernels train faster, since Inductor fuses the
-recomputed casts, with their transposed (columnwise) stores, into the norms' backward
-reductions, where those stores are uncoalesced. So the kernels come first by default; the
-Llama measurement that chose this order is bench/RESULTS.md, section "Quantization the compiler
-can see: a Llama trained end to end" (figures in docs/performance.md).
+The two forms trade speed for memory where a quantization writes a columnwise (transposed)
+copy: the traced ops let the partitioner keep less between forward and backward, but Inductor
+fuses a recomputed cast, with its transposed stores, into the norm's backward reduction, where
+those stores are uncoalesced; the recorded kernels write them in tiles. A rowwise-only cast has
+no such store, and as ops its amax and cast fuse into the kernel that makes the tensor. So by
+default each quantization takes the form that suits what it writes (``mixed``; the Llama
+measurements that chose it are in bench/RESULTS.md, section "One default, fast and lean").
 
 ``QUANT_LOWERING`` (read when a graph is traced, so one process can compare the forms) picks:
-unset or ``1`` the kernels where they apply, else the ops; ``ops`` the ops where they apply,
-else the kernels; ``kernels`` the kernels only; ``0`` opaque ops. Where no form applies the op
-stays opaque: a device outside the form's devices, a backend that is not capturable (for
-kernels), a body that raises ``NotCapturable``, or a torch without ``register_torch_dispatch``
-/ ``wrap_triton``. Eager calls never come here.
+unset or ``mixed`` by what the quantization writes: rowwise bytes only, the ops where they
+apply, else the kernels; a columnwise copy, the kernels, else the op stays opaque. ``1`` the
+kernels where they apply, else the ops; ``ops`` the ops where they apply, else the kernels;
+``kernels`` the kernels only; ``0`` opaque ops. Where no form applies the op stays opaque: a
+device outside the form's devices, a backend that is not capturable (for kernels), a body
+that raises ``NotCapturable``, or a torch without ``register_torch_dispatch`` /
+``wrap_triton``. Eager calls never come here.
+
+A quantization that writes the columnwise copy alone is one backward makes (a layer that keeps
+no quantized copy: ``save_input_copy=False``, ``save_weight_copy=False``). In every form it is
+marked to be recomputed in backward, and a recorded kernel or an opaque op reads a fusible copy
+of its input: so the partitioner keeps neither its bytes nor its bf16 input from forward when
+the input's producer can be recomputed (:func:`recomputed_in_backward`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,19 +79,22 @@ def supported() -> bool:
     )
 
 
-#: ``QUANT_LOWERING`` values -> the forms each allows, preferred first. The kernels lead by
-#: default: they trained a Llama faster than the traced ops, which use less memory
-#: (bench/RESULTS.md, section "Quantization the compiler can see: a Llama trained end to end").
-_FORMS = {"1": ("kernels", "ops"), "kernels": ("kernels",), "ops": ("ops", "kernels"), "0": ()}
+#: ``QUANT_LOWERING`` values -> the forms each allows, preferred first; ``mixed`` (the default)
+#: is the ops first for a rowwise-only quantization and the kernels alone for one that writes a
+#: columnwise copy (:data:`_COLUMNWISE_FORMS`).
+_FORMS = {"mixed": ("ops", "kernels"), "1": ("kernels", "ops"), "kernels": ("kernels",),
+          "ops": ("ops", "kernels"), "0": ()}
+#: The forms of a quantization that writes a columnwise copy, where they differ from _FORMS.
+_COLUMNWISE_FORMS = {"mixed": ("kernels",)}
 
 
-def forms() -> tuple[str, ...]:
-    """The lowered forms ``QUANT_LOWERING`` allows, preferred first (``ValueError`` for an
-    unknown value)."""
-    value = os.environ.get("QUANT_LOWERING", "1")
+def forms(columnwise: bool = False) -> tuple[str, ...]:
+    """The lowered forms ``QUANT_LOWERING`` allows, preferred first, for a quantization that
+    writes a columnwise copy (``columnwise``) or not (``ValueError`` for an unknown value)."""
+    value = os.environ.get("QUANT_LOWERING", "mixed")
     if value not in _FORMS:
-        raise ValueError(f"QUANT_LOWERING={value!r}; allowed: {', '.join(_FORMS)} (unset: 1)")
-    return _FORMS[value]
+        raise ValueError(f"QUANT_LOWERING={value!r}; allowed: {', '.join(_FORMS)} (unset: mixed)")
+    return _COLUMNWISE_FORMS.get(value, _FORMS[value]) if columnwise else _FORMS[value]
 
 
 def enabled() -> bool:
@@ -104,6 +117,74 @@ def traceable(device: torch.device) -> bool:
     return "ops" in forms() and device.type in OPS_DEVICES
 
 
+@contextlib.contextmanager
+def recomputed_in_backward(enabled: bool = True) -> Iterator[None]:
+    """Mark the graph nodes traced inside as ones the partitioner recomputes in backward
+    (``recompute=MUST_RECOMPUTE``, the tag selective activation checkpointing sets) where
+    the tracer preserves node metadata (AOTAutograd's joint graph). A node that no
+    tangent reads is otherwise computed in forward, and a recorded kernel or an opaque op,
+    which the partitioner never recomputes, has its outputs saved from forward to backward."""
+    from torch.fx import traceback as fx_traceback
+
+    if not enabled or not fx_traceback.has_preserved_node_meta():
+        yield
+        return
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    meta = fx_traceback.get_current_meta()
+    had, before = "recompute" in meta, meta.get("recompute")
+    meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    try:
+        yield
+    finally:
+        if had:
+            meta["recompute"] = before
+        else:
+            meta.pop("recompute", None)
+
+
+def _recomputable_input(args: tuple) -> tuple:
+    """``args`` with the input tensor (the first) copied where it is computed in the graph,
+    for a call that :func:`recomputed_in_backward` marks. A recorded kernel or an opaque op
+    that reads a tensor forces the partitioner to keep that tensor for backward (it must be
+    materialized there, so recomputing its producer is banned); a copy, which is fusible and
+    marked like the call, lets it recompute the producer in backward (a norm, a SwiGLU product)
+    and write the tensor there instead. A graph input (a weight) is available in backward
+    anyway: it is not copied."""
+    x = args[0]
+    if _graph_input(x) or x.element_size() not in _SAME_SIZE_INTS:
+        return args
+    # an exact copy that Inductor's graph passes keep (they drop a clone, "* 1" and "+ 0"
+    # before partitioning): the bits xor 0
+    bits = x.view(_SAME_SIZE_INTS[x.element_size()])
+    return (torch.bitwise_xor(bits, 0).view(x.dtype), *args[1:])
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _graph_input(t: torch.Tensor) -> bool:
+    """Whether ``t``, being traced, is a graph input or a view of one (False where that cannot
+    be read: it is then copied, which only costs a copy)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None or not isinstance(t, FunctionalTensor):
+        return False
+    slot = proxy_tensor.get_proxy_slot(torch._from_functional_tensor(t.elem), mode.tracer, None)
+    node = getattr(getattr(slot, "proxy", None), "node", None)
+    while node is not None and node.op == "call_function" and _is_view(node.target):
+        node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return node is not None and node.op == "placeholder"
+
+
+def _is_view(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.returns and schema.returns[0].alias_info
+                and not schema.returns[0].alias_info.is_write)
+
+
 def _plain(types: Any) -> bool:
     from torch._subclasses import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -113,12 +194,19 @@ def _plain(types: Any) -> bool:
 
 def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
           device_of: Callable[..., torch.device],
-          ops_body: Callable[..., Any] | None = None) -> bool:
+          ops_body: Callable[..., Any] | None = None,
+          usage_of: Callable[..., tuple[bool, bool]] | None = None) -> bool:
     """Lower custom op ``op`` under functionalization to ``body`` (recorded kernel launches)
     for calls whose ``device_of(*args)`` is :func:`capturable`, or to ``ops_body`` (traced
     torch ops) where it is :func:`traceable`, trying the forms in :func:`forms`' order; either
     body has the op's arguments and results and raises ``NotCapturable`` before its first op or
     launch where it does not apply (the next form is then tried, else the op stays opaque).
+
+    ``usage_of(*args)`` is ``(rowwise, columnwise)``: what a quantizing call writes (none: the
+    rowwise form alone). A call that writes a columnwise copy takes :func:`forms`' columnwise
+    order; one that writes the columnwise copy alone is what backward's GEMMs read, and nothing
+    else: its nodes are marked to be recomputed in backward (:func:`recomputed_in_backward`),
+    so that the partitioner never saves its bytes from forward.
     Returns whether the lowering was registered (False on a torch without the API)."""
     if not supported():
         return False
@@ -128,17 +216,26 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
         if not _plain(types):
             return NotImplemented
         device = device_of(*args, **kwargs)
-        for form in forms():
-            try:
-                if form == "ops" and ops_body is not None and traceable(device):
-                    with mode, backends.using("reference"):
-                        return ops_body(*args, **kwargs)
-                if form == "kernels" and body is not None and capturable(device):
-                    with mode, capture():
-                        return body(*args, **kwargs)
-            except NotCapturable:
-                pass  # refused before its first op or launch: nothing was traced
-        return mode.__torch_dispatch__(func, types, args, kwargs)
+        rowwise, columnwise = (True, False) if usage_of is None else usage_of(*args, **kwargs)
+        backward_only = columnwise and not rowwise
+        with recomputed_in_backward(backward_only):
+            # the columnwise order only where a kernel body exists to take it
+            for form in forms(columnwise and body is not None):
+                try:
+                    if form == "ops" and ops_body is not None and traceable(device):
+                        with mode, backends.using("reference"):
+                            return ops_body(*args, **kwargs)
+                    if form == "kernels" and body is not None and capturable(device):
+                        with mode:
+                            copied = _recomputable_input(args) if backward_only else args
+                            with capture():
+                                return body(*copied, **kwargs)
+                except NotCapturable:
+                    pass  # refused before its first op or launch: nothing was traced
+            if backward_only:
+                with mode:
+                    args = _recomputable_input(args)
+            return mode.__torch_dispatch__(func, types, args, kwargs)
 
     namespace = op.name().split("::")[0]
     lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))

@@ -23,6 +23,7 @@ reference's torch ops, ``amax`` and ``quantize_with_amax`` to the torch ops.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -99,6 +100,12 @@ def _lowered(q: Any, form: str) -> Any:
     return q
 
 
+def _usage(q: Any) -> tuple[bool, bool]:
+    """``(rowwise, columnwise)``: what quantizing with ``q`` writes."""
+    q = check_quantizer_arg(q)
+    return bool(getattr(q, "rowwise_usage", True)), bool(getattr(q, "columnwise_usage", False))
+
+
 def _quantize_in(form: str):
     """The body of ``quantize`` lowered to ``form``."""
     return lambda x, q: _lowered(q, form).quantize(x).buffer_list(x)
@@ -113,8 +120,13 @@ def _amax_ops(x: torch.Tensor, q: Any) -> torch.Tensor:
     return _with_amax(_lowered(q, "ops")).local_amax(x)
 
 
+def _quantize_with_amax_in(x: torch.Tensor, amax: torch.Tensor, q: Any, form: str
+                           ) -> list[torch.Tensor]:
+    return _with_amax(_lowered(q, form)).quantize_with_amax(x, amax).buffer_list(x)
+
+
 def _quantize_with_amax_ops(x: torch.Tensor, amax: torch.Tensor, q: Any) -> list[torch.Tensor]:
-    return _with_amax(_lowered(q, "ops")).quantize_with_amax(x, amax).buffer_list(x)
+    return _quantize_with_amax_in(x, amax, q, "ops")
 
 
 def _quantize_fake(x: torch.Tensor, q: Any) -> list[torch.Tensor]:
@@ -126,7 +138,9 @@ def _amax_impl(x: torch.Tensor, q: Any) -> torch.Tensor:
 
 
 def _amax_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
-    return x.new_empty((_with_amax(q).amax_numel(x.shape[:-1].numel()),), dtype=torch.float32)
+    # math.prod keeps a dynamic row count symbolic (torch.Size.numel() specializes it)
+    rows = math.prod(x.shape[:-1])
+    return x.new_empty((_with_amax(q).amax_numel(rows),), dtype=torch.float32)
 
 
 def _qdq_fake(x: torch.Tensor, q: Any) -> torch.Tensor:
@@ -201,10 +215,13 @@ def _define(overload: str, q_type: str, unpack) -> None:
         capture.lower(getattr(getattr(torch.ops.quant, name), overload),
                       kernels and (lambda x, *args, body=kernels: body(x, unpack(*args))),
                       lambda x, *args: x.device,
-                      lambda x, *args, body=ops: body(x, unpack(*args)))
-    capture.lower(getattr(torch.ops.quant.quantize_with_amax, overload), None,
+                      lambda x, *args, body=ops: body(x, unpack(*args)),
+                      (lambda x, *args: _usage(unpack(*args))) if name != "qdq" else None)
+    capture.lower(getattr(torch.ops.quant.quantize_with_amax, overload),
+                  lambda x, amax, *args: _quantize_with_amax_in(x, amax, unpack(*args), "kernels"),
                   lambda x, *args: x.device,
-                  lambda x, amax, *args: _quantize_with_amax_ops(x, amax, unpack(*args)))
+                  lambda x, amax, *args: _quantize_with_amax_ops(x, amax, unpack(*args)),
+                  lambda x, amax, *args: _usage(unpack(*args)))
     torch.library.register_autograd(
         f"quant::qdq.{overload}", _qdq_backward, setup_context=_qdq_setup(n_args), lib=_lib
     )
