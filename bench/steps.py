@@ -228,15 +228,19 @@ SIZES = {
 LLAMA_PEERS = ("ao_fp8_tensorwise", "ao_fp8_rowwise")
 LLAMA_DEFAULT = ("bf16", *LLAMA_PEERS, *OURS)
 #: ``@form`` suffix -> QUANT_LOWERING while the config compiles.
-FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0"}
+FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0", "mixed": "mixed"}
 #: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
 #: quantizes again instead of keeping them from forward.
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
-                  "step_weights": (), "desc_slow": ()}
+                  "step_weights": (), "desc_slow": (), "copies": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
+#: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
+#: quantized copies from forward in compiled graphs too (FP8 current scaling's default there
+#: quantizes both again in backward).
+LINEAR_KEEPS = {"copies": ("save_weight_copy", "save_input_copy")}
 #: ``:variant`` suffix -> the recipe fields it changes: ``split`` gives the forward GEMM the
 #: split accumulator too (``fp8_gemm_fprop=MMParams(True)``; the default accumulates it fast).
 RECIPE_VARIANTS = {"split": {"fp8_gemm_fprop": {"use_split_accumulator": True}}}
@@ -349,12 +353,14 @@ LLAMA_CONFIG_HELP = (
     "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
     "gradient's contraction loaded from descriptors made on the host; desc_slow: the grouped "
     "GEMMs' launches with host tensor descriptors through Triton's own launch path; "
+    "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "
     "@form "
     "(ops: the reference's torch ops for Inductor to fuse, kernels: the recorded Triton "
-    "kernels, opaque: opaque custom ops)")
+    "kernels, opaque: opaque custom ops, mixed: the default, ops for rowwise casts and kernels "
+    "for columnwise copies)")
 
 
 #: Mixture-of-experts widths, name -> (hidden, expert width, experts, top-k, heads, KV heads,
@@ -531,6 +537,9 @@ def convert_llama(config: str, model):
                     setattr(m, attr, False)
             if isinstance(m, GroupedProjection):
                 for attr in GROUPED_KEEPS.get(variant, ()):
+                    setattr(m, attr, True)
+            elif isinstance(m, qr.Linear):
+                for attr in LINEAR_KEEPS.get(variant, ()):
                     setattr(m, attr, True)
 
         if variant == "step_weights":  # held by quant until the model is gone

@@ -370,6 +370,10 @@ def test_doctor_names_the_lowered_form(capsys, monkeypatch):
 
     if not capture.supported():
         pytest.skip("this torch cannot record Triton launches")
+    monkeypatch.delenv("QUANT_LOWERING", raising=False)
+    main(["doctor"])
+    assert ("rowwise casts as torch ops, columnwise copies as kernels (QUANT_LOWERING=mixed, "
+            "the default)") in capsys.readouterr().out
     monkeypatch.setenv("QUANT_LOWERING", "ops")
     main(["doctor"])
     assert "FP8 current scaling as torch ops first (QUANT_LOWERING=ops)" in capsys.readouterr().out

@@ -246,28 +246,31 @@ class Linear(QuantizedModule, torch.nn.Linear):
     """
 
     #: Defaults for modules pickled before the two flags existed (the instance's own win).
-    save_weight_copy = True
-    save_input_copy = True
+    save_weight_copy: bool | None = None
+    save_input_copy: bool | None = None
     #: The weight quantized after the last optimizer step (:mod:`quant_recipes.step_weights`).
     _step_weight: KeptWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None, name: str = "", save_weight_copy: bool = True,
-                 save_input_copy: bool = True) -> None:
+                 device=None, dtype=None, name: str = "", save_weight_copy: bool | None = None,
+                 save_input_copy: bool | None = None) -> None:
         # nn.Linear makes weight and bias and initialises them (reset_parameters, below)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype, name=name)
         #: Keep the weight's quantized columnwise copy from forward for the input-gradient GEMM
-        #: (default), or save the weight itself and quantize it again in backward (False): less
+        #: (True), or save the weight itself and quantize it again in backward (False): less
         #: memory held through the step, one more weight quantize per backward, the same bytes.
-        #: False suits FSDP2, which frees the gathered weight after forward.
+        #: False suits FSDP2, which frees the gathered weight after forward. None (default):
+        #: False in a compiled graph whose backward reuses forward's amax (FP8 current scaling,
+        #: no amax group: ``operands.keeps_copy``), True otherwise.
         self.save_weight_copy = save_weight_copy
         #: Keep the input's quantized columnwise copy from forward for the weight-gradient GEMM
-        #: (default), or save the input itself and quantize it again in backward (False), as
+        #: (True), or save the input itself and quantize it again in backward (False), as
         #: torchao's float8 training does: the same bytes, one more input quantize per backward.
         #: Eagerly this holds the high-precision input (more bytes than the copy unless
         #: something else keeps it anyway); compiled, the partitioner may instead recompute the
         #: input from what its producer's backward keeps (a norm's input and reciprocal root),
-        #: so the layer holds nothing of its own between forward and backward.
+        #: so the layer holds nothing of its own between forward and backward. None (default):
+        #: as for the weight.
         self.save_input_copy = save_input_copy
         self._roles_changed()
         from .quantized_init import quantize_at_init
@@ -352,7 +355,7 @@ class Linear(QuantizedModule, torch.nn.Linear):
         kept = self._step_weight
         plan = plan_operands(qset, frame.recipe.backward_override,
                              wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
-                             keep_weight=self.save_weight_copy or kept is not None,
+                             keep_weight=True if kept is not None else self.save_weight_copy,
                              keep_input=self.save_input_copy, group=group,
                              weight_quantized=quantized_w)
         kept_w = None if kept is None else kept_buffers(kept, w, plan.weight)
@@ -407,7 +410,7 @@ class Linear(QuantizedModule, torch.nn.Linear):
         return None
 
     def extra_repr(self) -> str:
-        extra = "" if self.save_weight_copy else ", save_weight_copy=False"
-        extra += "" if self.save_input_copy else ", save_input_copy=False"
+        extra = "".join(f", {flag}={getattr(self, flag)}" for flag in (
+            "save_weight_copy", "save_input_copy") if getattr(self, flag) is not None)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, name={self.name!r}{extra}")

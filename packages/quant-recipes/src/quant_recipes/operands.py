@@ -106,6 +106,11 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
             # group is this call's, never part of the quantizer value), and comes back in
             amax = reduce_amax(ops.amax(x, q), group)
             return list(ops.quantize_with_amax(x, amax, q))
+        if not q.rowwise_usage and reuses_forward_amax(q):
+            # the columnwise copy alone: one backward makes from a tensor forward quantized. Its
+            # amax as torch ops is forward's (the graph merges equal expressions, or forward
+            # computes it, fused where the tensor is made): backward's cast reads x once
+            return list(ops.quantize_with_amax(x, ops.amax(x, q), q))
         return list(ops.quantize(x, q))
 
     def quantize():
@@ -114,6 +119,25 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     if isinstance(x, torch.nn.Parameter):
         return cached_quantization(x, q, group, quantize)
     return shared_quantization(x, q, group, quantize)
+
+
+def reuses_forward_amax(q: Quantizer) -> bool:
+    """Whether a compiled graph quantizing a tensor again in backward with ``q`` takes
+    forward's amax of it (a tensor-wide amax traced as torch ops: FP8 current scaling), so that
+    backward's cast reads the tensor once."""
+    return q.reduces_amax and "ops" in q.lowerings()
+
+
+def keeps_copy(flag: bool | None, q: Quantizer, group) -> bool:
+    """A layer's ``save_weight_copy`` / ``save_input_copy`` for an operand quantized with
+    ``q``: ``None`` (the default) keeps the quantized copy from forward, except in a compiled
+    graph without an amax group whose backward takes forward's amax
+    (:func:`reuses_forward_amax`). There backward's cast reads the tensor once (recomputed
+    by the partitioner where its producer is cheap), as cheap as writing and reading a kept
+    copy, and nothing is held from forward."""
+    if flag is not None:
+        return flag
+    return not (group is None and compiling() and reuses_forward_amax(q))
 
 
 class OperandPlan(NamedTuple):
@@ -139,13 +163,14 @@ class OperandPlan(NamedTuple):
         return self.override is None
 
 
-def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool = True,
-                  keep_input: bool = True, group=None, weight_quantized: bool = False,
-                  input_quantized: bool = False) -> OperandPlan:
+def plan_operands(qset, override, *, wgrad: bool, dgrad: bool,
+                  keep_weight: bool | None = True, keep_input: bool | None = True, group=None,
+                  weight_quantized: bool = False, input_quantized: bool = False) -> OperandPlan:
     """The plan of one layer call with the quantizers ``qset`` (a module's
     ``RecipeQuantizers``): each operand's columnwise copy only where a backward GEMM reads it
     (none under a backward ``override``), made in forward and kept (``keep_weight``,
-    ``keep_input``: a layer's ``save_weight_copy``, ``save_input_copy``) or else made in
+    ``keep_input``: a layer's ``save_weight_copy``, ``save_input_copy``; ``None`` as
+    :func:`keeps_copy` says) or else made in
     backward from the operand saved as is where requantizing gives the same bytes (not for an
     operand that arrives quantized), and ``with_amax_reduction`` with a ``group`` (not for a
     per-row amax: :func:`amax_per_row`)."""
@@ -162,10 +187,10 @@ def plan_operands(qset, override, *, wgrad: bool, dgrad: bool, keep_weight: bool
     # save_weight_copy=False: backward quantizes the weight's columnwise copy itself, so
     # forward makes only the rowwise form (a compiled graph would otherwise keep forward's
     # copy for backward, the two quantizations being one expression)
-    requant_w = (not keep_weight and not weight_quantized and dgrad and transposed
-                 and requantizable(fwd_w))
-    requant_x = (not keep_input and not input_quantized and wgrad and transposed
-                 and requantizable(fwd_in))
+    requant_w = (not weight_quantized and dgrad and transposed
+                 and not keeps_copy(keep_weight, fwd_w, group) and requantizable(fwd_w))
+    requant_x = (not input_quantized and wgrad and transposed
+                 and not keeps_copy(keep_input, fwd_in, group) and requantizable(fwd_in))
     # what backward quantizes again: the columnwise copy alone (a named tuple built with
     # tuple.__new__ and no generator: the cheapest forms for Dynamo to trace)
     return tuple_new(OperandPlan, (

@@ -39,7 +39,10 @@ def lowering() -> str:
         return "no (QUANT_LOWERING=0)"
     forms = capture.forms()
     line = "yes on " + ", ".join(sorted(capture.KERNEL_DEVICES)) + " with a capturable backend"
-    if forms and forms[0] == "ops":
+    if forms != capture.forms(columnwise=True):
+        line += ("; FP8 current scaling's rowwise casts as torch ops, columnwise copies as "
+                 "kernels (QUANT_LOWERING=mixed, the default)")
+    elif forms and forms[0] == "ops":
         line += "; FP8 current scaling as torch ops first (QUANT_LOWERING=ops)"
     elif "ops" not in forms:
         line += ", kernels only (QUANT_LOWERING=kernels)"
