@@ -74,12 +74,14 @@ def test_backward_quantizes_from_recomputed_inputs(cpu_ops_device, monkeypatch, 
     assert kept.count(TOKENS * INNER) <= 2, saved
 
 
+@pytest.mark.parametrize("keep", [False, None], ids=["no_copies", "default"])
 @pytest.mark.parametrize("lowering", ["0", "mixed"])
-def test_recomputed_in_backward_gives_eager_bits(cpu_ops_device, monkeypatch, lowering):
+def test_recomputed_in_backward_gives_eager_bits(cpu_ops_device, monkeypatch, lowering, keep):
     """Partitioned as Inductor partitions (the quantization and the norm recomputed in
-    backward), run eagerly op by op: the output and every gradient are eager's bits."""
+    backward), run eagerly op by op: the output and every gradient are eager's bits (eagerly
+    the default keeps the copies: the same bits)."""
     monkeypatch.setenv("QUANT_LOWERING", lowering)
-    block = Block()
+    block = Block(keep)
     h = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16)
     backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm),
                            bw_compiler=lambda gm, ex: make_boxed_func(gm),
