@@ -81,6 +81,27 @@ def test_fused_current_scaling_special_amax(special):
                         ("data", "transpose", "scale_inv"))
 
 
+@pytest.mark.parametrize("given", [0.0, 1e-30, 3.5, 1e5, float("inf"), float("nan")])
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+def test_current_scaling_with_a_given_amax(fp8, given):
+    """With ``amax_in`` the scale comes from it (an amax reduced over ranks, or forward's),
+    not from ``x``: the reference's bytes, values past the format's range saturated; Inf and
+    NaN give scale 1, as from x's own amax."""
+    x = make_input(70, 96, torch.bfloat16, seed=7)
+    amax_in = torch.tensor([given])
+    for eps in (0.0, 1e-3):
+        kw = dict(fp8_dtype=fp8, force_pow_2_scales=False, amax_epsilon=eps, rowwise=True,
+                  columnwise=True)
+        got = B.fp8_current_quantize(x.to(DEVICE), amax_in=amax_in.to(DEVICE), **kw)
+        want = ref.fp8_current_quantize(x, amax_in=amax_in, **kw)
+        assert_all_same(got, want, fp8, ("data", "transpose", "scale_inv"))
+        scale = ref.current_scale(amax_in, fp8_dtype=fp8, force_pow_2_scales=False,
+                                  amax_epsilon=eps)
+        assert_all_same(want, ref.fp8_quantize(x, scale, fp8_dtype=fp8, rowwise=True,
+                                               columnwise=True), fp8,
+                        ("data", "transpose", "scale_inv"))
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-20, 3e5])
 def test_delayed_scaling_accumulates_amax(scale):
     x = make_input(40, 64, torch.bfloat16, seed=3)

@@ -59,9 +59,9 @@ class Backend(Protocol):
 
     def fp8_current_quantize(self, x: torch.Tensor, *, fp8_dtype: DType,
                              force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                             columnwise: bool) -> Tensors3:
-        """:meth:`fp8_quantize` with :meth:`current_scale` of :meth:`amax` of ``x``, in one call
-        (a backend may fuse the steps)."""
+                             columnwise: bool, amax_in: torch.Tensor | None = None) -> Tensors3:
+        """:meth:`fp8_quantize` with :meth:`current_scale` of :meth:`amax` of ``x`` (or of the
+        fp32 ``(1,)`` ``amax_in``), in one call (a backend may fuse the steps)."""
 
     def fp8_dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, *, fp8_dtype: DType,
                        dtype: torch.dtype) -> torch.Tensor:

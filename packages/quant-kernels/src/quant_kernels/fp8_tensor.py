@@ -92,7 +92,11 @@ def _fp8_cast_kernel(
     x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0)
     if PARTS > 0:  # current scaling: the scale of the amax partials at scale_ptr (§3 step 3)
         i = tl.arange(0, PARTS)
-        amax = tl.max(tl.load(scale_ptr + i, mask=i < n_parts, other=0.0), axis=0)
+        parts = tl.load(scale_ptr + i, mask=i < n_parts, other=0.0)
+        amax = tl.max(parts, axis=0)
+        # a NaN among them (a given amax; x's own partials drop NaN) is kept, as the
+        # reference's amax < eps keeps it: tl.max would drop it
+        amax = tl.where(tl.sum((parts != parts).to(tl.int32), axis=0) > 0, float("nan"), amax)
         s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
     else:
         s = tl.load(scale_ptr)
@@ -172,21 +176,24 @@ def fp8_current_quantize(
     amax_epsilon: float,
     rowwise: bool,
     columnwise: bool,
+    amax_in: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Current scaling in two launches: per-program amax partials, then the cast, each of whose
     programs takes the max of the partials and derives the scale itself (§3 step 3), instead of
-    zeroing an amax, an atomic amax pass, a scale launch and the cast. Mirrors
+    zeroing an amax, an atomic amax pass, a scale launch and the cast. With ``amax_in`` (fp32
+    ``(1,)``) the cast alone, reading it as its one partial. Mirrors
     ``reference.fp8_current_quantize``."""
     check_input_dtype(x, "fp8_current_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
     if x.numel() == 0:  # amax 0 -> scale 1 (§3): the unfused steps, nothing to read
-        scale = current_scale(amax(x), fp8_dtype=fp8_dtype,
+        scale = current_scale(amax(x) if amax_in is None else amax_in, fp8_dtype=fp8_dtype,
                               force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
         return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise,
                             columnwise=columnwise)
     current = {"force_pow_2_scales": force_pow_2_scales, "amax_epsilon": amax_epsilon}
-    return _cast(x, amax_partials(x), fp8_dtype, rowwise, columnwise,
-                 current=current)
+    parts = (amax_partials(x) if amax_in is None
+             else amax_in.to(torch.float32).reshape(1).contiguous())
+    return _cast(x, parts, fp8_dtype, rowwise, columnwise, current=current)
 
 
 @triton.jit

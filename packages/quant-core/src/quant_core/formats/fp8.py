@@ -238,11 +238,12 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         reduced over the ranks): the steps of :meth:`quantize` after its reduction."""
         x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
-        scale = be.current_scale(
-            amax, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
-            amax_epsilon=self.amax_epsilon,
-        )
-        return _quantize_per_tensor(self, x, x2d, be, scale)
+        data, transpose, scale_inv = be.fp8_current_quantize(
+            x2d, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
+            amax_epsilon=self.amax_epsilon, rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage, amax_in=amax)
+        return self._make_storage(x.shape, x.dtype, {
+            "_data": data, "_transpose": transpose, "_scale_inv": scale_inv})
 
     def decodes_exactly_to_bf16(self) -> bool:
         """With a power-of-2 scale, ``fp8 * scale_inv`` is a bf16 value."""

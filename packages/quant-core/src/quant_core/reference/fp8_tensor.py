@@ -96,13 +96,16 @@ def fp8_current_quantize(
     amax_epsilon: float,
     rowwise: bool,
     columnwise: bool,
+    amax_in: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Current scaling in one call (§3, §4): ``amax(x)``, its :func:`current_scale`, then
-    :func:`fp8_quantize` with that scale; returns what :func:`fp8_quantize` returns. A backend may
-    fuse the steps (the Triton one needs two launches instead of four)."""
+    """Current scaling in one call (§3, §4): ``amax(x)`` (or the given fp32 ``(1,)``
+    ``amax_in``: an amax reduced over ranks, or one computed where ``x`` was made), its
+    :func:`current_scale`, then :func:`fp8_quantize` with that scale; returns what
+    :func:`fp8_quantize` returns. A backend may fuse the steps (the Triton one needs two launches
+    instead of four, one with ``amax_in``)."""
     check_input_dtype(x, "fp8_current_quantize")
-    scale = current_scale(amax(x), fp8_dtype=fp8_dtype, force_pow_2_scales=force_pow_2_scales,
-                          amax_epsilon=amax_epsilon)
+    scale = current_scale(amax(x) if amax_in is None else amax_in, fp8_dtype=fp8_dtype,
+                          force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
     return fp8_quantize(x, scale, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise)
 
 
