@@ -41,11 +41,12 @@ Public API
     ``q.quantize_with_amax``), so compiled code can all-reduce the amax in between.
 ``buffer_names(cls_or_obj) -> tuple[str, ...]``
     The buffer order of ``quantize`` for this quantizer class.
-``lower_to_kernels(op, body, device_of, ops_body=None) -> bool``
+``lower_to_kernels(op, body, device_of, ops_body=None, usage_of=None) -> bool``
     Under functionalization (AOTAutograd: Inductor, aot_eager), run custom op ``op`` as
     ``body`` with the backend's kernel launches recorded into the graph, for calls on a device
     whose backend can record them (CUDA with Triton), or as ``ops_body`` traced into torch ops
-    (``QUANT_LOWERING`` picks; :mod:`quant_dynamo.capture`). The ``quant`` ops are lowered so, in
+    (``QUANT_LOWERING`` and what the call writes, ``usage_of``, pick;
+    :mod:`quant_dynamo.capture`). The ``quant`` ops are lowered so, in
     the forms each quantizer allows (``Quantizer.lowerings()``); quant-recipes lowers its GEMM
     op.
 ``DERIVES_IN_GRAPH: bool``
