@@ -251,10 +251,14 @@ def forward(module, x: torch.Tensor) -> torch.Tensor:
         check_alignment(module, kind, world, (qset.fwd[0], qset.fwd[1], qset.bwd[0]))
     grad = torch.is_grad_enabled()
     override = frame.recipe.backward_override
-    # as Linear: no copy an override skips; an operand saved as is where the layer says so
+    # as Linear: no copy an override skips; an operand saved as is where the layer says so.
+    # The flags' default (None) keeps the copies here: quantizing again in backward would
+    # all-reduce the amax over the groups once more
     plan = plan_operands(qset, override, wgrad=grad and w.requires_grad,
-                         dgrad=grad and x.requires_grad, keep_weight=module.save_weight_copy,
-                         keep_input=module.save_input_copy, input_quantized=quantized_x)
+                         dgrad=grad and x.requires_grad,
+                         keep_weight=module.save_weight_copy is not False,
+                         keep_input=module.save_input_copy is not False,
+                         input_quantized=quantized_x)
     if quantized_x and not compiling():
         check_gathered_input(x, qset.fwd[0], module)
     groups = operand_groups(kind, tp_group, frame.amax_reduction_group,
