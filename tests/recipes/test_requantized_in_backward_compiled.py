@@ -55,6 +55,9 @@ def _saved_by_inductor(block, h) -> list[tuple[str, torch.Size, torch.dtype]]:
     return saved
 
 
+@pytest.mark.skipif(not quant_dynamo.DERIVES_IN_GRAPH,
+                    reason="this torch cannot derive the columnwise-only quantizer in a graph: "
+                           "compiled layers quantize both usages in forward (torch 2.10)")
 @pytest.mark.parametrize("keep", [False, None], ids=["no_copies", "default"])
 @pytest.mark.parametrize("lowering", ["0", "mixed", "ops"])
 def test_backward_quantizes_from_recomputed_inputs(cpu_ops_device, monkeypatch, lowering, keep):
