@@ -174,15 +174,10 @@ def _graph_input(t: torch.Tensor) -> bool:
         return False
     slot = proxy_tensor.get_proxy_slot(torch._from_functional_tensor(t.elem), mode.tracer, None)
     node = getattr(getattr(slot, "proxy", None), "node", None)
-    while node is not None and node.op == "call_function" and _is_view(node.target):
+    while (node is not None and node.op == "call_function"
+           and getattr(node.target, "is_view", False)):  # an OpOverload's own view flag
         node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     return node is not None and node.op == "placeholder"
-
-
-def _is_view(target: Any) -> bool:
-    schema = getattr(target, "_schema", None)
-    return bool(schema is not None and schema.returns and schema.returns[0].alias_info
-                and not schema.returns[0].alias_info.is_write)
 
 
 def _plain(types: Any) -> bool:
@@ -218,6 +213,14 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
         device = device_of(*args, **kwargs)
         rowwise, columnwise = (True, False) if usage_of is None else usage_of(*args, **kwargs)
         backward_only = columnwise and not rowwise
+
+        def unfusible_args():
+            """What a recorded kernel or the opaque op reads (traced ops read ``args``)."""
+            if not backward_only:
+                return args
+            with mode:
+                return _recomputable_input(args)
+
         with recomputed_in_backward(backward_only):
             # the columnwise order only where a kernel body exists to take it
             for form in forms(columnwise and body is not None):
@@ -226,16 +229,12 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
                         with mode, backends.using("reference"):
                             return ops_body(*args, **kwargs)
                     if form == "kernels" and body is not None and capturable(device):
-                        with mode:
-                            copied = _recomputable_input(args) if backward_only else args
-                            with capture():
-                                return body(*copied, **kwargs)
+                        read = unfusible_args()
+                        with mode, capture():
+                            return body(*read, **kwargs)
                 except NotCapturable:
                     pass  # refused before its first op or launch: nothing was traced
-            if backward_only:
-                with mode:
-                    args = _recomputable_input(args)
-            return mode.__torch_dispatch__(func, types, args, kwargs)
+            return mode.__torch_dispatch__(func, types, unfusible_args(), kwargs)
 
     namespace = op.name().split("::")[0]
     lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))

@@ -102,8 +102,8 @@ def _lowered(q: Any, form: str) -> Any:
 
 def _usage(q: Any) -> tuple[bool, bool]:
     """``(rowwise, columnwise)``: what quantizing with ``q`` writes."""
-    q = check_quantizer_arg(q)
-    return bool(getattr(q, "rowwise_usage", True)), bool(getattr(q, "columnwise_usage", False))
+    usages = check_quantizer_arg(q).get_usages()
+    return usages["rowwise"], usages["columnwise"]
 
 
 def _quantize_in(form: str):

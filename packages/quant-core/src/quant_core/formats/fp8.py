@@ -215,13 +215,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         x2d = as_2d(x, *self.shape_rule())
         be = backends.get(backend, x.device)
         if not self.with_amax_reduction:  # amax, scale and cast in one backend call
-            data, transpose, scale_inv = be.fp8_current_quantize(
-                x2d, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
-                amax_epsilon=self.amax_epsilon, rowwise=self.rowwise_usage,
-                columnwise=self.columnwise_usage,
-            )
-            return self._make_storage(x.shape, x.dtype, {
-                "_data": data, "_transpose": transpose, "_scale_inv": scale_inv})
+            return self._current(x, x2d, be, None)
         group = amax_reduction_group or getattr(self, "amax_reduction_group", None)
         amax = reduce_amax(self.local_amax(x, backend=backend), group)
         return self.quantize_with_amax(x, amax, backend=backend)
@@ -236,8 +230,12 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, backend=None):
         """Quantize ``x`` with the scale of ``amax`` (fp32 ``(1,)``, e.g. :meth:`local_amax`
         reduced over the ranks): the steps of :meth:`quantize` after its reduction."""
-        x2d = as_2d(x, *self.shape_rule())
-        be = backends.get(backend, x.device)
+        return self._current(x, as_2d(x, *self.shape_rule()), backends.get(backend, x.device),
+                             amax)
+
+    def _current(self, x, x2d, be, amax):
+        """The storage of ``x`` (2D view ``x2d``) cast with the scale of ``amax``, or of its own
+        amax (``None``), in one backend call."""
         data, transpose, scale_inv = be.fp8_current_quantize(
             x2d, fp8_dtype=self.dtype, force_pow_2_scales=self.force_pow_2_scales,
             amax_epsilon=self.amax_epsilon, rowwise=self.rowwise_usage,
