@@ -301,7 +301,11 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
 #: The weight-gradient kernel's tile configs (``--wgrad``).
 WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
                        "num_stages": 4, "tma": 1, **c} for c in (
-    {}, {"num_stages": 3}, {"BN": 128}, {"BN": 128, "num_stages": 6}))
+    {}, {"num_stages": 3}, {"BN": 128}, {"BN": 128, "num_stages": 6},
+    # two programs per SM (shared memory and registers for two): one's store under the other's
+    # main loop
+    {"BN": 128, "num_warps": 4, "num_stages": 3}, {"BN": 128, "num_warps": 4, "num_stages": 2},
+    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}))
 
 
 def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
