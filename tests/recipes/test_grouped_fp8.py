@@ -641,6 +641,29 @@ def test_compiled_fullgraph_equals_eager_without_recompiles(emulated, fmt):
     assert counter.frame_count == 1
 
 
+def test_compiled_layer_of_few_experts_probes_torchs_kernel_outside_the_graph(monkeypatch):
+    """A layer of fewer than ``OWN_KERNEL_MIN_EXPERTS`` experts asks, while Dynamo traces it,
+    whether ``torch._scaled_grouped_mm`` takes HYBRID's E5M2 gradients: the probe runs torch's
+    kernel on real tensors once and is baked as a constant, not traced (Dynamo traces through
+    a cache decorator, and the traced probe's E5M2 call fails the compile). Bitwise the eager
+    step."""
+    monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(grouped_fp8_gemm, "_per_group_runs", lambda device: True)
+    assert len(COUNTS) < grouped_fp8_gemm.OWN_KERNEL_MIN_EXPERTS
+    counter = _compiled_counter()
+    m, step, compiled, x, gy = _layer_steps(qr.Float8CurrentScaling(), counter)
+    results = []
+    for fn in (compiled, step):
+        xi = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = fn(xi, torch.tensor(COUNTS))
+        y.backward(gy)
+        results.append((y.detach(), xi.grad, m.weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the grouped kernels run here through Triton's interpreter")
 @pytest.mark.parametrize("compiled", [False, True])

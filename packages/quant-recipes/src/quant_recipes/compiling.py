@@ -83,6 +83,23 @@ def trace_time_constant(fn):
     return torch.compiler.assume_constant_result(fn) if FOLDS_CONSTANTS else fn
 
 
+def device_probe(fn):
+    """``fn``, a probe of what this torch runs on a device (it calls torch's kernels on real
+    tensors), run once per argument tuple and cached; while Dynamo traces, called at trace time
+    with its result baked (:func:`trace_time_constant`). Dynamo traces through a plain cache
+    decorator: the probe's body would then run on fake tensors, which say what torch's shape
+    rules allow rather than what the device runs, or fail the compile where a rule refuses the
+    probe's call. ``fn`` takes constants (strings, dtypes) and returns plain data."""
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def probe(*args):
+        return cached(*args)
+
+    probe.cache_clear = cached.cache_clear
+    return trace_time_constant(probe)
+
+
 def is_compiled_value(q: Any) -> bool:
     """While tracing: whether ``q`` is a registered value quantizer (the registry's test, which
     Dynamo folds; also true for torch 2.11's traced wrapper of one)."""

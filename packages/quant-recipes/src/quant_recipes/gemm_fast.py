@@ -22,7 +22,6 @@ operands to fp32 and multiplies (``emulated``). :func:`routes` describes, per fo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 from quant_core import DType, GemmOperand, backends
 from quant_core.constants import RCP_NVFP4_GLOBAL_MAX
 from quant_core.shapes import ceil_div, roundup
+
+from .compiling import device_probe
 
 #: Output dtypes routed to cuBLAS's block-scaled FP8 GEMM: bf16, checked against the reference on
 #: the H200 (torch 2.11, bench/speed.py gemm). torch accepted fp32 and fp16 outputs there too (the
@@ -152,7 +153,7 @@ def _native_block_problem(device: torch.device) -> str | None:
     return _native_block_api_problem()
 
 
-@functools.cache
+@device_probe
 def _native_block_api_problem() -> str | None:
     """Why this torch's ``F.scaled_mm`` does not take the block-scaled calls below (probed
     once, on meta tensors: torch's own shape rules check the arguments), else ``None``."""

@@ -35,12 +35,12 @@ per-group quantize call would make (they do not depend on the layout).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from quant_core import backends
 
+from ..compiling import device_probe
 from ..gemm_fast import tensorwise_problem
 from . import bias, fp8
 from .fp8 import quantize_experts, quantize_rows
@@ -57,7 +57,7 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum=False):
                                     use_fast_accum=fast_accum)
 
 
-@functools.cache
+@device_probe
 def _runs(device_type: str, a_dtype: torch.dtype) -> bool:
     """``torch._scaled_grouped_mm`` runs an ``a_dtype`` x E4M3 problem on this device type and
     gives the right values (a torch that reads E5M2 bytes as E4M3 fails the check)."""
@@ -75,7 +75,7 @@ def _runs(device_type: str, a_dtype: torch.dtype) -> bool:
         return False
 
 
-@functools.cache
+@device_probe
 def unpadded_rows_run(device_type: str) -> bool:
     """``torch._scaled_grouped_mm`` multiplies row groups of any size (group ends that are not
     multiples of 16) right, probed by value: then the row-grouped GEMMs read and write the rows

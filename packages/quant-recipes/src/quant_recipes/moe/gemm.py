@@ -43,14 +43,13 @@ gradient.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from quant_core import backends
 from quant_core.shapes import roundup
 
 from .. import operands
+from ..compiling import device_probe
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
 from . import fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
@@ -114,7 +113,7 @@ def quantized(x: torch.Tensor, q) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- the grouped_mm path
-@functools.cache
+@device_probe
 def _grouped_mm_runs(device_type: str) -> bool:
     """``torch._grouped_mm`` exists and runs a small bf16 problem on this device type."""
     if not hasattr(torch, "_grouped_mm"):
