@@ -108,7 +108,10 @@ class QuantizerSet:
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 dynamo()  # without quant-dynamo: NEEDS_DYNAMO
                 return q
-            return derive(q, **fields) if changes(q, tuple(fields.items())) else q
+            changed, by_replace, present = derivation(q, tuple(fields.items()))
+            if not changed:
+                return q
+            return q.replace(**dict(present)) if by_replace else q.derive(**dict(present))
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
         if v is None:
@@ -118,14 +121,16 @@ class QuantizerSet:
 
 
 @trace_time_constant
-def changes(q: Quantizer, fields: tuple) -> bool:
-    """Whether :func:`derive` of ``q`` with ``fields`` (``(name, value)`` pairs) gives another
-    quantizer: a field ``q`` has with another value. A pure function of values, which compiled
-    code bakes (:func:`~.compiling.trace_time_constant`)."""
-    for k, v in fields:  # a plain loop: the cheapest form for Dynamo to trace where it does
-        if hasattr(q, k) and getattr(q, k) != v:  # derive's reads, in derive's order
-            return True
-    return False
+def derivation(q: Quantizer, fields: tuple) -> tuple[bool, bool, tuple]:
+    """What :func:`derive` of ``q`` with ``fields`` (``(name, value)`` pairs) does, as plain
+    data: ``(changed, by_replace, present)``: whether it gives another quantizer, whether
+    through ``q.replace`` (a value quantizer) rather than ``q.derive``, and the pairs of the
+    fields ``q`` has. A pure function of values, which compiled code bakes
+    (:func:`~.compiling.trace_time_constant`): derive's body traced costs every layer call
+    hundreds of traced instructions."""
+    present = tuple((k, v) for k, v in fields if hasattr(q, k))
+    changed = any(getattr(q, k) != v for k, v in present)
+    return changed, changed and is_compiled_value(q), present
 
 
 def derive(q: Quantizer, **fields: Any) -> Quantizer:

@@ -23,7 +23,7 @@ from quant_core import Quantizer
 from quant_core.distributed import reduce_amax
 from quant_core.storage import QuantizedStorage, absent_buffer
 
-from .compiling import QUANT_DYNAMO, compiling, dynamo
+from .compiling import QUANT_DYNAMO, compiling, dynamo, trace_time_constant
 from .fsdp_layout import columnwise_buffer_list
 from .gemm import (
     HP_META,
@@ -121,6 +121,7 @@ def quantize_buffers(x: torch.Tensor, q: Quantizer, group) -> list[torch.Tensor]
     return shared_quantization(x, q, group, quantize)
 
 
+@trace_time_constant
 def reuses_forward_amax(q: Quantizer) -> bool:
     """Whether a compiled graph quantizing a tensor again in backward with ``q`` takes
     forward's amax of it (a tensor-wide amax traced as torch ops: FP8 current scaling), so that
@@ -216,6 +217,7 @@ def requantizing_backward(plan: OperandPlan, qset, high_precision: Quantizer):
     return high_precision, high_precision, high_precision
 
 
+@trace_time_constant
 def requantizable(q: Quantizer) -> bool:
     """Whether quantizing an operand again in backward gives the forward's bytes: a value
     quantizer that says so (``is_requantization_safe``: not with stochastic rounding); a
