@@ -108,10 +108,12 @@ class QuantizerSet:
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 dynamo()  # without quant-dynamo: NEEDS_DYNAMO
                 return q
-            changed, by_replace, present = derivation(q, tuple(fields.items()))
+            changed, by_replace, dropped = derivation(q, tuple(fields.items()))
             if not changed:
                 return q
-            return q.replace(**dict(present)) if by_replace else q.derive(**dict(present))
+            if dropped:  # a new dict only where q lacks a field: building one costs a trace
+                fields = {k: v for k, v in fields.items() if k not in dropped}
+            return q.replace(**fields) if by_replace else q.derive(**fields)
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
         if v is None:
@@ -123,14 +125,14 @@ class QuantizerSet:
 @trace_time_constant
 def derivation(q: Quantizer, fields: tuple) -> tuple[bool, bool, tuple]:
     """What :func:`derive` of ``q`` with ``fields`` (``(name, value)`` pairs) does, as plain
-    data: ``(changed, by_replace, present)``: whether it gives another quantizer, whether
-    through ``q.replace`` (a value quantizer) rather than ``q.derive``, and the pairs of the
-    fields ``q`` has. A pure function of values, which compiled code bakes
+    data: ``(changed, by_replace, dropped)``: whether it gives another quantizer, whether
+    through ``q.replace`` (a value quantizer) rather than ``q.derive``, and the names of the
+    fields ``q`` lacks (derive drops them). A pure function of values, which compiled code bakes
     (:func:`~.compiling.trace_time_constant`): derive's body traced costs every layer call
     hundreds of traced instructions."""
-    present = tuple((k, v) for k, v in fields if hasattr(q, k))
-    changed = any(getattr(q, k) != v for k, v in present)
-    return changed, changed and is_compiled_value(q), present
+    dropped = tuple(k for k, _ in fields if not hasattr(q, k))
+    changed = any(getattr(q, k) != v for k, v in fields if k not in dropped)
+    return changed, changed and is_compiled_value(q), dropped
 
 
 def derive(q: Quantizer, **fields: Any) -> Quantizer:
