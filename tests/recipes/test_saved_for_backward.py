@@ -377,3 +377,52 @@ def test_what_every_layer_kind_saves_for_backward(kind, key, name, mesh):
     assert _matches([_local(t) for t in saved], want), (
         sorted(table[key]), [(tuple(t.shape), t.dtype) for t in saved])
     y.float().sum().backward()  # backward runs on what was kept
+
+
+@pytest.mark.parametrize("kind", ["dense", "colwise", "rowwise"])
+def test_compiled_default_flags_quantize_again_only_where_no_amax_is_reduced(kind, mesh,
+                                                                             monkeypatch):
+    """The copy flags' default (None) with FP8 current scaling: compiled, a dense layer plans to
+    quantize its weight and input again in backward (from forward's amax, nothing kept); a
+    tensor-parallel layer keeps both copies, since quantizing again would all-reduce the amax
+    once more. Eagerly every layer keeps them. The flags set to True or False are obeyed."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if not (quant_dynamo.compile_supported() and quant_dynamo.DERIVES_IN_GRAPH):
+        pytest.skip("this torch cannot derive quantizers in a graph (no lean form there)")
+    import quant_recipes.linear as linear_module
+    import quant_recipes.tensor_parallel.forward as tp_forward
+
+    kept = []
+
+    def recording(plan_operands):
+        def plan(*args, **kwargs):
+            p = plan_operands(*args, **kwargs)
+            kept.append((p.weight_bwd is None, p.input_bwd is None))
+            return p
+        return plan
+
+    for module in (linear_module, tp_forward):
+        monkeypatch.setattr(module, "plan_operands", recording(module.plan_operands))
+    recipe = qr.Float8CurrentScaling()
+    got = {}
+    for flags in ({}, {"save_weight_copy": True, "save_input_copy": True},
+                  {"save_weight_copy": False, "save_input_copy": False}):
+        m = _layer(kind, recipe, flags, mesh)
+
+        def step(x, m=m):
+            with qr.autocast(recipe=recipe):
+                return m(x)
+
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            kept.clear()
+            fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+            x = torch.randn(ROWS, K, dtype=torch.bfloat16, requires_grad=True)
+            fn(x).float().sum().backward()
+            got[(tuple(flags.values()), compiled)] = kept[0]
+    lean = kind == "dense"
+    assert got[((), False)] == (True, True)
+    assert got[((), True)] == (not lean, not lean)
+    for compiled in (False, True):
+        assert got[((True, True), compiled)] == (True, True)
+        assert got[((False, False), compiled)] == (False, False)
