@@ -96,7 +96,6 @@ def device_probe(fn):
     def probe(*args):
         return cached(*args)
 
-    probe.cache_clear = cached.cache_clear
     return trace_time_constant(probe)
 
 

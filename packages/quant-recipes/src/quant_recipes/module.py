@@ -108,12 +108,7 @@ class QuantizerSet:
                 # full-usage quantizer, so outputs and gradients keep eager's bits.
                 dynamo()  # without quant-dynamo: NEEDS_DYNAMO
                 return q
-            changed, by_replace, dropped = derivation(q, tuple(fields.items()))
-            if not changed:
-                return q
-            if dropped:  # a new dict only where q lacks a field: building one costs a trace
-                fields = {k: v for k, v in fields.items() if k not in dropped}
-            return q.replace(**fields) if by_replace else q.derive(**fields)
+            return derive(q, **fields)
         key = (id(q), tuple(sorted(fields.items())))
         v = self._variants.get(key)
         if v is None:
@@ -132,17 +127,17 @@ def derivation(q: Quantizer, fields: tuple) -> tuple[bool, bool, tuple]:
     hundreds of traced instructions."""
     dropped = tuple(k for k, _ in fields if not hasattr(q, k))
     changed = any(getattr(q, k) != v for k, v in fields if k not in dropped)
-    return changed, changed and is_compiled_value(q), dropped
+    return changed, changed and is_value(q), dropped
 
 
 def derive(q: Quantizer, **fields: Any) -> Quantizer:
     """A quantizer like ``q`` with ``fields`` changed; fields ``q`` lacks are dropped."""
-    fields = {k: v for k, v in fields.items() if hasattr(q, k)}
-    if all(getattr(q, k) == v for k, v in fields.items()):
+    changed, by_replace, dropped = derivation(q, tuple(fields.items()))
+    if not changed:
         return q
-    if is_value(q):
-        return q.replace(**fields)
-    return q.derive(**fields)
+    if dropped:  # a new dict only where q lacks a field: building one costs a trace
+        fields = {k: v for k, v in fields.items() if k not in dropped}
+    return q.replace(**fields) if by_replace else q.derive(**fields)
 
 
 #: The roles of the slots a dense Linear reads: forward input and weight, backward output
