@@ -21,6 +21,7 @@ Prints one JSON line per form (``ok``, ``err`` = max |got - fp32| / max |fp32|, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -291,7 +292,7 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
         for gm in sorted({16, multiple}):
             host = cfg["tma"] and gm % cfg["BK"] == 0
             form = "host tma" if host else loads[cfg["tma"]]
-            with configs.overridden("fp8_grouped_tokens_gemm", tokens_cfg):
+            with tokens_overridden(tokens_cfg):
                 out.append(_row(f"own tokens {tag} {form} (groups of {gm})",
                                 lambda gm=gm: kern.fp8_grouped_tokens_gemm(
                     u8(at), sa, u8(bt), sb, offs, **kw, group_multiple=gm), tok_ref, flops))
@@ -308,12 +309,21 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}))
 
 
+@contextlib.contextmanager
+def tokens_overridden(cfg: dict):
+    """The weight-gradient kernel runs ``cfg`` whatever its group rows (both of its configs)."""
+    from quant_kernels import configs
+
+    with configs.overridden("fp8_grouped_tokens_gemm", cfg), \
+            configs.overridden("fp8_grouped_tokens_gemm_short", cfg):
+        yield
+
+
 def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
     """The weight-gradient GEMM of groups of ``counts`` rows (E5M2 x E4M3, HYBRID's): bf16
     ``torch._grouped_mm`` (the baseline) and quant-kernels' grouped FP8 tokens GEMM over
     :data:`WGRAD_CONFIGS`; output ``[E, m, n]``."""
     from quant_core.dtypes import DType
-    from quant_kernels import configs
     from quant_kernels import fp8_grouped_gemm as kern
 
     e, total = len(counts), sum(counts)
@@ -339,7 +349,7 @@ def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
     u8 = (lambda t: t.view(torch.uint8))
     for cfg in WGRAD_CONFIGS:
         tag = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
-        with configs.overridden("fp8_grouped_tokens_gemm", cfg):
+        with tokens_overridden(cfg):
             out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(
                 u8(at), sa, u8(bt), sb, offs, a_dtype=DType.E5M2, b_dtype=DType.E4M3),
                 ref, flops))

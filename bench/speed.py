@@ -580,7 +580,7 @@ def commands(sub) -> dict:
     m.add_argument("--size", choices=sorted([*steps.SIZES, *steps.MOE_SIZES]), default="1b",
                    help="Llama 8b / 1b widths; mixture of experts: qwen3-moe, mixtral, gpt-oss "
                    "(expert biases; transformers' grouped_mm experts for bf16); tiny, tiny-moe, "
-                   "tiny-gpt-oss with --device cpu are smoke runs")
+                   "tiny-mixtral, tiny-gpt-oss with --device cpu are smoke runs")
     m.add_argument("--steps", type=int, default=150)
     m.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: the size's, 8 at 8b widths, 16 at 1b, 4 MoE)")

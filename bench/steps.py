@@ -372,6 +372,7 @@ MOE_SIZES = {
     # GPT-OSS-20B's widths: expert biases, weights stored [experts, in, out]
     "gpt-oss": (2880, 2880, 32, 4, 64, 8, 64, 201088, 4, 4096, 2),
     "tiny-gpt-oss": (128, 64, 8, 2, 4, 2, 32, 512, 2, 64, 2),
+    "tiny-mixtral": (128, 256, 8, 2, 4, 2, 32, 512, 2, 64, 2),
 }
 
 
@@ -396,7 +397,7 @@ def moe_model(size: str, device: torch.device, layers: int | None = None,
                   num_experts_per_tok=top_k, max_position_embeddings=8192,
                   tie_word_embeddings=False, experts_implementation="grouped_mm",
                   use_cache=kv_cache)
-    if size == "mixtral":
+    if size.endswith("mixtral"):
         cfg = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
                                          **common)
         cls = transformers.MixtralForCausalLM

@@ -39,7 +39,8 @@ def loads(request):
     (the default where the operands allow it; the weight-gradient kernel from descriptors
     bounded by the group) or by masked pointer loads, and the rows kernel's programs ordered
     column tile first (the default) or row tile first."""
-    with grouped_load_form(("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"), *request.param):
+    with grouped_load_form(("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm",
+                            "fp8_grouped_tokens_gemm_short"), *request.param):
         yield
 
 
@@ -83,12 +84,16 @@ def test_rows_gemm_matches_reference(a_dtype, b_dtype, padded, fast_accum):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("tiles", ["short", "long"] if DEVICE == "cuda" else ["short"])
 @pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
 @pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("counts, multiple", [
     ([16, 0, 80, 144, 0], 16),  # whole contraction chunks and partial ones
     ([128, 0, 256, 128], 128)])  # whole chunks only: loaded from descriptors made on the host
-def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum, counts, multiple):
+def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum, counts, multiple, tiles,
+                                       monkeypatch):
+    # the GPU runs both tile configs (the interpreter's are one): these groups are short
+    monkeypatch.setattr(kern, "SHORT_GROUP_ROWS", 0 if tiles == "long" else 1024)
     ends = _ends(counts)
     r, m, n = int(ends[-1]), 72, 40
     a = _bytes((m, r), a_dtype, 5, True)
@@ -101,6 +106,23 @@ def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum, counts, mul
                                        fast_accum=fast_accum, group_multiple=multiple)
     assert torch.equal(got.cpu(), want)
     assert [bool(want[g].any()) for g in range(len(counts))] == [c > 0 for c in counts]
+
+
+@pytest.mark.parametrize("rows, groups, name", [
+    (128 * 512, 128, "fp8_grouped_tokens_gemm_short"),  # Qwen3-MoE: 512 rows a group
+    (8 * 1024, 8, "fp8_grouped_tokens_gemm_short"),
+    (8 * 1024 + 16, 8, "fp8_grouped_tokens_gemm"),
+    (8 * 2048, 8, "fp8_grouped_tokens_gemm"),  # Mixtral: 2048 rows a group
+    (0, 4, "fp8_grouped_tokens_gemm_short")])
+def test_tokens_gemm_takes_the_short_tiles_up_to_1024_rows_a_group(rows, groups, name,
+                                                                   monkeypatch):
+    launched = []
+    monkeypatch.setattr(kern, "tokens_gemm", lambda *a, **k: launched.append(a[7]))
+    a = torch.zeros((32, rows), dtype=torch.uint8)
+    s = torch.ones(groups)
+    ends = torch.full((groups,), rows, dtype=torch.int32)
+    kern.fp8_grouped_tokens_gemm(a, s, a, s, ends, a_dtype=DType.E4M3, b_dtype=DType.E4M3)
+    assert len(launched) == 1 and launched[0] is configs.launch_config(name)
 
 
 @pytest.mark.parametrize("multiple", [0, 8, 24, 16.0, True])

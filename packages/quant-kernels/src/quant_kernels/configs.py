@@ -106,6 +106,13 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                 "num_stages": 4, "tma": 1},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
+    # the same where the groups contract over few rows (fp8_grouped_gemm.SHORT_GROUP_ROWS):
+    # 128x128 tiles of 4 warps fit two programs per SM, one's store under the other's main loop
+    "fp8_grouped_tokens_gemm_short": {
+        "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "num_warps": 4,
+                "num_stages": 3, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
+    },
     # grouped_gemm.py: the rows kernel of fp8_grouped_gemm.py over bf16 values (fp32 under the
     # interpreter), as nvfp4_grouped_rows_gemm's
     "grouped_rows_gemm": {
