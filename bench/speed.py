@@ -328,6 +328,11 @@ def _compile_cell(r: dict) -> str:
     return f"{r.get('compile_s', '-')}{extra}"
 
 
+#: Fewer steps than this compare the loss spikes of early training (a Mixtral run's reach 15
+#: around step 6, in bf16 too), not how the recipes train: the table then says so.
+MIN_LOSS_STEPS = 30
+
+
 def model_table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "bf16" and "ms" in r), None)
     lines = ["| config | ms/step | vs bf16 | tok/s | peak GiB | act GiB | kernels | syncs "
@@ -345,6 +350,10 @@ def model_table(rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
                      f"{act} | {r.get('kernels', '-')} | {r.get('syncs', '-')} | {gpu} | "
                      f"{_compile_cell(r)} | {r['loss']:.4f}{ref} |")
+    steps = min((len(r["losses"]) for r in rows if "losses" in r), default=MIN_LOSS_STEPS)
+    if steps < MIN_LOSS_STEPS:
+        lines.append(f"\nloss: the mean of the last 10 of {steps} steps, which compares early "
+                     f"loss spikes, not training; compare losses over {MIN_LOSS_STEPS}+ steps")
     return "\n".join(lines)
 
 
