@@ -234,7 +234,7 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0", "mixed": "mixed"}
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
-                  "step_weights": (), "desc_slow": (), "copies": ()}
+                  "step_weights": (), "desc_slow": (), "copies": (), "cols_first": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
@@ -311,6 +311,20 @@ def whole_chunk_groups():
 
 
 @contextlib.contextmanager
+def columns_first():
+    """The grouped rows kernels' programs column tile first whatever the expert's bytes
+    (``:cols_first``), as before ``fp8_grouped_gemm.L2_EXPERT_BYTES``."""
+    from quant_kernels import fp8_grouped_gemm
+
+    saved = fp8_grouped_gemm.L2_EXPERT_BYTES
+    fp8_grouped_gemm.L2_EXPERT_BYTES = 2**62
+    try:
+        yield
+    finally:
+        fp8_grouped_gemm.L2_EXPERT_BYTES = saved
+
+
+@contextlib.contextmanager
 def descriptors_by_identity():
     """Host tensor descriptors keyed by the object, as before the direct launch path took them
     (``:desc_slow``): every grouped GEMM launch with descriptors takes Triton's own path, for an
@@ -331,7 +345,7 @@ def descriptors_by_identity():
 
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
-                  "desc_slow": descriptors_by_identity}
+                  "desc_slow": descriptors_by_identity, "cols_first": columns_first}
 
 
 def whole_step_patch(config: str):
@@ -353,6 +367,7 @@ LLAMA_CONFIG_HELP = (
     "current grouped layers' groups padded to 128 rows, whole chunks of the weight "
     "gradient's contraction loaded from descriptors made on the host; desc_slow: the grouped "
     "GEMMs' launches with host tensor descriptors through Triton's own launch path; "
+    "cols_first: the grouped rows kernels' programs column tile first for experts of any size; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "

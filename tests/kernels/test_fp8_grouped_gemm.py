@@ -125,6 +125,24 @@ def test_tokens_gemm_takes_the_short_tiles_up_to_1024_rows_a_group(rows, groups,
     assert len(launched) == 1 and launched[0] is configs.launch_config(name)
 
 
+@pytest.mark.parametrize("k, cols_fastest", [
+    (8192, 1),  # an expert's 4096 x 8192 FP8 bytes (32 MiB) stay in L2: column tile first
+    (8208, 0),  # more than 32 MiB: row tile first
+])
+def test_rows_gemm_orders_programs_row_tile_first_for_experts_past_32_mib(k, cols_fastest,
+                                                                         monkeypatch):
+    launched = []
+    monkeypatch.setattr(kern, "launch", lambda kernel, grid, *a, **kw: launched.append(kw))
+    a = torch.zeros((32, k), dtype=torch.uint8)
+    b = torch.zeros((2, 4096, k), dtype=torch.uint8)
+    s = torch.ones(2)
+    offs = torch.tensor([16, 32])
+    kern.fp8_grouped_rows_gemm(a, s, b, s, offs, offs, total=32, a_dtype=DType.E5M2,
+                               b_dtype=DType.E4M3)
+    config_order = configs.config("fp8_grouped_rows_gemm")["COLS_FASTEST"]
+    assert len(launched) == 1 and launched[0]["COLS_FASTEST"] == (cols_fastest and config_order)
+
+
 @pytest.mark.parametrize("multiple", [0, 8, 24, 16.0, True])
 def test_tokens_gemm_rejects_a_group_multiple_not_of_16(multiple):
     a = torch.zeros((8, 32), dtype=torch.uint8)
