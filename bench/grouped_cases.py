@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import steps
 import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -281,7 +282,8 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
                f"promote {cfg['PROMOTE']}")
         loads = {0: "pointers", 1: "tma"}
-        with configs.overridden("fp8_grouped_rows_gemm", cfg):
+        # the config's order whatever the expert's bytes, so that the sweep measures both
+        with configs.overridden("fp8_grouped_rows_gemm", cfg), steps.columns_first():
             out.append(_row(f"own rows {tag} {loads[cfg['tma']]} "
                             f"cols {'first' if cfg['COLS_FASTEST'] else 'last'}",
                             lambda: kern.fp8_grouped_rows_gemm(

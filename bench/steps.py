@@ -312,8 +312,9 @@ def whole_chunk_groups():
 
 @contextlib.contextmanager
 def columns_first():
-    """The grouped rows kernels' programs column tile first whatever the expert's bytes
-    (``:cols_first``), as before ``fp8_grouped_gemm.L2_EXPERT_BYTES``."""
+    """The grouped rows kernels' programs in their configs' order (column tile first) whatever
+    the expert's bytes (``:cols_first``; ``fp8_grouped_gemm.L2_EXPERT_BYTES`` lifted), as
+    before that threshold."""
     from quant_kernels import fp8_grouped_gemm
 
     saved = fp8_grouped_gemm.L2_EXPERT_BYTES
