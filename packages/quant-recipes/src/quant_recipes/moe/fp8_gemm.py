@@ -306,18 +306,32 @@ def weight_transposed(w, qw, sw=None):
 
 
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
-             fast_dgrad: bool = False, fast_wgrad: bool = False, group_multiple: int = 16):
+             fast_dgrad: bool = False, fast_wgrad: bool = False, group_multiple: int = 16,
+             requant_x: bool = False, requant_w: bool = False, x_rows=None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
     GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``;
-    ``group_multiple`` as :func:`tokens_gemm`'s."""
+    ``group_multiple`` as :func:`tokens_gemm`'s.
+
+    ``requant_w``: ``wt`` is the weight itself (``[E, N, K]``, with forward's ``sw``), whose
+    transposed bytes are quantized here (:func:`weight_transposed`); ``requant_x`` likewise for
+    the input ``xt`` (``[T, K]``, :func:`input_transposed` with ``x_rows``). The input
+    gradient runs first, and its operands (the weight's transposed bytes, the gradient's
+    rowwise bytes) are released before the weight gradient's output is made, so that the two
+    never take memory at once."""
     padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
     gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
-    dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups,
-                   fast_accum=fast_dgrad) if dgrad else None
-    dw = (tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad, group_multiple)
-          if wgrad else None)
+    dx = dw = None
+    if dgrad:
+        if requant_w:
+            wt, sw = weight_transposed(wt, qw, sw)
+        dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups, fast_accum=fast_dgrad)
+    del wt, gd
+    if wgrad:
+        if requant_x:
+            xt, sx = input_transposed(xt, lay, qx, sx, x_rows)
+        dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad, group_multiple)
     return dx, dw

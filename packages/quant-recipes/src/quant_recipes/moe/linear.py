@@ -44,7 +44,7 @@ from . import fp8_gemm
 from .bias import group_sums
 from .fp8 import Layout, layout, quantize_experts
 from .gemm import check_offsets, check_on_device, token_alignment
-from .ops import bprop, fp8_bprop, fp8_experts_t, fp8_fprop, fp8_rows_t, fprop
+from .ops import bprop, fp8_bprop, fp8_fprop, fprop
 from .routes import Routes, token_gradients
 
 #: The quantizer of every high-precision slot.
@@ -150,17 +150,15 @@ class _GroupedFP8Fn(torch.autograd.Function):
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
-        # the input (weight) itself was kept: its transposed bytes again, from forward's
-        # amaxes (column 1 of its scale-inverses), so no amax pass
-        if ctx.requant[0]:
-            xt, sx = fp8_rows_t(xt, lay, qx, ctx.traced, sx, rows)
-        if ctx.requant[1]:
-            wt, sw = fp8_experts_t(wt, qw, ctx.traced, sw)
-        # the output gradient's amax is the quantize's own pass: computed where the gradient
-        # is made (a SwiGLU's backward), the row reduction turns Inductor's pointwise kernel
-        # into a looped reduction that costs more than the pass it saves
+        # the input (weight) itself was kept (ctx.requant): backward quantizes its transposed
+        # bytes again, from forward's amaxes (column 1 of its scale-inverses), so no amax
+        # pass, each just before the GEMM that reads it, so that the weight's are released
+        # before the weight gradient is made. The output gradient's amax is the quantize's
+        # own pass: computed where the gradient is made (a SwiGLU's backward), the row
+        # reduction turns Inductor's pointwise kernel into a looped reduction that costs more
+        # than the pass it saves
         dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
-                           ctx.traced, *ctx.fast_accum[1:], ctx.align)
+                           ctx.traced, *ctx.fast_accum[1:], ctx.align, *ctx.requant, rows)
         if dx is not None and copies is not None:
             dx = token_gradients(dx, copies)
         db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)

@@ -1,8 +1,8 @@
 """The grouped GEMMs as custom ops, for ``torch.compile``: ``quant_recipes::grouped_fprop`` and
 ``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.moe.gemm.grouped_fprop` /
 ``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_bprop``
-the quantize-once FP8 path (:mod:`.fp8_gemm`; ``grouped_fp8_rows_t`` /
-``grouped_fp8_experts_t`` quantize a kept input or weight again in backward), so the groups'
+the quantize-once FP8 path (:mod:`.fp8_gemm`; ``grouped_fp8_bprop`` also quantizes a kept
+input or weight again, just before the GEMM that reads it), so the groups'
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
 ``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
@@ -95,31 +95,16 @@ _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool co
     "Tensor? x_rows=None) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
-def _rows_t(x, lay, q, sx=None, x_rows=None):
-    return fp8_gemm.input_transposed(x, _layout(lay), quantizer_of(q), sx, x_rows)
-
-
 def _rows_t_fake(x, lay, q, sx=None, x_rows=None):
     k, (rows, experts) = x.shape[1], (lay[2].shape[0], lay[5].shape[0])
     return (x.new_empty((k, rows), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-def _experts_t(w, q, sw=None):
-    return fp8_gemm.weight_transposed(w, quantizer_of(q), sw)
-
-
 def _experts_t_fake(w, q, sw=None):
     experts, n, k = w.shape
     return (w.new_empty((experts, k, n), dtype=torch.uint8),
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
-
-
-_op("grouped_fp8_rows_t(Tensor x, Tensor[] lay, str q, Tensor? sx=None, Tensor? x_rows=None) "
-    "-> (Tensor, Tensor)",
-    _rows_t, _rows_t_fake)
-_op("grouped_fp8_experts_t(Tensor w, str q, Tensor? sw=None) -> (Tensor, Tensor)", _experts_t,
-    _experts_t_fake)
 
 
 def _empty_for_none(t, like, dtype=torch.uint8):
@@ -146,17 +131,21 @@ def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row
 
 
 def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False,
-               group_multiple=16):
+               group_multiple=16, requant_x=False, requant_w=False, x_rows=None):
     dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
-                               wgrad, fast_dgrad, fast_wgrad, group_multiple)
+                               wgrad, fast_dgrad, fast_wgrad, group_multiple, requant_x,
+                               requant_w, x_rows)
     return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
 
 
 def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
-                    fast_wgrad=False, group_multiple=16):
+                    fast_wgrad=False, group_multiple=16, requant_x=False, requant_w=False,
+                    x_rows=None):
     total, n = gy.shape
-    return (gy.new_empty((total, wt.shape[1]) if dgrad else (0,)),
-            gy.new_empty((lay[5].shape[0], n, xt.shape[0]) if wgrad else (0,)))
+    # K of the weight [E, N, K] or of its bytes [E, K, N]; of the input [T, K] or its [K, rows]
+    return (gy.new_empty((total, wt.shape[2 if requant_w else 1]) if dgrad else (0,)),
+            gy.new_empty((lay[5].shape[0], n, xt.shape[1 if requant_x else 0]) if wgrad
+                         else (0,)))
 
 
 _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
@@ -165,7 +154,8 @@ _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, boo
     _fp8_fprop, _fp8_fprop_fake)
 _op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
     "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False, "
-    "int group_multiple=16) -> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
+    "int group_multiple=16, bool requant_x=False, bool requant_w=False, Tensor? x_rows=None) "
+    "-> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
 
 
 def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False,
@@ -206,30 +196,15 @@ def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, trac
 
 def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
               traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
-              group_multiple: int = 16):
+              group_multiple: int = 16, requant_x: bool = False, requant_w: bool = False,
+              x_rows=None):
     """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
     if not traced:
         return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
-                                 fast_wgrad, group_multiple)
+                                 fast_wgrad, group_multiple, requant_x, requant_w, x_rows)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
     return torch.ops.quant_recipes.grouped_fp8_bprop(
         gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
-        specs, dgrad, wgrad, fast_dgrad, fast_wgrad, group_multiple)
-
-
-def fp8_rows_t(x, lay: Layout, qx, traced: bool, sx=None, x_rows=None):
-    """:func:`~quant_recipes.moe.fp8_gemm.input_transposed`, through its op when
-    ``traced``."""
-    if not traced:
-        return fp8_gemm.input_transposed(x, lay, qx, sx, x_rows)
-    return torch.ops.quant_recipes.grouped_fp8_rows_t(x, lay.tensors(), quantizer_spec(qx), sx,
-                                                      x_rows)
-
-
-def fp8_experts_t(w, qw, traced: bool, sw=None):
-    """:func:`~quant_recipes.moe.fp8_gemm.weight_transposed`, through its op when
-    ``traced``."""
-    if not traced:
-        return fp8_gemm.weight_transposed(w, qw, sw)
-    return torch.ops.quant_recipes.grouped_fp8_experts_t(w, quantizer_spec(qw), sw)
+        specs, dgrad, wgrad, fast_dgrad, fast_wgrad, group_multiple, requant_x, requant_w,
+        x_rows)
