@@ -308,9 +308,7 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     # two programs per SM (shared memory and registers for two): one's store under the other's
     # main loop
     {"BN": 128, "num_warps": 4, "num_stages": 3}, {"BN": 128, "num_warps": 4, "num_stages": 2},
-    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3},
-    # the two configs in use with their programs row tile first (sweeping a's rows)
-    {"rows_fastest": 1}, {"BN": 128, "num_warps": 4, "num_stages": 3, "rows_fastest": 1}))
+    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}))
 
 
 @contextlib.contextmanager
@@ -352,8 +350,7 @@ def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
                 lambda: torch._grouped_mm(ab.t(), bb, offs=offs), products, flops)]
     u8 = (lambda t: t.view(torch.uint8))
     for cfg in WGRAD_CONFIGS:
-        tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
-               + (" rows first" if cfg.get("rows_fastest") else ""))
+        tag = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
         with tokens_overridden(cfg):
             out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(
                 u8(at), sa, u8(bt), sb, offs, a_dtype=DType.E5M2, b_dtype=DType.E4M3),

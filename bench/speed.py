@@ -350,9 +350,9 @@ def model_table(rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {ratio} | {r['tok_s']:.0f} | {peak} | "
                      f"{act} | {r.get('kernels', '-')} | {r.get('syncs', '-')} | {gpu} | "
                      f"{_compile_cell(r)} | {r['loss']:.4f}{ref} |")
-    steps = min((len(r["losses"]) for r in rows if "losses" in r), default=MIN_LOSS_STEPS)
-    if steps < MIN_LOSS_STEPS:
-        lines.append(f"\nloss: the mean of the last 10 of {steps} steps, which compares early "
+    loss_steps = min((len(r["losses"]) for r in rows if "losses" in r), default=MIN_LOSS_STEPS)
+    if loss_steps < MIN_LOSS_STEPS:
+        lines.append(f"\nloss: the mean of the last 10 of {loss_steps} steps, which compares early "
                      f"loss spikes, not training; compare losses over {MIN_LOSS_STEPS}+ steps")
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import sysconfig
+from unittest import mock
 
 import torch
 
@@ -317,12 +318,8 @@ def columns_first():
     before that threshold."""
     from quant_kernels import fp8_grouped_gemm
 
-    saved = fp8_grouped_gemm.L2_EXPERT_BYTES
-    fp8_grouped_gemm.L2_EXPERT_BYTES = 2**62
-    try:
+    with mock.patch.object(fp8_grouped_gemm, "L2_EXPERT_BYTES", 2**62):
         yield
-    finally:
-        fp8_grouped_gemm.L2_EXPERT_BYTES = saved
 
 
 @contextlib.contextmanager

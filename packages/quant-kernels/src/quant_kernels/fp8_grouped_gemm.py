@@ -109,20 +109,6 @@ def _rows_program(RT, N, BN: tl.constexpr, COLS_FASTEST: tl.constexpr):
 
 
 @triton.jit
-def _tokens_program(M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.constexpr):
-    """``(m0, n0)``, the output tile of this program of a tokens kernel's group: the programs
-    that run together share a tile of ``a``'s rows and sweep ``b``'s (the default), or with
-    ``ROWS_FASTEST`` share a tile of ``b``'s rows and sweep ``a``'s."""
-    pid = tl.program_id(0)
-    if ROWS_FASTEST:
-        tiles_m = tl.cdiv(M, BM)
-        return (pid % tiles_m) * BM, (pid // tiles_m) * BN
-    else:
-        tiles_n = tl.cdiv(N, BN)
-        return (pid // tiles_n) * BM, (pid % tiles_n) * BN
-
-
-@triton.jit
 def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E, RT,
                  s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                  EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -165,8 +151,7 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
 @triton.jit
 def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                    A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr,
-                   ROWS_FASTEST: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr):
     """One ``[BM, BN]`` tile of group ``program_id(1)``'s product of
     :func:`fp8_grouped_tokens_gemm`.
 
@@ -177,9 +162,9 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa,
     c_ptr: output ``[E, M, N]`` of the dtype ``OUT`` codes, contiguous.
     """
     g = tl.program_id(1)
-    m0, n0 = _tokens_program(M, N, BM, BN, ROWS_FASTEST)
-    rm = m0 + tl.arange(0, BM)
-    rn = n0 + tl.arange(0, BN)
+    tiles_n = tl.cdiv(N, BN)
+    rm = (tl.program_id(0) // tiles_n) * BM + tl.arange(0, BM)
+    rn = (tl.program_id(0) % tiles_n) * BN + tl.arange(0, BN)
     mmask, nmask = rm < M, rn < N
     am = tl.where(mmask, rm, 0).to(tl.int64)
     bn = tl.where(nmask, rn, 0).to(tl.int64)
@@ -246,7 +231,7 @@ def _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N,
 def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr):
+                             PROMOTE: tl.constexpr):
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
@@ -254,7 +239,9 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
     zeros, so no column of another group enters the sums. The same products and the same order
     of sums as :func:`_tokens_kernel` (a zero column adds an exact 0)."""
     g = tl.program_id(1)
-    m0, n0 = _tokens_program(M, N, BM, BN, ROWS_FASTEST)
+    tiles_n = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
     start = tl.multiple_of(_start(ends_ptr, g), 16)
     cols = tl.load(ends_ptr + g).to(tl.int32) - start.to(tl.int32)
     width = tl.maximum(cols, 1)  # a descriptor's dimensions are positive; none is loaded then
@@ -274,14 +261,16 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
 def _tokens_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                        A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr):
+                       PROMOTE: tl.constexpr):
     """:func:`_tokens_kernel` for groups that start and end on multiples of ``BK`` columns:
     every chunk lies inside its group, so the tiles come by the tensor memory accelerator from
     the descriptors made on the host over the whole operands (``a [M, R]``, ``b [N, R]``), with
     no descriptor made per program. The same products and order of sums as
     :func:`_tokens_kernel`."""
     g = tl.program_id(1)
-    m0, n0 = _tokens_program(M, N, BM, BN, ROWS_FASTEST)
+    tiles_n = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
     start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), BK)
     end = tl.load(ends_ptr + g).to(tl.int32)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -457,8 +446,7 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
         return out
     cfg, kw = config
     grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
-    flags = {**_flags(dtypes, out_dtype, kw, fast_accum),
-             "ROWS_FASTEST": int(cfg.get("rows_fastest", 0))}
+    flags = _flags(dtypes, out_dtype, kw, fast_accum)
     rest = (sa, sb, ends, out, m, n, r, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
     if tma is None:
