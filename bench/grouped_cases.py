@@ -294,7 +294,7 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
         for gm in sorted({16, multiple}):
             host = cfg["tma"] and gm % cfg["BK"] == 0
             form = "host tma" if host else loads[cfg["tma"]]
-            with tokens_overridden(tokens_cfg):
+            with tokens_overridden(tokens_cfg), steps.wgrad_columns_first():
                 out.append(_row(f"own tokens {tag} {form} (groups of {gm})",
                                 lambda gm=gm: kern.fp8_grouped_tokens_gemm(
                     u8(at), sa, u8(bt), sb, offs, **kw, group_multiple=gm), tok_ref, flops))
@@ -308,7 +308,10 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     # two programs per SM (shared memory and registers for two): one's store under the other's
     # main loop
     {"BN": 128, "num_warps": 4, "num_stages": 3}, {"BN": 128, "num_warps": 4, "num_stages": 2},
-    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3}))
+    {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3},
+    # the programs that run together share a column tile and sweep a's rows
+    {"ROWS_FASTEST": 1}, {"BN": 128, "ROWS_FASTEST": 1},
+    {"BN": 128, "num_warps": 4, "num_stages": 3, "ROWS_FASTEST": 1}))
 
 
 @contextlib.contextmanager
@@ -350,8 +353,9 @@ def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
                 lambda: torch._grouped_mm(ab.t(), bb, offs=offs), products, flops)]
     u8 = (lambda t: t.view(torch.uint8))
     for cfg in WGRAD_CONFIGS:
-        tag = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
-        with tokens_overridden(cfg):
+        tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
+               f"{' rows first' if cfg.get('ROWS_FASTEST') else ''}")
+        with tokens_overridden(cfg), steps.wgrad_columns_first():
             out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(
                 u8(at), sa, u8(bt), sb, offs, a_dtype=DType.E5M2, b_dtype=DType.E4M3),
                 ref, flops))

@@ -235,7 +235,8 @@ FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0", "mixed": "mixed"}
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
-                  "step_weights": (), "desc_slow": (), "copies": (), "cols_first": ()}
+                  "step_weights": (), "desc_slow": (), "copies": (), "cols_first": (),
+                  "wgrad_cols": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
@@ -323,6 +324,17 @@ def columns_first():
 
 
 @contextlib.contextmanager
+def wgrad_columns_first():
+    """The grouped contraction (weight-gradient) kernels' programs in their configs' order
+    (sweeping ``b``) whatever the operands' bytes (``:wgrad_cols``;
+    ``fp8_grouped_gemm.SWEPT_GROUP_BYTES`` lifted), as before that threshold."""
+    from quant_kernels import fp8_grouped_gemm
+
+    with mock.patch.object(fp8_grouped_gemm, "SWEPT_GROUP_BYTES", 2**62):
+        yield
+
+
+@contextlib.contextmanager
 def descriptors_by_identity():
     """Host tensor descriptors keyed by the object, as before the direct launch path took them
     (``:desc_slow``): every grouped GEMM launch with descriptors takes Triton's own path, for an
@@ -343,7 +355,8 @@ def descriptors_by_identity():
 
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
-                  "desc_slow": descriptors_by_identity, "cols_first": columns_first}
+                  "desc_slow": descriptors_by_identity, "cols_first": columns_first,
+                  "wgrad_cols": wgrad_columns_first}
 
 
 def whole_step_patch(config: str):
@@ -366,6 +379,7 @@ LLAMA_CONFIG_HELP = (
     "gradient's contraction loaded from descriptors made on the host; desc_slow: the grouped "
     "GEMMs' launches with host tensor descriptors through Triton's own launch path; "
     "cols_first: the grouped rows kernels' programs column tile first for experts of any size; "
+    "wgrad_cols: the grouped weight-gradient kernels' programs sweeping b whatever its bytes; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "

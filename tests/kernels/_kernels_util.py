@@ -74,8 +74,9 @@ GROUPED_LOAD_IDS = ["tma", "pointer_loads", "tma_rows_first"]
 @contextlib.contextmanager
 def grouped_load_form(names, tma: int, cols_fastest: int):
     """The grouped GEMM launches ``names`` (their tile configs) with tiles loaded by the tensor
-    memory accelerator (``tma``) or by masked pointer loads, the rows kernel's programs column
-    tile first (``cols_fastest``) or row tile first."""
+    memory accelerator (``tma``) or by masked pointer loads; with ``cols_fastest`` the programs
+    in the default order (the rows kernel's column tile first, the contraction kernel's sharing
+    a row tile), else in the other one."""
     from quant_kernels import configs
     from quant_kernels._common import interpreting
 
@@ -85,5 +86,7 @@ def grouped_load_form(names, tma: int, cols_fastest: int):
             cfg = {**configs.config(name), "tma": tma}
             if "COLS_FASTEST" in cfg:
                 cfg["COLS_FASTEST"] = cols_fastest
+            elif "tokens" in name:
+                cfg["ROWS_FASTEST"] = 1 - cols_fastest
             stack.enter_context(configs.overridden(name, cfg, mode=mode))
         yield

@@ -143,6 +143,26 @@ def test_rows_gemm_orders_programs_row_tile_first_for_experts_past_32_mib(k, col
     assert len(launched) == 1 and launched[0]["COLS_FASTEST"] == (cols_fastest and config_order)
 
 
+@pytest.mark.parametrize("m, n, rows, rows_fastest", [
+    (4096, 14336, 8 * 2048, 1),  # Mixtral's down projection: b's 29 MB a group, a's 8 MB
+    (28672, 4096, 8 * 2048, 0),  # its gate/up: a's slice is the larger
+    (4096, 14336, 8 * 1024, 0),  # b's 14.7 MB a group stay in L2
+    (1536, 2048, 128 * 512, 0),  # Qwen3-MoE: 1 MB
+])
+def test_tokens_gemm_sweeps_a_when_bs_group_slices_pass_16_mib(m, n, rows, rows_fastest,
+                                                               monkeypatch):
+    launched = []
+    monkeypatch.setattr(kern, "launch", lambda kernel, grid, *a, **kw: launched.append(kw))
+    groups = 8 if rows < 2**16 else 128
+    a = torch.empty((m, rows), dtype=torch.uint8)
+    b = torch.empty((n, rows), dtype=torch.uint8)
+    s = torch.ones(groups)
+    ends = torch.arange(1, groups + 1) * (rows // groups)
+    with grouped_load_form(("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"), 1, 1):
+        kern.fp8_grouped_tokens_gemm(a, s, b, s, ends, a_dtype=DType.E5M2, b_dtype=DType.E4M3)
+    assert len(launched) == 1 and launched[0]["ROWS_FASTEST"] == rows_fastest
+
+
 @pytest.mark.parametrize("multiple", [0, 8, 24, 16.0, True])
 def test_tokens_gemm_rejects_a_group_multiple_not_of_16(multiple):
     a = torch.zeros((8, 32), dtype=torch.uint8)
