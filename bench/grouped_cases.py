@@ -44,8 +44,15 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
+#: ``--match``: the forms whose name contains one of these run (every form where empty)
+MATCH: list[str] = []
+
+
 def _row(name: str, fn, want_fn, flops: float) -> dict:
     res = {"form": name}
+    if MATCH and not any(m in name for m in MATCH):
+        res["skipped"] = True
+        return res
     try:
         got = fn()
         torch.cuda.synchronize()
@@ -225,7 +232,11 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
     # under the other's main loop
     {"BN": 128, "num_stages": 3}, {"BN": 128, "num_stages": 3, "COLS_FASTEST": 0},
     {"BN": 128, "BK": 64, "num_stages": 5}, {"BM": 64, "BN": 128, "num_warps": 4,
-                                               "num_stages": 4}))
+                                               "num_stages": 4},
+    # two promoted chunks a main-loop step: the second's MMAs under the first one's fp32 adds
+    {"BN": 128, "CHUNKS": 2, "num_stages": 3},
+    {"BN": 128, "CHUNKS": 2, "num_stages": 3, "COLS_FASTEST": 0},
+    {"CHUNKS": 2, "num_stages": 2}, {"CHUNKS": 2, "num_stages": 2, "COLS_FASTEST": 0}))
 
 
 def group_rows(e: int, m: int, ragged: bool, multiple: int = 16) -> list[int]:
@@ -278,9 +289,9 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
     out = []
     for cfg in OWN_CONFIGS:
         cfg = {**cfg, "PROMOTE": min(cfg["PROMOTE"], cfg["BK"])}
-        tokens_cfg = {k: v for k, v in cfg.items() if k != "COLS_FASTEST"}
+        tokens_cfg = {k: v for k, v in cfg.items() if k not in ("COLS_FASTEST", "CHUNKS")}
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
-               f"promote {cfg['PROMOTE']}")
+               f"promote {cfg['PROMOTE']}{' chunks 2' if cfg.get('CHUNKS') == 2 else ''}")
         loads = {0: "pointers", 1: "tma"}
         # the config's order whatever the expert's bytes, so that the sweep measures both
         with configs.overridden("fp8_grouped_rows_gemm", cfg), steps.columns_first():
@@ -289,7 +300,7 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
                             lambda: kern.fp8_grouped_rows_gemm(
                                 u8(a), sa, u8(w), sb, offs, offs, total=total, **kw),
                             rows_ref, flops))
-        if not cfg["COLS_FASTEST"]:  # the contraction kernel has one program order
+        if not cfg["COLS_FASTEST"] or "CHUNKS" in cfg:  # the rows kernel's own choices
             continue
         for gm in sorted({16, multiple}):
             host = cfg["tma"] and gm % cfg["BK"] == 0
@@ -408,6 +419,7 @@ def cast_forms(counts: list[int], k: int) -> list[dict]:
 def main(args) -> None:
     """The forms ``speed.py probe``'s options select: a JSON line each, then the table."""
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
+    MATCH[:] = [m for m in (args.match or "").split(",") if m]
     if args.triton_only:
         rows = triton_forms(args.rows, args.hidden, args.out)
         _table(rows)
@@ -429,6 +441,8 @@ def _table(rows: list[dict]) -> None:
     """The forms' table: whether each ran, its error, ms and TFLOP/s."""
     print("| form | runs | max rel err | ms | TFLOP/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
+        if r.get("skipped"):
+            continue
         if r["ok"]:
             rate = f"{r['tflops']:.{0 if r['tflops'] >= 10 else 2}f}"
             print(f"| {r['form']} | yes | {r['err']:.2e} | {r['ms']:.3f} | {rate} |")

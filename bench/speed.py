@@ -731,6 +731,9 @@ def commands(sub) -> dict:
     r.add_argument("--triton-only", action="store_true",
                    help="only the plain Triton tile kernels of one --rows x --hidden x --out "
                    "product, the second operand K-major and MN-major")
+    r.add_argument("--match", metavar="TEXT[,TEXT]",
+                   help="only the forms whose name contains one of these (the sweeps compile a "
+                   "kernel per config)")
     r.add_argument("--no-triton", action="store_true",
                    help="leave out the plain Triton tile kernels (torch's and the own forms)")
     u = sub.add_parser("multi-gpu", help="Llama step on several GPUs: FSDP2, FSDP2 x TP",

@@ -236,7 +236,7 @@ LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_inpu
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
                   "step_weights": (), "desc_slow": (), "copies": (), "cols_first": (),
-                  "wgrad_cols": ()}
+                  "wgrad_cols": (), "one_rows_tile": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
@@ -324,6 +324,21 @@ def columns_first():
 
 
 @contextlib.contextmanager
+def one_rows_tile():
+    """The grouped FP8 rows kernels in one tile config, row tile first for every expert past
+    ``L2_EXPERT_BYTES`` whatever its shape (``:one_rows_tile``), as before the long-contraction
+    tiles."""
+    from quant_kernels import fp8_grouped_gemm as kern
+
+    def rows_first(n, k, element_size):
+        return n * k * element_size > kern.L2_EXPERT_BYTES
+
+    with mock.patch.object(kern, "rows_first", rows_first), \
+            mock.patch.object(kern, "rows_config", lambda n, k: "fp8_grouped_rows_gemm"):
+        yield
+
+
+@contextlib.contextmanager
 def wgrad_columns_first():
     """The grouped contraction (weight-gradient) kernels' programs in their configs' order
     (sweeping ``b``) whatever the operands' bytes (``:wgrad_cols``;
@@ -356,7 +371,7 @@ def descriptors_by_identity():
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
-                  "wgrad_cols": wgrad_columns_first}
+                  "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile}
 
 
 def whole_step_patch(config: str):
@@ -380,6 +395,8 @@ LLAMA_CONFIG_HELP = (
     "GEMMs' launches with host tensor descriptors through Triton's own launch path; "
     "cols_first: the grouped rows kernels' programs column tile first for experts of any size; "
     "wgrad_cols: the grouped weight-gradient kernels' programs sweeping b whatever its bytes; "
+    "one_rows_tile: the grouped FP8 rows kernels in one tile config, row tile first for every "
+    "expert past 32 MiB; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "

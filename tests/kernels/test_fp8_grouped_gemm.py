@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels_util import DEVICE, GROUPED_LOAD_FORMS, GROUPED_LOAD_IDS, grouped_load_form
+from _kernels_util import DEVICE, FP8_GROUPED_LOAD_FORMS, FP8_GROUPED_LOAD_IDS, grouped_load_form
 from quant_core import reference
 from quant_core.dtypes import DType
 from quant_kernels import configs
@@ -33,14 +33,15 @@ def _sum_bound(interval: int) -> float:
 SUM_BOUND = _sum_bound(configs.config("fp8_grouped_rows_gemm")["PROMOTE"])
 
 
-@pytest.fixture(autouse=True, params=GROUPED_LOAD_FORMS, ids=GROUPED_LOAD_IDS)
+@pytest.fixture(autouse=True, params=FP8_GROUPED_LOAD_FORMS, ids=FP8_GROUPED_LOAD_IDS)
 def loads(request):
     """Every test runs each form of the kernels: tiles loaded by the tensor memory accelerator
     (the default where the operands allow it; the weight-gradient kernel from descriptors
-    bounded by the group) or by masked pointer loads, and the rows kernel's programs ordered
-    column tile first (the default) or row tile first."""
-    with grouped_load_form(("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm",
-                            "fp8_grouped_tokens_gemm_short"), *request.param):
+    bounded by the group) or by masked pointer loads; the programs in their configs' order or
+    the other one; the rows kernel's steps over one promoted chunk or two."""
+    with grouped_load_form(("fp8_grouped_rows_gemm", "fp8_grouped_rows_gemm_long",
+                            "fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"),
+                           *request.param):
         yield
 
 
@@ -125,21 +126,27 @@ def test_tokens_gemm_takes_the_short_tiles_up_to_1024_rows_a_group(rows, groups,
     assert len(launched) == 1 and launched[0] is configs.launch_config(name)
 
 
-@pytest.mark.parametrize("k, cols_fastest", [
-    (8192, 1),  # an expert's 4096 x 8192 FP8 bytes (32 MiB) stay in L2: column tile first
-    (8208, 0),  # more than 32 MiB: row tile first
+@pytest.mark.parametrize("n, k, cols_fastest, tiles", [
+    (8192, 4096, 1, "fp8_grouped_rows_gemm"),  # an expert of 32 MiB stays in L2: column first
+    (8208, 4096, 0, "fp8_grouped_rows_gemm"),  # past 32 MiB, rows at least as wide: row first
+    (4096, 8208, 1, "fp8_grouped_rows_gemm_long"),  # past 32 MiB, a longer contraction
+    (2048, 8192, 1, "fp8_grouped_rows_gemm"),  # a longer contraction in L2
 ])
-def test_rows_gemm_orders_programs_row_tile_first_for_experts_past_32_mib(k, cols_fastest,
-                                                                         monkeypatch):
+def test_rows_gemm_orders_and_tiles_by_expert_bytes_and_shape(n, k, cols_fastest, tiles,
+                                                              monkeypatch):
     launched = []
     monkeypatch.setattr(kern, "launch", lambda kernel, grid, *a, **kw: launched.append(kw))
+    configs_taken = []
+    monkeypatch.setattr(kern, "rows_gemm", (lambda *a, _run=kern.rows_gemm, **kw:
+                                            configs_taken.append(a[9]) or _run(*a, **kw)))
     a = torch.zeros((32, k), dtype=torch.uint8)
-    b = torch.zeros((2, 4096, k), dtype=torch.uint8)
+    b = torch.zeros((2, n, k), dtype=torch.uint8)
     s = torch.ones(2)
     offs = torch.tensor([16, 32])
     kern.fp8_grouped_rows_gemm(a, s, b, s, offs, offs, total=32, a_dtype=DType.E5M2,
                                b_dtype=DType.E4M3)
-    config_order = configs.config("fp8_grouped_rows_gemm")["COLS_FASTEST"]
+    config_order = configs.config(tiles)["COLS_FASTEST"]
+    assert configs_taken == [configs.launch_config(tiles)]
     assert len(launched) == 1 and launched[0]["COLS_FASTEST"] == (cols_fastest and config_order)
 
 

@@ -53,20 +53,41 @@ def _fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, PROMOTE: tl.
     elif a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     elif NATIVE_FP8:
-        if A_E4M3:
-            av = a.to(tl.float8e4nv, bitcast=True)
-        else:
-            av = a.to(tl.float8e5, bitcast=True)
-        if B_E4M3:
-            bv = b.to(tl.float8e4nv, bitcast=True)
-        else:
-            bv = b.to(tl.float8e5, bitcast=True)
+        av = _fp8_typed(a, A_E4M3)
+        bv = _fp8_typed(b, B_E4M3)
         if PROMOTE >= 0:
             return tl.dot(av, bv, acc, max_num_imprecise_acc=PROMOTE)
         else:
             return tl.dot(av, bv, acc)
     else:
         return tl.dot(fp8_decode(a, A_E4M3), fp8_decode(b, B_E4M3), acc, input_precision="ieee")
+
+
+@triton.jit
+def _fp8_dot_pair(a0, b0, a1, b1, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
+                  PROMOTE: tl.constexpr):
+    """``acc + a0 @ b0 + a1 @ b1`` of two consecutive chunks of the contraction, summed as two
+    :func:`_fp8_dot` calls. Where each chunk is one promotion interval of FP8 tensor-core
+    products, both chunks' MMAs go into fresh tiles that are added to ``acc`` (first, then
+    second) after both are issued: the second chunk's MMAs run under the first one's fp32
+    adds, instead of every chunk waiting for its own."""
+    if (a0.dtype == tl.bfloat16 or a0.dtype == tl.float32 or not NATIVE_FP8
+            or PROMOTE != a0.shape[1]):
+        return _fp8_dot(a1, b1, _fp8_dot(a0, b0, acc, A_E4M3, B_E4M3, PROMOTE), A_E4M3, B_E4M3,
+                        PROMOTE)
+    else:
+        p0 = tl.dot(_fp8_typed(a0, A_E4M3), _fp8_typed(b0, B_E4M3))
+        p1 = tl.dot(_fp8_typed(a1, A_E4M3), _fp8_typed(b1, B_E4M3))
+        return (acc + p0) + p1
+
+
+@triton.jit
+def _fp8_typed(x, E4M3: tl.constexpr):
+    """The FP8 tile ``x`` (uint8 bytes or FP8-typed) as E4M3 or E5M2."""
+    if E4M3:
+        return x.to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e5, bitcast=True)
 
 
 @triton.jit
@@ -127,7 +148,7 @@ def _tokens_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.cons
 def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E, RT,
                  s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                  EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
+                 PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr, CHUNKS: tl.constexpr = 1):
     """One ``[BM, BN]`` tile of one group's rows of :func:`fp8_grouped_rows_gemm`.
 
     a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous (or both
@@ -136,6 +157,9 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
     offs_ptr: int32/int64 ``[E]`` cumulative ends of the output rows (the real rows).
     a_ends_ptr: int32/int64 ``[E]`` cumulative ends of the groups' rows in ``a``.
     c_ptr: output ``[T, N]`` of the dtype ``OUT`` codes, contiguous.
+    CHUNKS: the contraction chunks of ``BK`` a main-loop step of :func:`_rows_tma_kernel`
+        multiplies, 1 or 2 (:func:`_fp8_dot_pair`; its loads past ``K`` are zeros); this kernel
+        takes one a step.
     RT: the row tiles of the grid (group after group; past the last one a program exits); the
     program's row and column tile: :func:`_rows_program`.
     """
@@ -205,7 +229,8 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa,
 def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E,
                      RT, s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
                      OUT: tl.constexpr, EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr):
+                     BK: tl.constexpr, PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr,
+                     CHUNKS: tl.constexpr = 1):
     """:func:`_rows_kernel` with the operand tiles loaded by the tensor memory accelerator:
     ``a_desc`` over ``a [R, K]``, ``b_desc`` over ``b [E·N, K]`` (FP8-typed on a GPU, or
     decoded). A tile may hold rows of the next group or expert; they only reach output rows and
@@ -221,10 +246,15 @@ def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr
         n0 = ct * BN
         b_row = g * N + n0
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(0, K, BK * CHUNKS):
             a = a_desc.load([a_row, k0])
             b = b_desc.load([b_row, k0])
-            acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+            if CHUNKS == 2:
+                a1 = a_desc.load([a_row, k0 + BK])
+                b1 = b_desc.load([b_row, k0 + BK])
+                acc = _fp8_dot_pair(a, b.T, a1, b1.T, acc, A_E4M3, B_E4M3, PROMOTE)
+            else:
+                acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
         acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
         rn = n0 + tl.arange(0, BN)
         out_rows = out0 + local
@@ -407,12 +437,32 @@ def _flags(dtypes, out_dtype: torch.dtype, kw, fast_accum: bool = False) -> dict
 
 
 #: The rows kernels order their programs column tile first (``COLS_FASTEST`` in their configs)
-#: only where one expert's ``b[g]`` is at most this many bytes: the programs of a row tile then
-#: sweep the expert's columns, whose bytes stay in L2 for the group's next row tile. A larger
-#: expert would stream from memory once per row tile, so its programs go row tile first. On an
-#: H100, Mixtral's 59 and 117 MB experts ran 28% and 5% faster row tile first; GPT-OSS's 8 and
-#: 17 MB and Qwen3-MoE's 1.5 and 3 MB ran faster column tile first (bench/RESULTS.md).
+#: unless one expert's ``b[g]`` is more than this many bytes and its output row at least as wide
+#: as its contraction (:func:`rows_first`). Column tile first, the programs of a row tile sweep
+#: the expert's columns, whose bytes stay in L2 for the group's next row tile only while the
+#: expert fits; past that, row tile first re-reads ``a`` once per column tile instead, which
+#: costs less where the columns are many and ``a``'s rows short. On an H100, Mixtral's down
+#: projection's input gradient (a 59 MB expert of 14336 x 4096) ran 28% faster row tile first;
+#: GPT-OSS's 8 and 17 MB experts and Qwen3-MoE's 1.5 and 3 MB ran faster column tile first, and
+#: so did Mixtral's gate/up (117 MB, 4096 x 28672) in the long-contraction tiles
+#: (:func:`rows_config`; bench/RESULTS.md).
 L2_EXPERT_BYTES = 32 * 2**20
+
+
+def rows_first(n: int, k: int, element_size: int) -> bool:
+    """Whether a rows GEMM over experts ``[n, k]`` of ``element_size``-byte elements orders its
+    programs row tile first (:data:`L2_EXPERT_BYTES`)."""
+    return n * k * element_size > L2_EXPERT_BYTES and n >= k
+
+
+def rows_config(n: int, k: int) -> str:
+    """The tile config of an FP8 grouped rows GEMM over experts ``[n, k]``: 128 x 128 tiles
+    multiplying two promoted chunks a main-loop step (``fp8_grouped_rows_gemm_long``) where the
+    contraction is longer than the output row and the expert does not fit L2 (Mixtral's gate/up
+    input gradient: 15% faster than the 128 x 256 tiles row tile first on an H100, 6% faster
+    than them column tile first), else ``fp8_grouped_rows_gemm``."""
+    long = k > n and n * k > L2_EXPERT_BYTES
+    return "fp8_grouped_rows_gemm_long" if long else "fp8_grouped_rows_gemm"
 
 
 def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
@@ -422,7 +472,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     uint8 FP8 bytes of ``dtypes`` (``(a_dtype, b_dtype)``), or decoded exactly (bf16 on a GPU,
     fp32 under the interpreter; ``dtypes`` ``(None, None)``); ``sa``, ``sb`` the fp32 per-group
     scales; ``config`` the ``(config, keywords)`` of :func:`launch_config`; its
-    ``COLS_FASTEST`` holds for experts of at most :data:`L2_EXPERT_BYTES`."""
+    ``COLS_FASTEST`` holds unless :func:`rows_first`."""
     experts, n, k = b.shape
     out = torch.empty((total, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
@@ -433,7 +483,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     row_tiles = ceil_div(total, cfg["BM"]) + experts
     grid = (row_tiles * ceil_div(n, cfg["BN"]),)
     flags = {**_flags(dtypes, out_dtype, kw, fast_accum), "EP2": triton.next_power_of_2(experts)}
-    if flags.get("COLS_FASTEST") and n * k * b.element_size() > L2_EXPERT_BYTES:
+    if flags.get("COLS_FASTEST") and rows_first(n, k, b.element_size()):
         flags["COLS_FASTEST"] = 0
     scales = (sa, sb, offs, a_ends, out, n, k, experts, row_tiles, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b.view(experts * n, k)), dtypes,
@@ -502,7 +552,7 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
            (("offs", offs), ("a_ends", a_ends)), a_dtype, b_dtype, out_dtype)
     check_rows_shapes(name, a, b, offs, a_ends)
     return rows_gemm(a, a_scale_inv, b, b_scale_inv, offs, a_ends, total, (a_dtype, b_dtype),
-                     out_dtype, launch_config("fp8_grouped_rows_gemm"), fast_accum)
+                     out_dtype, launch_config(rows_config(b.shape[1], b.shape[2])), fast_accum)
 
 
 #: Weight gradients whose groups contract over at most this many rows on average take the
