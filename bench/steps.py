@@ -334,7 +334,7 @@ def one_rows_tile():
         return n * k * element_size > kern.L2_EXPERT_BYTES
 
     with mock.patch.object(kern, "rows_first", rows_first), \
-            mock.patch.object(kern, "rows_config", lambda n, k: "fp8_grouped_rows_gemm"):
+            mock.patch.object(kern, "long_contraction", lambda n, k: False):
         yield
 
 

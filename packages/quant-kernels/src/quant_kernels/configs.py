@@ -101,7 +101,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1},
     },
     # the same where the contraction is long and the expert passes L2 (fp8_grouped_gemm's
-    # rows_config); CHUNKS: the promoted chunks a main-loop step multiplies, the second's MMAs
+    # long_contraction); CHUNKS: the promoted chunks a main-loop step multiplies, the second's MMAs
     # under the first one's fp32 adds
     "fp8_grouped_rows_gemm_long": {
         "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1, "CHUNKS": 2,

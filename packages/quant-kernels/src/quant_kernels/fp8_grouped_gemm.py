@@ -445,7 +445,7 @@ def _flags(dtypes, out_dtype: torch.dtype, kw, fast_accum: bool = False) -> dict
 #: projection's input gradient (a 59 MB expert of 14336 x 4096) ran 28% faster row tile first;
 #: GPT-OSS's 8 and 17 MB experts and Qwen3-MoE's 1.5 and 3 MB ran faster column tile first, and
 #: so did Mixtral's gate/up (117 MB, 4096 x 28672) in the long-contraction tiles
-#: (:func:`rows_config`; bench/RESULTS.md).
+#: (:func:`long_contraction`; bench/RESULTS.md).
 L2_EXPERT_BYTES = 32 * 2**20
 
 
@@ -455,14 +455,13 @@ def rows_first(n: int, k: int, element_size: int) -> bool:
     return n * k * element_size > L2_EXPERT_BYTES and n >= k
 
 
-def rows_config(n: int, k: int) -> str:
-    """The tile config of an FP8 grouped rows GEMM over experts ``[n, k]``: 128 x 128 tiles
-    multiplying two promoted chunks a main-loop step (``fp8_grouped_rows_gemm_long``) where the
+def long_contraction(n: int, k: int) -> bool:
+    """Whether an FP8 grouped rows GEMM over experts ``[n, k]`` takes the 128 x 128 tiles that
+    multiply two promoted chunks a main-loop step (``fp8_grouped_rows_gemm_long``): where the
     contraction is longer than the output row and the expert does not fit L2 (Mixtral's gate/up
     input gradient: 15% faster than the 128 x 256 tiles row tile first on an H100, 6% faster
-    than them column tile first), else ``fp8_grouped_rows_gemm``."""
-    long = k > n and n * k > L2_EXPERT_BYTES
-    return "fp8_grouped_rows_gemm_long" if long else "fp8_grouped_rows_gemm"
+    than them column tile first)."""
+    return k > n and n * k > L2_EXPERT_BYTES
 
 
 def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
@@ -551,8 +550,10 @@ def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
     _check(name, a, b, (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)),
            (("offs", offs), ("a_ends", a_ends)), a_dtype, b_dtype, out_dtype)
     check_rows_shapes(name, a, b, offs, a_ends)
+    config = launch_config("fp8_grouped_rows_gemm_long" if long_contraction(*b.shape[1:])
+                           else "fp8_grouped_rows_gemm")
     return rows_gemm(a, a_scale_inv, b, b_scale_inv, offs, a_ends, total, (a_dtype, b_dtype),
-                     out_dtype, launch_config(rows_config(b.shape[1], b.shape[2])), fast_accum)
+                     out_dtype, config, fast_accum)
 
 
 #: Weight gradients whose groups contract over at most this many rows on average take the
