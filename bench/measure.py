@@ -176,3 +176,62 @@ def env_line(device: torch.device) -> dict:
         ao = f"unavailable ({type(e).__name__}: {e})"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     return {"torch": torch.__version__, "triton": triton.__version__, "torchao": ao, "gpu": gpu}
+
+
+def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
+    """``(peak bytes, the blocks alive then)`` of a CUDA caching allocator trace (the
+    ``device_traces`` entries of ``torch.cuda.memory._snapshot()``): its ``alloc`` and
+    ``free_completed`` events replayed in order, counting only blocks allocated within the
+    trace (what was alive before recording began is the baseline). Each block: its ``addr``,
+    ``size`` and ``frames``."""
+    live: dict[int, dict] = {}
+    now = peak = 0
+    at_peak: list[dict] = []
+    for ev in events:
+        action = ev.get("action")
+        if action == "alloc":
+            live[ev["addr"]] = ev
+            now += ev["size"]
+            if now > peak:
+                peak, at_peak = now, list(live.values())
+        elif action == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])["size"]
+    return peak, at_peak
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """``file:line function`` of the innermost frame outside torch's own modules (a quant
+    module, the model's code, or a compiled graph's generated code), else the innermost."""
+    chosen = next((f for f in frames if "/torch/" not in f.get("filename", "")),
+                  frames[0] if frames else None)
+    if chosen is None:
+        return "?"
+    path = chosen.get("filename", "?")
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{chosen.get('line', '?')} {chosen.get('name', '?')}"
+
+
+def peak_blocks(step, device: torch.device, top: int = 12) -> dict | None:
+    """Run one step with the CUDA allocator's history recorded: the peak above the memory
+    allocated before it (GiB), and the blocks alive at that peak grouped by allocation site,
+    largest first (``top`` sites: GiB, count, site). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    try:
+        step()
+        sync(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = live_at_peak(snapshot["device_traces"][device.index or 0])
+    sites: dict[str, list[int]] = {}
+    for b in blocks:
+        entry = sites.setdefault(allocation_site(b.get("frames", [])), [0, 0])
+        entry[0] += b["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_gib": round(peak / 2**30, 3),
+            "sites": [{"gib": round(size / 2**30, 3), "count": n, "site": site}
+                      for site, (size, n) in ranked]}

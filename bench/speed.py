@@ -211,12 +211,13 @@ def cmd_step(args, p) -> None:
 
 def run_model(config: str, size: str, n_steps: int, device: torch.device,
               layers: int | None = None, micro: int = 1, kv_cache: bool = False,
-              whole: bool = False, mode: str = "default") -> dict:
+              whole: bool = False, mode: str = "default", peaks: bool = False) -> dict:
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
     (``layers``: decoder layers instead of the size's; ``micro``: the batch's forward and
     backward run that many times per optimizer step, as gradient accumulation does;
     ``kv_cache``: the model builds a KV cache in training, see ``steps.llama``; ``whole``: the
-    whole model compiled at once instead of each decoder layer; ``mode``: torch.compile's)."""
+    whole model compiled at once instead of each decoder layer; ``mode``: torch.compile's;
+    ``peaks``: one more step with the allocator's history, what is alive at its peak)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
@@ -268,6 +269,9 @@ def run_model(config: str, size: str, n_steps: int, device: torch.device,
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             row["act_gib"] = statistics.median(held) / 2**30
         row.update(measure.kernel_stats(lambda: step(data[-1], record=False), device))
+        if peaks:
+            row["peak_blocks"] = measure.peak_blocks(lambda: step(data[-1], record=False),
+                                                     device)
     row["losses"] = losses
     row["loss"] = statistics.fmean(losses[-10:])
     row["finite"] = all(v == v and abs(v) != float("inf") for v in losses)
@@ -371,7 +375,7 @@ def cmd_model(args, p) -> None:
         t0 = time.perf_counter()
         try:
             row = run_model(config, args.size, args.steps, device, args.layers, args.micro,
-                            args.kv_cache, args.whole, args.mode)
+                            args.kv_cache, args.whole, args.mode, args.peaks)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -380,8 +384,11 @@ def cmd_model(args, p) -> None:
             torch.cuda.empty_cache()
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "top")}),
-              flush=True)
+        print(json.dumps({k: v for k, v in row.items()
+                          if k not in ("losses", "top", "peak_blocks")}), flush=True)
+        for site in (row.get("peak_blocks") or {}).get("sites", []):
+            print(f"  at the peak: {site['gib']:.3f} GiB in {site['count']} blocks, "
+                  f"{site['site']}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "size": args.size, "rows": rows}, f,
@@ -611,6 +618,9 @@ def commands(sub) -> dict:
     m.add_argument("--device", default="cuda")
     m.add_argument("--ops", action="store_true",
                    help="lower quant to torch ops on a device outside OPS_DEVICES (the CPU)")
+    m.add_argument("--peaks", action="store_true",
+                   help="one more step per config with the CUDA allocator's history recorded: "
+                   "the blocks alive at its peak, by allocation site")
     m.add_argument("--json", metavar="OUT")
     d = sub.add_parser("layer", help="one MoE decoder layer's forward + backward vs bf16",
                        description="Forward + backward of one decoder layer (attention and the "
