@@ -239,14 +239,14 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
     {"CHUNKS": 2, "num_stages": 2}, {"CHUNKS": 2, "num_stages": 2, "COLS_FASTEST": 0}))
 
 
-def group_rows(e: int, m: int, ragged: bool, multiple: int = 16) -> list[int]:
+def group_rows(e: int, m: int, ragged: bool, multiple: int = 16, skew: float = 0.3) -> list[int]:
     """``e`` groups of ``m`` rows, or (``ragged``) as a router skews them: multinomial draws
-    around ``m`` on average; rounded up to multiples of ``multiple`` (the padded layout's
-    groups)."""
+    around ``m`` on average, the experts' weights ``exp(skew * N(0, 1))``; rounded up to
+    multiples of ``multiple`` (the padded layout's groups)."""
     if not ragged:
         return [-(-m // multiple) * multiple] * e
     gen = torch.Generator().manual_seed(0)
-    weights = torch.exp(torch.randn(e, generator=gen) * 0.3)
+    weights = torch.exp(torch.randn(e, generator=gen) * skew)
     counts = torch.multinomial(weights, e * m, replacement=True, generator=gen).bincount(
         minlength=e)
     return [-(-int(c) // multiple) * multiple for c in counts]
@@ -426,7 +426,7 @@ def main(args) -> None:
         return
     rows = [] if args.own else grouped_forms(args.experts, args.rows, args.hidden, args.out)
     rows += [] if args.own or args.no_triton else triton_forms(args.rows, args.hidden, args.out)
-    counts = group_rows(args.experts, args.rows, args.ragged, args.multiple)
+    counts = group_rows(args.experts, args.rows, args.ragged, args.multiple, args.skew)
     print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
                                      "total": sum(counts)}}))
     if args.wgrad:

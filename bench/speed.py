@@ -726,6 +726,9 @@ def commands(sub) -> dict:
     r.add_argument("--hidden", type=int, default=7168)
     r.add_argument("--out", type=int, default=4096, help="the grouped GEMM's output width")
     r.add_argument("--own", action="store_true", help="quant-kernels' forms only")
+    r.add_argument("--skew", type=float, default=0.3,
+                   help="with --ragged: the spread of the experts' log-weights (0.3: mild; a "
+                   "router at initialization can skew more)")
     r.add_argument("--ragged", action="store_true",
                    help="the own forms' groups skewed as a router makes them (--rows on average)")
     r.add_argument("--multiple", type=int, default=16,
