@@ -315,8 +315,8 @@ def whole_chunk_groups():
 @contextlib.contextmanager
 def columns_first():
     """The grouped rows kernels' programs in their configs' order (column tile first) whatever
-    the expert's bytes (``:cols_first``; ``fp8_grouped_gemm.L2_EXPERT_BYTES`` lifted), as
-    before that threshold."""
+    the expert's bytes, in the one tile config (``:cols_first``;
+    ``fp8_grouped_gemm.L2_EXPERT_BYTES`` lifted), as before the rules by expert size."""
     from quant_kernels import fp8_grouped_gemm
 
     with mock.patch.object(fp8_grouped_gemm, "L2_EXPERT_BYTES", 2**62):
