@@ -95,13 +95,13 @@ _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool co
     "Tensor? x_rows=None) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
 
 
-def _rows_t_fake(x, lay):
+def _input_t_fake(x, lay):
     k, (rows, experts) = x.shape[1], (lay[2].shape[0], lay[5].shape[0])
     return (x.new_empty((k, rows), dtype=torch.uint8),
             x.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
 
 
-def _experts_t_fake(w):
+def _weight_t_fake(w):
     experts, n, k = w.shape
     return (w.new_empty((experts, k, n), dtype=torch.uint8),
             w.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
@@ -123,8 +123,8 @@ def _fp8_fprop(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax
 
 def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row_amax=None,
                     x_rows=None, w_data=None, w_scale_inv=None):
-    xt, sx = _rows_t_fake(x, lay)
-    wt, sw = _experts_t_fake(w)
+    xt, sx = _input_t_fake(x, lay)
+    wt, sw = _weight_t_fake(w)
     return (x.new_empty((lay[0].shape[0], w.shape[1])),
             xt if keep_x_t else _empty_for_none(None, x),
             sx, wt if keep_w_t and w_data is None else _empty_for_none(None, x), sw)
