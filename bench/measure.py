@@ -200,10 +200,13 @@ def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
 
 
 def allocation_site(frames: list[dict]) -> str:
-    """``file:line function`` of the innermost frame outside torch's own modules (a quant
-    module, the model's code, or a compiled graph's generated code), else the innermost."""
-    chosen = next((f for f in frames if "/torch/" not in f.get("filename", "")),
-                  frames[0] if frames else None)
+    """``file:line function`` of the innermost Python frame outside torch's own modules (a
+    quant module, the model's code, or a compiled graph's generated code), else the innermost
+    Python frame, else the innermost frame. C++ frames (the unwinder's, the allocator's) are
+    not sites: their ``filename`` is no ``.py`` file."""
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    chosen = next((f for f in python if "/torch/" not in f["filename"]),
+                  python[0] if python else frames[0] if frames else None)
     if chosen is None:
         return "?"
     path = chosen.get("filename", "?")
@@ -218,7 +221,7 @@ def peak_blocks(step, device: torch.device, top: int = 12) -> dict | None:
     if device.type != "cuda":
         return None
     sync(device)
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
         step()
         sync(device)

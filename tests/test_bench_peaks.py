@@ -51,3 +51,15 @@ def test_the_site_is_the_innermost_frame_outside_torch():
     only_torch = [{"filename": "/site/torch/nn/functional.py", "line": 5, "name": "linear"}]
     assert measure.allocation_site(only_torch) == "nn/functional.py:5 linear"
     assert measure.allocation_site([]) == "?"
+
+
+def test_cpp_frames_are_not_sites():
+    frames = [
+        {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+        {"filename": "/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 9, "name": "malloc"},
+        {"filename": "/site/torch/_ops.py", "line": 3, "name": "__call__"},
+        {"filename": "/site/quant_kernels/grouped_cast.py", "line": 40, "name": "cast"},
+    ]
+    assert measure.allocation_site(frames) == "quant_kernels/grouped_cast.py:40 cast"
+    cpp_only = [{"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}]
+    assert measure.allocation_site(cpp_only) == "??:0 torch::unwind::unwind()"
