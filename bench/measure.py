@@ -199,14 +199,19 @@ def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
     return peak, at_peak
 
 
-def allocation_site(frames: list[dict]) -> str:
-    """``file:line function`` of the innermost Python frame outside torch's own modules (a
-    quant module, the model's code, or a compiled graph's generated code), else the innermost
-    Python frame, else the innermost frame. C++ frames (the unwinder's, the allocator's) are
-    not sites: their ``filename`` is no ``.py`` file."""
+def allocation_frame(frames: list[dict]) -> dict | None:
+    """The innermost Python frame outside torch's own modules (a quant module, the model's code,
+    or a compiled graph's generated code), else the innermost Python frame, else the innermost
+    frame. C++ frames (the unwinder's, the allocator's) are not sites: their ``filename`` is no
+    ``.py`` file."""
     python = [f for f in frames if f.get("filename", "").endswith(".py")]
-    chosen = next((f for f in python if "/torch/" not in f["filename"]),
-                  python[0] if python else frames[0] if frames else None)
+    return next((f for f in python if "/torch/" not in f["filename"]),
+                python[0] if python else frames[0] if frames else None)
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """``file:line function`` of :func:`allocation_frame`, the file by its last two parts."""
+    chosen = allocation_frame(frames)
     if chosen is None:
         return "?"
     path = chosen.get("filename", "?")
@@ -214,10 +219,23 @@ def allocation_site(frames: list[dict]) -> str:
     return f"{short}:{chosen.get('line', '?')} {chosen.get('name', '?')}"
 
 
-def peak_blocks(step, device: torch.device, top: int = 12) -> dict | None:
+def source_line(frames: list[dict]) -> str:
+    """The source text of :func:`allocation_frame`'s line (for a compiled graph: the buffer's
+    allocation in its generated code), or '' where the file is not readable here."""
+    import linecache
+
+    chosen = allocation_frame(frames)
+    if chosen is None:
+        return ""
+    return linecache.getline(chosen.get("filename", ""), chosen.get("line", 0)).strip()[:160]
+
+
+def peak_blocks(step, device: torch.device, top: int = 24) -> dict | None:
     """Run one step with the CUDA allocator's history recorded: the peak above the memory
-    allocated before it (GiB), and the blocks alive at that peak grouped by allocation site,
-    largest first (``top`` sites: GiB, count, site). None off CUDA."""
+    allocated before it (GiB), the allocation that reached it (``reached_by``: its site and
+    source line; :func:`live_at_peak` keeps the blocks in allocation order), and the blocks alive
+    at that peak grouped by allocation site, largest first (``top`` sites: GiB, count, site, the
+    site's source line). None off CUDA."""
     if device.type != "cuda":
         return None
     sync(device)
@@ -229,12 +247,15 @@ def peak_blocks(step, device: torch.device, top: int = 12) -> dict | None:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     peak, blocks = live_at_peak(snapshot["device_traces"][device.index or 0])
-    sites: dict[str, list[int]] = {}
+    sites: dict[str, list] = {}
     for b in blocks:
-        entry = sites.setdefault(allocation_site(b.get("frames", [])), [0, 0])
+        frames = b.get("frames", [])
+        entry = sites.setdefault(allocation_site(frames), [0, 0, source_line(frames)])
         entry[0] += b["size"]
         entry[1] += 1
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    last = blocks[-1].get("frames", []) if blocks else []
     return {"peak_gib": round(peak / 2**30, 3),
-            "sites": [{"gib": round(size / 2**30, 3), "count": n, "site": site}
-                      for site, (size, n) in ranked]}
+            "reached_by": f"{allocation_site(last)}: {source_line(last)}",
+            "sites": [{"gib": round(size / 2**30, 3), "count": n, "site": site, "code": code}
+                      for site, (size, n, code) in ranked]}

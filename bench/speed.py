@@ -386,9 +386,12 @@ def cmd_model(args, p) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()
                           if k not in ("losses", "top", "peak_blocks")}), flush=True)
+        if row.get("peak_blocks"):
+            print(f"  peak reached by {row['peak_blocks']['reached_by']}", flush=True)
         for site in (row.get("peak_blocks") or {}).get("sites", []):
             print(f"  at the peak: {site['gib']:.3f} GiB in {site['count']} blocks, "
-                  f"{site['site']}", flush=True)
+                  f"{site['site']}" + (f": {site['code']}" if site.get("code") else ""),
+                  flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "size": args.size, "rows": rows}, f,

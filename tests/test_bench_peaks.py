@@ -31,7 +31,7 @@ def test_the_peak_counts_what_the_trace_allocated_and_keeps_the_blocks_alive_the
     ]
     peak, blocks = measure.live_at_peak(events)
     assert peak == 500
-    assert sorted(b["addr"] for b in blocks) == [2, 4]
+    assert [b["addr"] for b in blocks] == [2, 4]  # in allocation order: 4 reached the peak
 
 
 def test_an_empty_trace_has_no_peak():
@@ -63,3 +63,14 @@ def test_cpp_frames_are_not_sites():
     assert measure.allocation_site(frames) == "quant_kernels/grouped_cast.py:40 cast"
     cpp_only = [{"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}]
     assert measure.allocation_site(cpp_only) == "??:0 torch::unwind::unwind()"
+
+
+def test_the_source_line_is_the_chosen_frames(tmp_path):
+    code = tmp_path / "graph.py"
+    code.write_text("a = 1\nbuf7 = empty_strided_cuda((16, 4), (4, 1), torch.float8_e4m3fn)\n")
+    frames = [{"filename": "??", "line": 0, "name": "unwind"},
+              {"filename": str(code), "line": 2, "name": "call"}]
+    assert measure.source_line(frames) == (
+        "buf7 = empty_strided_cuda((16, 4), (4, 1), torch.float8_e4m3fn)")
+    assert measure.source_line([{"filename": "/gone.py", "line": 3, "name": "f"}]) == ""
+    assert measure.source_line([]) == ""
