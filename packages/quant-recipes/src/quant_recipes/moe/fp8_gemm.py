@@ -305,33 +305,63 @@ def weight_transposed(w, qw, sw=None):
     return wt, sw
 
 
+def _groups_for(qa, qb, device: torch.device, lay, groups):
+    """:func:`_host_groups` where a GEMM of ``qa`` x ``qb`` runs per group and the caller has not
+    read them (``groups``), else ``groups``."""
+    if groups is None and _route(qa, qb, device, lay.groups) == "scaled_mm_per_group":
+        return _host_groups(lay)
+    return groups
+
+
+def input_gradient(gy, lay, wt, sw, qg, qw, dgrad: bool, wgrad: bool,
+                   fast_dgrad: bool = False, requant_w: bool = False, groups=None):
+    """``(dx [T, K] | None, gt [N, rows] | None, sg)``: the output gradient ``gy [T, N]``
+    quantized once by ``qg`` into the layouts the two GEMMs read, and the input gradient from
+    its rowwise bytes (``dgrad``); ``gt``, the transposed bytes, and their scale-inverses
+    ``sg`` are what :func:`weight_gradient` reads (``wgrad``). ``requant_w``: ``wt`` is the
+    weight itself (``[E, N, K]``, with forward's ``sw``), whose transposed bytes are quantized
+    here (:func:`weight_transposed`) and released on return with the rowwise gradient bytes.
+    ``groups``: :func:`_host_groups`, when the caller has read them."""
+    padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
+    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
+    dx = None
+    if dgrad:
+        if requant_w:
+            wt, sw = weight_transposed(wt, qw, sw)
+        dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded,
+                       _groups_for(qg, qw, gy.device, lay, groups), fast_accum=fast_dgrad)
+    return dx, gt, sg
+
+
+def weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad: bool = False,
+                    group_multiple: int = 16, requant_x: bool = False, x_rows=None,
+                    groups=None) -> torch.Tensor:
+    """``dw [E, N, K]`` from :func:`input_gradient`'s transposed gradient bytes ``gt`` and
+    forward's transposed input bytes ``xt``; ``requant_x``: ``xt`` is the input itself (``[T,
+    K]``, :func:`input_transposed` with ``x_rows``), quantized here. ``fast_wgrad`` and
+    ``group_multiple`` as :func:`tokens_gemm`'s, ``groups`` as :func:`input_gradient`'s."""
+    if requant_x:
+        xt, sx = input_transposed(xt, lay, qx, sx, x_rows)
+    return tokens_gemm(gt, sg, xt, sx, lay, qg, qx, _groups_for(qg, qx, gt.device, lay, groups),
+                       fast_wgrad, group_multiple)
+
+
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
              fast_dgrad: bool = False, fast_wgrad: bool = False, group_multiple: int = 16,
              requant_x: bool = False, requant_w: bool = False, x_rows=None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
-    :func:`forward`'s transposed bytes: ``gy`` quantized once by ``qg`` into the layouts the two
-    GEMMs read; ``fast_dgrad`` / ``fast_wgrad`` as :func:`rows_gemm`'s ``fast_accum``;
-    ``group_multiple`` as :func:`tokens_gemm`'s.
-
-    ``requant_w``: ``wt`` is the weight itself (``[E, N, K]``, with forward's ``sw``), whose
-    transposed bytes are quantized here (:func:`weight_transposed`); ``requant_x`` likewise for
-    the input ``xt`` (``[T, K]``, :func:`input_transposed` with ``x_rows``). The input
-    gradient runs first, and its operands (the weight's transposed bytes, the gradient's
-    rowwise bytes) are released before the weight gradient's output is made, so that the two
-    never take memory at once."""
-    padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
-    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
+    :func:`forward`'s transposed bytes (or, with ``requant_x`` / ``requant_w``, the input and
+    the weight themselves): :func:`input_gradient`, then :func:`weight_gradient`. The input
+    gradient's operands (the weight's transposed bytes, the gradient's rowwise bytes) are
+    released before the weight gradient's output is made, so that the two never take memory
+    at once. Compiled code runs the halves as two ops, so that the graph also releases ``gy``
+    (which the op that reads it cannot) before the weight gradient."""
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
-    dx = dw = None
-    if dgrad:
-        if requant_w:
-            wt, sw = weight_transposed(wt, qw, sw)
-        dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups, fast_accum=fast_dgrad)
-    del wt, gd
-    if wgrad:
-        if requant_x:
-            xt, sx = input_transposed(xt, lay, qx, sx, x_rows)
-        dw = tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad, group_multiple)
+    dx, gt, sg = input_gradient(gy, lay, wt, sw, qg, qw, dgrad, wgrad, fast_dgrad, requant_w,
+                                groups)
+    del wt
+    dw = (weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad, group_multiple, requant_x,
+                          x_rows, groups) if wgrad else None)
     return dx, dw

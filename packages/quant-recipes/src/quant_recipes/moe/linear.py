@@ -157,11 +157,12 @@ class _GroupedFP8Fn(torch.autograd.Function):
         # own pass: computed where the gradient is made (a SwiGLU's backward), the row
         # reduction turns Inductor's pointwise kernel into a looped reduction that costs more
         # than the pass it saves
+        # the bias gradient first: compiled code releases gy once its last reader has run
+        db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
         dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
                            ctx.traced, *ctx.fast_accum[1:], ctx.align, *ctx.requant, rows)
         if dx is not None and copies is not None:
             dx = token_gradients(dx, copies)
-        db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
         return _grads(ctx, dx, dw, db, 11)
 
 

@@ -1,8 +1,8 @@
 """The grouped GEMMs as custom ops, for ``torch.compile``: ``quant_recipes::grouped_fprop`` and
 ``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.moe.gemm.grouped_fprop` /
-``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_bprop``
-the quantize-once FP8 path (:mod:`.fp8_gemm`; ``grouped_fp8_bprop`` also quantizes a kept
-input or weight again, just before the GEMM that reads it), so the groups'
+``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_dgrad``
+/ ``grouped_fp8_wgrad`` the quantize-once FP8 path (:mod:`.fp8_gemm`; backward's two ops also
+quantize a kept input or weight again, just before the GEMM that reads it), so the groups'
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
 ``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
@@ -130,32 +130,46 @@ def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row
             sx, wt if keep_w_t and w_data is None else _empty_for_none(None, x), sw)
 
 
-def _fp8_bprop(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False, fast_wgrad=False,
-               group_multiple=16, requant_x=False, requant_w=False, x_rows=None):
-    dx, dw = fp8_gemm.backward(gy, _layout(lay), xt, sx, wt, sw, *map(quantizer_of, q), dgrad,
-                               wgrad, fast_dgrad, fast_wgrad, group_multiple, requant_x,
-                               requant_w, x_rows)
-    return _empty_for_none(dx, gy, gy.dtype), _empty_for_none(dw, gy, gy.dtype)
+def _fp8_dgrad(gy, lay, wt, sw, q, dgrad, wgrad, fast=False, requant_w=False):
+    qg, _, qw = map(quantizer_of, q)
+    dx, gt, sg = fp8_gemm.input_gradient(gy, _layout(lay), wt, sw, qg, qw, dgrad, wgrad, fast,
+                                         requant_w)
+    return _empty_for_none(dx, gy, torch.bfloat16), _empty_for_none(gt, gy), sg
 
 
-def _fp8_bprop_fake(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
-                    fast_wgrad=False, group_multiple=16, requant_x=False, requant_w=False,
+def _fp8_dgrad_fake(gy, lay, wt, sw, q, dgrad, wgrad, fast=False, requant_w=False):
+    (total, n), (rows, experts) = gy.shape, (lay[2].shape[0], lay[5].shape[0])
+    # K of the weight [E, N, K] or of its bytes [E, K, N]
+    return (gy.new_empty((total, wt.shape[2 if requant_w else 1]) if dgrad else (0,),
+                         dtype=torch.bfloat16),
+            gy.new_empty((n, rows) if wgrad else (0,), dtype=torch.uint8),
+            gy.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+
+
+def _fp8_wgrad(gt, sg, lay, xt, sx, q, fast=False, group_multiple=16, requant_x=False,
+               x_rows=None):
+    qg, qx, _ = map(quantizer_of, q)
+    return fp8_gemm.weight_gradient(gt, sg, _layout(lay), xt, sx, qg, qx, fast, group_multiple,
+                                    requant_x, x_rows)
+
+
+def _fp8_wgrad_fake(gt, sg, lay, xt, sx, q, fast=False, group_multiple=16, requant_x=False,
                     x_rows=None):
-    total, n = gy.shape
-    # K of the weight [E, N, K] or of its bytes [E, K, N]; of the input [T, K] or its [K, rows]
-    return (gy.new_empty((total, wt.shape[2 if requant_w else 1]) if dgrad else (0,)),
-            gy.new_empty((lay[5].shape[0], n, xt.shape[1 if requant_x else 0]) if wgrad
-                         else (0,)))
+    # K of the input [T, K] or of its bytes [K, rows]
+    return gt.new_empty((lay[5].shape[0], gt.shape[0], xt.shape[1 if requant_x else 0]),
+                        dtype=torch.bfloat16)
 
 
 _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, bool keep_x_t, "
     "bool keep_w_t, bool fast_accum=False, Tensor? x_row_amax=None, Tensor? x_rows=None, "
     "Tensor? w_data=None, Tensor? w_scale_inv=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fp8_fprop, _fp8_fprop_fake)
-_op("grouped_fp8_bprop(Tensor gy, Tensor[] lay, Tensor x_t, Tensor sx, Tensor w_t, Tensor sw, "
-    "str[] q, bool dgrad, bool wgrad, bool fast_dgrad=False, bool fast_wgrad=False, "
-    "int group_multiple=16, bool requant_x=False, bool requant_w=False, Tensor? x_rows=None) "
-    "-> (Tensor, Tensor)", _fp8_bprop, _fp8_bprop_fake)
+_op("grouped_fp8_dgrad(Tensor gy, Tensor[] lay, Tensor w_t, Tensor sw, str[] q, bool dgrad, "
+    "bool wgrad, bool fast=False, bool requant_w=False) -> (Tensor, Tensor, Tensor)",
+    _fp8_dgrad, _fp8_dgrad_fake)
+_op("grouped_fp8_wgrad(Tensor g_t, Tensor sg, Tensor[] lay, Tensor x_t, Tensor sx, str[] q, "
+    "bool fast=False, int group_multiple=16, bool requant_x=False, Tensor? x_rows=None) "
+    "-> Tensor", _fp8_wgrad, _fp8_wgrad_fake)
 
 
 def fprop(x, lay: Layout, w, b, qx, qw, align: int, traced: bool, fast_accum: bool = False,
@@ -198,13 +212,19 @@ def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: b
               traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
               group_multiple: int = 16, requant_x: bool = False, requant_w: bool = False,
               x_rows=None):
-    """:func:`~quant_recipes.moe.fp8_gemm.backward`, through its op when ``traced``."""
+    """:func:`~quant_recipes.moe.fp8_gemm.backward`; when ``traced``, its halves through two
+    ops (``grouped_fp8_dgrad`` quantizes ``gy`` and multiplies the input gradient,
+    ``grouped_fp8_wgrad`` the weight gradient), so that the graph releases ``gy`` before the
+    weight gradient's output is made: an op cannot release its own input."""
     if not traced:
         return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
                                  fast_wgrad, group_multiple, requant_x, requant_w, x_rows)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
-    return torch.ops.quant_recipes.grouped_fp8_bprop(
-        gy, lay.tensors(), empty if xt is None else xt, sx, empty if wt is None else wt, sw,
-        specs, dgrad, wgrad, fast_dgrad, fast_wgrad, group_multiple, requant_x, requant_w,
-        x_rows)
+    dx, gt, sg = torch.ops.quant_recipes.grouped_fp8_dgrad(
+        gy, lay.tensors(), empty if wt is None else wt, sw, specs, dgrad, wgrad, fast_dgrad,
+        requant_w)
+    dw = (torch.ops.quant_recipes.grouped_fp8_wgrad(
+        gt, sg, lay.tensors(), empty if xt is None else xt, sx, specs, fast_wgrad,
+        group_multiple, requant_x, x_rows) if wgrad else None)
+    return (dx if dgrad else None), dw
