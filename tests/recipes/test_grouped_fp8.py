@@ -780,21 +780,28 @@ def test_routed_rows_are_quantized_where_they_lie(emulated, monkeypatch, save_in
 
 def _fp8_bprop_ops(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
                    fast_wgrad=False, group_multiple=16, requant_x=False, requant_w=False,
-                   x_rows=None, check=False):
-    """``(dx, dw)`` of backward's two ops (empty where not asked for), each opchecked with
+                   x_rows=None, check=False, padded=False):
+    """``(dx, dw)`` of backward's three ops (None where not asked for), each opchecked with
     ``check``."""
-    dgrad_op = torch.ops.quant_recipes.grouped_fp8_dgrad.default
-    wgrad_op = torch.ops.quant_recipes.grouped_fp8_wgrad.default
-    args = (gy, lay, wt, sw, q, dgrad, wgrad, fast_dgrad, requant_w)
+    ops = torch.ops.quant_recipes
+    calls = [(ops.grouped_fp8_grad_bytes.default, (gy, lay, q, dgrad, wgrad, padded))]
     if check:
-        torch.library.opcheck(dgrad_op, args)
-    dx, gt, sg = dgrad_op(*args)
-    if not wgrad:
-        return dx, None
-    args = (gt, sg, lay, xt, sx, q, fast_wgrad, group_multiple, requant_x, x_rows)
-    if check:
-        torch.library.opcheck(wgrad_op, args)
-    return dx, wgrad_op(*args)
+        torch.library.opcheck(*calls[-1])
+    gd, gt, sg = calls[-1][0](*calls[-1][1])
+    dx = dw = None
+    if dgrad:
+        calls.append((ops.grouped_fp8_dgrad.default,
+                      (gd, sg, lay, wt, sw, q, padded, fast_dgrad, requant_w)))
+        if check:
+            torch.library.opcheck(*calls[-1])
+        dx = calls[-1][0](*calls[-1][1])
+    if wgrad:
+        calls.append((ops.grouped_fp8_wgrad.default,
+                      (gt, sg, lay, xt, sx, q, fast_wgrad, group_multiple, requant_x, x_rows)))
+        if check:
+            torch.library.opcheck(*calls[-1])
+        dw = calls[-1][0](*calls[-1][1])
+    return dx, dw
 
 
 def _same(a, b) -> bool:
@@ -831,9 +838,12 @@ def test_opcheck_fp8_ops(emulated):
     for dgrad, wgrad in ((True, True), (True, False), (False, True)):
         dx, dw = _fp8_bprop_ops(gy, lay, xt, sx, wt, sw, gspecs, dgrad, wgrad, check=True)
         eager = grouped_fp8_gemm.backward(gy, layout, xt, sx, wt, sw, g, q, q, dgrad, wgrad)
-        assert dx.numel() == 0 if not dgrad else torch.equal(dx, eager[0])
-        assert _same(dw, eager[1])
+        assert _same(dx, eager[0]) and _same(dw, eager[1])
     _fp8_bprop_ops(gy, lay, xt, sx, wt, sw, gspecs, True, True, True, True, check=True)
+    padded = _fp8_bprop_ops(gy, lay, xt, sx, wt, sw, gspecs, True, True, check=True,
+                            padded=True)  # the rowwise gradient bytes in the padded layout
+    both = grouped_fp8_gemm.backward(gy, layout, xt, sx, wt, sw, g, q, q, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(padded, both, strict=True))
     # the rows' amaxes computed by the caller, and routed rows read where they lie
     routes, offs = _routed(x.shape[0] // 2, 2, len(COUNTS))
     rows = routes.rows
@@ -1055,26 +1065,32 @@ def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated,
     assert len(made) == 2 and alive_at_wgrad == [[False, False]]
 
 
-def test_compiled_backward_releases_the_output_gradient_before_the_weight_gradient(emulated):
+def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(emulated):
     """Compiled, the output gradient (bf16 ``[T, N]``: 0.94 GB at a Mixtral layer's gate/up
-    projection) is released once it is quantized, before the weight gradient's GEMM makes its
-    output: the graph's first backward op reads it, the second only its FP8 bytes. (Eager code
-    cannot release it: autograd holds a Function's output gradient until its backward
+    projection) is released once it is quantized, before either backward GEMM makes its
+    output: the graph's first backward op reads it, the GEMM ops only its FP8 bytes. (Eager
+    code cannot release it: autograd holds a Function's output gradient until its backward
     returns.)"""
     import weakref
 
-    grads, alive_at_wgrad = [], []
+    grads, alive_at_dgrad, alive_at_wgrad = [], [], []
     real_rows, real_tokens_gemm = grouped_fp8_gemm.quantize_rows, grouped_fp8_gemm.tokens_gemm
+    real_rows_gemm = grouped_fp8_gemm.rows_gemm
 
     def rows(x, lay, q, rowwise, columnwise, **kw):
         if columnwise and x.shape[1] == N:  # the output gradient
             grads.append(weakref.ref(x))
         return real_rows(x, lay, q, rowwise, columnwise, **kw)
 
+    def rows_gemm(*args, **kw):  # forward's GEMM, then the input gradient's
+        alive_at_dgrad.append([ref() is not None for ref in grads])
+        return real_rows_gemm(*args, **kw)
+
     def tokens_gemm(*args, **kw):
         alive_at_wgrad.append([ref() is not None for ref in grads])
         return real_tokens_gemm(*args, **kw)
 
+    emulated.setattr(grouped_fp8_gemm, "rows_gemm", rows_gemm)
     emulated.setattr(grouped_fp8_gemm, "quantize_rows", rows)
     emulated.setattr(grouped_fp8_gemm, "tokens_gemm", tokens_gemm)
     recipe = qr.Float8CurrentScaling()
@@ -1095,7 +1111,9 @@ def test_compiled_backward_releases_the_output_gradient_before_the_weight_gradie
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert len(grads) == 2
-    assert alive_at_wgrad == [[False], [False, True]]  # compiled, then eager
+    # compiled, then eager
+    assert alive_at_dgrad == [[], [False], [False], [False, True]]
+    assert alive_at_wgrad == [[False], [False, True]]
 
 
 def test_by_default_backward_keeps_the_input_copy_and_the_weight_itself(emulated):

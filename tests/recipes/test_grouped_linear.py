@@ -239,6 +239,40 @@ def test_grouped_mm_path(monkeypatch):
     assert qr.grouped_gemm_paths() == {"per_group": 3}
 
 
+def test_grouped_mm_backward_releases_the_rowwise_gradient_before_the_weight_gradient(
+        monkeypatch):
+    """MXFP8 on the ``"grouped_mm"`` path: the output gradient's decoded rowwise values (bf16,
+    the gradient's size) are released after the input gradient, before the weight gradient
+    decodes the input; the results are unchanged."""
+    import weakref
+
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    m, x, gy, _ = _data(COUNTS, bias=False)
+    want = _grouped(m, x, gy, COUNTS, qr.MXFP8BlockScaling())
+    rowwise, alive = [], []
+    pair, decoded = grouped_gemm._decoded_pair, grouped_gemm._decoded
+
+    def spy_pair(t, q, row, col, *args):
+        out = pair(t, q, row, col, *args)
+        if row and col:  # the output gradient's two forms
+            rowwise.append(weakref.ref(out[0]))
+        return out
+
+    def spy_decoded(t, q, columnwise, *args):
+        if rowwise:  # the weight's values (input gradient), then the input's (weight gradient)
+            alive.append(rowwise[-1]() is not None)
+        return decoded(t, q, columnwise, *args)
+
+    monkeypatch.setattr(grouped_gemm, "_decoded_pair", spy_pair)
+    monkeypatch.setattr(grouped_gemm, "_decoded", spy_decoded)
+    got = _grouped(m, x, gy, COUNTS, qr.MXFP8BlockScaling())
+    for a, b in zip(got[:3], want[:3], strict=True):  # y, dx, dw
+        assert torch.equal(a, b)
+    assert len(rowwise) == 1 and alive == [True, False]
+
+
 @pytest.mark.parametrize("recipe", [qr.MXFP8BlockScaling(), None], ids=["mxfp8", "off"])
 def test_grouped_mm_forward_reads_the_rows_where_they_are(monkeypatch, recipe):
     """Rowwise blocks one row tall: the forward GEMM multiplies the rows in place (no padded

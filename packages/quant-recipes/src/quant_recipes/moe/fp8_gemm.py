@@ -261,7 +261,7 @@ def tokens_gemm(at, sa, bt, sb, lay, qa, qb, groups=None, fast_accum: bool = Fal
     return out
 
 
-def _reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
+def reads_padded_rows(qa, qb, device: torch.device, experts: int) -> bool:
     """A row-grouped GEMM of these operands reads its rows in the padded layout: it takes
     ``"scaled_grouped_mm"`` and this torch's kernel needs 16-row group starts."""
     return grouped_takes(qa, qb, device, experts) and not unpadded_rows_run(device.type)
@@ -279,7 +279,7 @@ def forward(x, lay, w, qx, qw, keep_x_t: bool, keep_w_t: bool, b=None, fast_accu
     bytes, scale_inv)`` of ``w`` quantized by ``qw`` already, multiplied instead of quantizing
     ``w`` (then no transposed weight bytes are made)."""
     fp32 = b is not None
-    padded = not fp32 and _reads_padded_rows(qx, qw, x.device, w.shape[0])
+    padded = not fp32 and reads_padded_rows(qx, qw, x.device, w.shape[0])
     xd, xt, sx = quantize_rows(x, lay, qx, True, keep_x_t, row_padded=padded,
                                row_amax=x_row_amax, x_rows=x_rows)
     if w_bytes is None:
@@ -313,30 +313,32 @@ def _groups_for(qa, qb, device: torch.device, lay, groups):
     return groups
 
 
-def input_gradient(gy, lay, wt, sw, qg, qw, dgrad: bool, wgrad: bool,
-                   fast_dgrad: bool = False, requant_w: bool = False, groups=None):
-    """``(dx [T, K] | None, gt [N, rows] | None, sg)``: the output gradient ``gy [T, N]``
-    quantized once by ``qg`` into the layouts the two GEMMs read, and the input gradient from
-    its rowwise bytes (``dgrad``); ``gt``, the transposed bytes, and their scale-inverses
-    ``sg`` are what :func:`weight_gradient` reads (``wgrad``). ``requant_w``: ``wt`` is the
-    weight itself (``[E, N, K]``, with forward's ``sw``), whose transposed bytes are quantized
-    here (:func:`weight_transposed`) and released on return with the rowwise gradient bytes.
-    ``groups``: :func:`_host_groups`, when the caller has read them."""
-    padded = dgrad and _reads_padded_rows(qg, qw, gy.device, lay.groups)
-    gd, gt, sg = quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=padded)
-    dx = None
-    if dgrad:
-        if requant_w:
-            wt, sw = weight_transposed(wt, qw, sw)
-        dx = rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded,
-                       _groups_for(qg, qw, gy.device, lay, groups), fast_accum=fast_dgrad)
-    return dx, gt, sg
+def gradient_bytes(gy, lay, qg, dgrad: bool, wgrad: bool, padded: bool):
+    """``(gd | None, gt [N, rows] | None, sg)``: the output gradient ``gy [T, N]`` quantized
+    once by ``qg`` into the layouts the two GEMMs read: the rowwise bytes of
+    :func:`input_gradient` (``dgrad``; in the padded layout when ``padded``, where its GEMM
+    reads that: :func:`reads_padded_rows`), the transposed bytes of :func:`weight_gradient`
+    (``wgrad``), and their scale-inverses."""
+    return quantize_rows(gy, lay, qg, dgrad, wgrad, row_padded=dgrad and padded)
+
+
+def input_gradient(gd, sg, lay, wt, sw, qg, qw, padded: bool, fast_dgrad: bool = False,
+                   requant_w: bool = False, groups=None) -> torch.Tensor:
+    """``dx [T, K]`` from :func:`gradient_bytes`' rowwise bytes ``gd`` (``padded`` as there)
+    and the weight's transposed bytes ``wt``; ``requant_w``: ``wt`` is the weight itself
+    (``[E, N, K]``, with forward's ``sw``), whose transposed bytes are quantized here
+    (:func:`weight_transposed`) and released on return. ``groups``: :func:`_host_groups`,
+    when the caller has read them."""
+    if requant_w:
+        wt, sw = weight_transposed(wt, qw, sw)
+    return rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded,
+                     _groups_for(qg, qw, gd.device, lay, groups), fast_accum=fast_dgrad)
 
 
 def weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad: bool = False,
                     group_multiple: int = 16, requant_x: bool = False, x_rows=None,
                     groups=None) -> torch.Tensor:
-    """``dw [E, N, K]`` from :func:`input_gradient`'s transposed gradient bytes ``gt`` and
+    """``dw [E, N, K]`` from :func:`gradient_bytes`' transposed bytes ``gt`` and
     forward's transposed input bytes ``xt``; ``requant_x``: ``xt`` is the input itself (``[T,
     K]``, :func:`input_transposed` with ``x_rows``), quantized here. ``fast_wgrad`` and
     ``group_multiple`` as :func:`tokens_gemm`'s, ``groups`` as :func:`input_gradient`'s."""
@@ -351,17 +353,19 @@ def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,
              requant_x: bool = False, requant_w: bool = False, x_rows=None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` for the output gradient ``gy [T, N]``, from
     :func:`forward`'s transposed bytes (or, with ``requant_x`` / ``requant_w``, the input and
-    the weight themselves): :func:`input_gradient`, then :func:`weight_gradient`. The input
-    gradient's operands (the weight's transposed bytes, the gradient's rowwise bytes) are
-    released before the weight gradient's output is made, so that the two never take memory
-    at once. Compiled code runs the halves as two ops, so that the graph also releases ``gy``
-    (which the op that reads it cannot) before the weight gradient."""
+    the weight themselves): :func:`gradient_bytes`, :func:`input_gradient`, then
+    :func:`weight_gradient`. The input gradient's operands (the weight's transposed bytes, the
+    gradient's rowwise bytes) are released before the weight gradient's output is made, so that
+    the two never take memory at once. Compiled code runs the three as ops, so that the graph
+    also releases ``gy`` (which an op that reads it cannot) once it is quantized."""
     per_group = ((dgrad and _route(qg, qw, gy.device, lay.groups) == "scaled_mm_per_group")
                  or (wgrad and _route(qg, qx, gy.device, lay.groups) == "scaled_mm_per_group"))
     groups = _host_groups(lay) if per_group else None  # one host read for both GEMMs
-    dx, gt, sg = input_gradient(gy, lay, wt, sw, qg, qw, dgrad, wgrad, fast_dgrad, requant_w,
-                                groups)
-    del wt
+    padded = dgrad and reads_padded_rows(qg, qw, gy.device, lay.groups)
+    gd, gt, sg = gradient_bytes(gy, lay, qg, dgrad, wgrad, padded)
+    dx = (input_gradient(gd, sg, lay, wt, sw, qg, qw, padded, fast_dgrad, requant_w, groups)
+          if dgrad else None)
+    del wt, gd
     dw = (weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad, group_multiple, requant_x,
                           x_rows, groups) if wgrad else None)
     return dx, dw

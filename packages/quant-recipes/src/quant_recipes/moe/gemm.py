@@ -208,7 +208,10 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
 
 def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool,
                   x_rows=None):
-    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path."""
+    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path. The
+    gradient's decoded rowwise values are released after the input gradient (unless the weight
+    gradient reads them too), before the weight gradient decodes the input and makes its
+    output."""
     g_row, g_col = _decoded_pair(gy, qg, dgrad, wgrad and col, lay)
     if wgrad and not col:  # the backward overrides: the gradient's rowwise form
         g_col = g_row if g_row is not None else _decoded(gy, qg, False, lay)
@@ -216,6 +219,7 @@ def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool,
     if dgrad:
         dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
         count_path("grouped_mm")
+    del g_row
     if wgrad:
         xv = _decoded(x, qx, col, lay, x_rows)
         dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)

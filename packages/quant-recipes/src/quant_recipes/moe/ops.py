@@ -1,8 +1,9 @@
 """The grouped GEMMs as custom ops, for ``torch.compile``: ``quant_recipes::grouped_fprop`` and
 ``quant_recipes::grouped_bprop`` run :func:`~quant_recipes.moe.gemm.grouped_fprop` /
-``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` / ``grouped_fp8_dgrad``
-/ ``grouped_fp8_wgrad`` the quantize-once FP8 path (:mod:`.fp8_gemm`; backward's two ops also
-quantize a kept input or weight again, just before the GEMM that reads it), so the groups'
+``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` and
+backward's ``grouped_fp8_grad_bytes`` / ``grouped_fp8_dgrad`` / ``grouped_fp8_wgrad`` the
+quantize-once FP8 path (:mod:`.fp8_gemm`; the two GEMM ops also quantize a kept input or
+weight again, just before the GEMM that reads it), so the groups'
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
 ``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
@@ -130,20 +131,30 @@ def _fp8_fprop_fake(x, lay, w, b, q, keep_x_t, keep_w_t, fast_accum=False, x_row
             sx, wt if keep_w_t and w_data is None else _empty_for_none(None, x), sw)
 
 
-def _fp8_dgrad(gy, lay, wt, sw, q, dgrad, wgrad, fast=False, requant_w=False):
-    qg, _, qw = map(quantizer_of, q)
-    dx, gt, sg = fp8_gemm.input_gradient(gy, _layout(lay), wt, sw, qg, qw, dgrad, wgrad, fast,
-                                         requant_w)
-    return _empty_for_none(dx, gy, torch.bfloat16), _empty_for_none(gt, gy), sg
+def _fp8_grad_bytes(gy, lay, q, dgrad, wgrad, padded):
+    gd, gt, sg = fp8_gemm.gradient_bytes(gy, _layout(lay), quantizer_of(q[0]), dgrad, wgrad,
+                                         padded)
+    return _empty_for_none(gd, gy), _empty_for_none(gt, gy), sg
 
 
-def _fp8_dgrad_fake(gy, lay, wt, sw, q, dgrad, wgrad, fast=False, requant_w=False):
+def _fp8_grad_bytes_fake(gy, lay, q, dgrad, wgrad, padded):
     (total, n), (rows, experts) = gy.shape, (lay[2].shape[0], lay[5].shape[0])
-    # K of the weight [E, N, K] or of its bytes [E, K, N]
-    return (gy.new_empty((total, wt.shape[2 if requant_w else 1]) if dgrad else (0,),
-                         dtype=torch.bfloat16),
+    return (gy.new_empty(((rows if padded else total), n) if dgrad else (0,),
+                         dtype=torch.uint8),
             gy.new_empty((n, rows) if wgrad else (0,), dtype=torch.uint8),
             gy.new_empty((experts, SCALE_PITCH), dtype=torch.float32))
+
+
+def _fp8_dgrad(gd, sg, lay, wt, sw, q, padded, fast=False, requant_w=False):
+    qg, _, qw = map(quantizer_of, q)
+    return fp8_gemm.input_gradient(gd, sg, _layout(lay), wt, sw, qg, qw, padded, fast,
+                                   requant_w)
+
+
+def _fp8_dgrad_fake(gd, sg, lay, wt, sw, q, padded, fast=False, requant_w=False):
+    # K of the weight [E, N, K] or of its bytes [E, K, N]
+    return gd.new_empty((lay[0].shape[0], wt.shape[2 if requant_w else 1]),
+                        dtype=torch.bfloat16)
 
 
 def _fp8_wgrad(gt, sg, lay, xt, sx, q, fast=False, group_multiple=16, requant_x=False,
@@ -164,9 +175,11 @@ _op("grouped_fp8_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, boo
     "bool keep_w_t, bool fast_accum=False, Tensor? x_row_amax=None, Tensor? x_rows=None, "
     "Tensor? w_data=None, Tensor? w_scale_inv=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fp8_fprop, _fp8_fprop_fake)
-_op("grouped_fp8_dgrad(Tensor gy, Tensor[] lay, Tensor w_t, Tensor sw, str[] q, bool dgrad, "
-    "bool wgrad, bool fast=False, bool requant_w=False) -> (Tensor, Tensor, Tensor)",
-    _fp8_dgrad, _fp8_dgrad_fake)
+_op("grouped_fp8_grad_bytes(Tensor gy, Tensor[] lay, str[] q, bool dgrad, bool wgrad, "
+    "bool padded) -> (Tensor, Tensor, Tensor)", _fp8_grad_bytes, _fp8_grad_bytes_fake)
+_op("grouped_fp8_dgrad(Tensor gd, Tensor sg, Tensor[] lay, Tensor w_t, Tensor sw, str[] q, "
+    "bool padded, bool fast=False, bool requant_w=False) -> Tensor", _fp8_dgrad,
+    _fp8_dgrad_fake)
 _op("grouped_fp8_wgrad(Tensor g_t, Tensor sg, Tensor[] lay, Tensor x_t, Tensor sx, str[] q, "
     "bool fast=False, int group_multiple=16, bool requant_x=False, Tensor? x_rows=None) "
     "-> Tensor", _fp8_wgrad, _fp8_wgrad_fake)
@@ -212,19 +225,21 @@ def fp8_bprop(gy, lay: Layout, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: b
               traced: bool, fast_dgrad: bool = False, fast_wgrad: bool = False,
               group_multiple: int = 16, requant_x: bool = False, requant_w: bool = False,
               x_rows=None):
-    """:func:`~quant_recipes.moe.fp8_gemm.backward`; when ``traced``, its halves through two
-    ops (``grouped_fp8_dgrad`` quantizes ``gy`` and multiplies the input gradient,
-    ``grouped_fp8_wgrad`` the weight gradient), so that the graph releases ``gy`` before the
-    weight gradient's output is made: an op cannot release its own input."""
+    """:func:`~quant_recipes.moe.fp8_gemm.backward`; when ``traced``, its three parts through
+    ops (``grouped_fp8_grad_bytes`` quantizes ``gy``, ``grouped_fp8_dgrad`` and
+    ``grouped_fp8_wgrad`` multiply the two gradients), so that the graph releases ``gy`` once
+    it is quantized: an op cannot release its own input."""
     if not traced:
         return fp8_gemm.backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad, fast_dgrad,
                                  fast_wgrad, group_multiple, requant_x, requant_w, x_rows)
-    specs = [quantizer_spec(q) for q in (qg, qx, qw)]
+    ops, specs = torch.ops.quant_recipes, [quantizer_spec(q) for q in (qg, qx, qw)]
     empty = gy.new_empty((0,), dtype=torch.uint8)
-    dx, gt, sg = torch.ops.quant_recipes.grouped_fp8_dgrad(
-        gy, lay.tensors(), empty if wt is None else wt, sw, specs, dgrad, wgrad, fast_dgrad,
-        requant_w)
-    dw = (torch.ops.quant_recipes.grouped_fp8_wgrad(
-        gt, sg, lay.tensors(), empty if xt is None else xt, sx, specs, fast_wgrad,
-        group_multiple, requant_x, x_rows) if wgrad else None)
-    return (dx if dgrad else None), dw
+    # a device probe: read here, at trace time, never in an op's fake
+    padded = dgrad and fp8_gemm.reads_padded_rows(qg, qw, gy.device, lay.groups)
+    gd, gt, sg = ops.grouped_fp8_grad_bytes(gy, lay.tensors(), specs, dgrad, wgrad, padded)
+    dx = (ops.grouped_fp8_dgrad(gd, sg, lay.tensors(), empty if wt is None else wt, sw, specs,
+                                padded, fast_dgrad, requant_w) if dgrad else None)
+    dw = (ops.grouped_fp8_wgrad(gt, sg, lay.tensors(), empty if xt is None else xt, sx, specs,
+                                fast_wgrad, group_multiple, requant_x, x_rows)
+          if wgrad else None)
+    return dx, dw
