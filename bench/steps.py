@@ -236,7 +236,7 @@ LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_inpu
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
                   "copy": (), "index": (), "weight_copy": (), "chunks": (),
                   "step_weights": (), "desc_slow": (), "copies": (), "cols_first": (),
-                  "wgrad_cols": (), "one_rows_tile": ()}
+                  "wgrad_cols": (), "one_rows_tile": (), "product_kernels": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
@@ -339,6 +339,17 @@ def one_rows_tile():
 
 
 @contextlib.contextmanager
+def product_kernels():
+    """Backward's columnwise copy of a pointwise product (a SwiGLU's) recorded as kernels, from
+    an exact copy of the product, as every columnwise copy is (``:product_kernels``), instead of
+    traced as ops that fuse into the product's backward kernel."""
+    from quant_dynamo import capture
+
+    with mock.patch.object(capture, "pointwise_of_products", lambda t: False):
+        yield
+
+
+@contextlib.contextmanager
 def wgrad_columns_first():
     """The grouped contraction (weight-gradient) kernels' programs in their configs' order
     (sweeping ``b``) whatever the operands' bytes (``:wgrad_cols``;
@@ -371,7 +382,8 @@ def descriptors_by_identity():
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
-                  "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile}
+                  "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
+                  "product_kernels": product_kernels}
 
 
 def whole_step_patch(config: str):
@@ -396,7 +408,8 @@ LLAMA_CONFIG_HELP = (
     "cols_first: the grouped rows kernels' programs column tile first for experts of any size; "
     "wgrad_cols: the grouped weight-gradient kernels' programs sweeping b whatever its bytes; "
     "one_rows_tile: the grouped FP8 rows kernels in one tile config, row tile first for every "
-    "expert past 32 MiB; "
+    "expert past 32 MiB; product_kernels: backward's columnwise copy of a SwiGLU product "
+    "recorded as kernels from an exact copy, as before such copies took the ops; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "

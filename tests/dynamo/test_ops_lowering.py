@@ -196,6 +196,36 @@ def test_by_default_a_columnwise_copy_takes_the_kernels(ops_on_cpu, recording_ba
     assert True in recording_backend
 
 
+def _norm(t):
+    return t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(t.dtype)
+
+
+@pytest.mark.parametrize("make, form", [
+    (lambda a, b, c: torch.nn.functional.silu(a @ b) * (a @ c), "ops"),  # a SwiGLU product
+    (lambda a, b, c: (a @ b).to(torch.float32).mul(2).to(torch.bfloat16), "ops"),
+    (lambda a, b, c: a @ b, "kernels"),  # a GEMM's output as it is: no kernel to fuse into
+    (lambda a, b, c: _norm(a @ b), "kernels"),  # a reduction among the producers
+    (lambda a, b, c: _norm(a) * 2, "kernels"),
+    (lambda a, b, c: torch.softmax(a @ b, -1) * 2, "kernels"),  # no reduction tag: not a GEMM
+], ids=["swiglu", "scaled_product", "gemm", "norm_of_product", "scaled_norm", "softmax"])
+def test_by_default_backwards_copy_of_a_pointwise_product_takes_the_ops(
+        ops_on_cpu, recording_backend, monkeypatch, make, form):
+    """Unset (``mixed``), the columnwise copy alone (the one backward makes) of a tensor that
+    pointwise ops make from GEMM outputs is traced as ops: Inductor fuses its cast into the
+    kernel that computes the product; any other tensor's is recorded as kernels. The bytes are
+    the eager op's either way."""
+    monkeypatch.delenv("QUANT_LOWERING")
+    q = CURRENT.with_usage(rowwise=False)
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(64, 96, dtype=torch.bfloat16), torch.randn(96, 64,
+               dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16))
+    compiled, graphs = _compiled(lambda a, b, c: quant_dynamo.quantize(make(a, b, c), q))
+    assert all(torch.equal(x, y) for x, y in
+               zip(compiled(a, b, c), quant_dynamo.quantize(make(a, b, c), q), strict=True))
+    # a recorded kernel reads an exact copy of its input (the bits xor 0); the ops read it
+    assert ("aten.bitwise_xor.Scalar" in _targets(graphs[0])) is (form == "kernels")
+
+
 @COLUMNWISE
 def test_by_default_a_columnwise_copy_never_traces_the_ops(ops_on_cpu, monkeypatch, q):
     """Without capturable kernels it stays opaque rather than tracing the ops, whose transposed

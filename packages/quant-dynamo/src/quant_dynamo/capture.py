@@ -25,13 +25,17 @@ The two forms trade speed for memory where a quantization writes a columnwise (t
 copy: the traced ops let the partitioner keep less between forward and backward, but Inductor
 fuses a recomputed cast, with its transposed stores, into the norm's backward reduction, where
 those stores are uncoalesced; the recorded kernels write them in tiles. A rowwise-only cast has
-no such store, and as ops its amax and cast fuse into the kernel that makes the tensor. So by
-default each quantization takes the form that suits what it writes (``mixed``; the Llama
+no such store, and as ops its amax and cast fuse into the kernel that makes the tensor. Nor has
+a pointwise product of GEMM outputs (a SwiGLU's): recomputed in backward it is made in a
+pointwise kernel, whose tiled accesses take the transposed store, instead of writing an exact
+bf16 copy for a recorded kernel to read (:func:`pointwise_of_products`). So by default each
+quantization takes the form that suits what it writes and where (``mixed``; the Llama
 measurements that chose it are in bench/RESULTS.md, section "One default, fast and lean").
 
 ``QUANT_LOWERING`` (read when a graph is traced, so one process can compare the forms) picks:
-unset or ``mixed`` by what the quantization writes: rowwise bytes only, the ops where they
-apply, else the kernels; a columnwise copy, the kernels, else the op stays opaque. ``1`` the
+unset or ``mixed`` by what the quantization writes: rowwise bytes only, or backward's
+columnwise copy of a pointwise product, the ops where they apply, else the kernels; any other
+columnwise copy, the kernels, else the op stays opaque. ``1`` the
 kernels where they apply, else the ops; ``ops`` the ops where they apply, else the kernels;
 ``kernels`` the kernels only; ``0`` opaque ops. Where no form applies the op stays opaque: a
 device outside the form's devices, a backend that is not capturable (for kernels), a body
@@ -163,21 +167,65 @@ def _recomputable_input(args: tuple) -> tuple:
 _SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _graph_input(t: torch.Tensor) -> bool:
-    """Whether ``t``, being traced, is a graph input or a view of one (False where that cannot
-    be read: it is then copied, which only costs a copy)."""
+def _traced_node(t: torch.Tensor) -> torch.fx.Node | None:
+    """The graph node that makes ``t``, being traced under functionalization (None where that
+    cannot be read)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.fx.experimental import proxy_tensor
 
     mode = proxy_tensor.get_innermost_proxy_mode()
     if mode is None or not isinstance(t, FunctionalTensor):
-        return False
+        return None
     slot = proxy_tensor.get_proxy_slot(torch._from_functional_tensor(t.elem), mode.tracer, None)
-    node = getattr(getattr(slot, "proxy", None), "node", None)
+    return getattr(getattr(slot, "proxy", None), "node", None)
+
+
+def _graph_input(t: torch.Tensor) -> bool:
+    """Whether ``t``, being traced, is a graph input or a view of one (False where that cannot
+    be read: it is then copied, which only costs a copy)."""
+    node = _traced_node(t)
     while (node is not None and node.op == "call_function"
            and getattr(node.target, "is_view", False)):  # an OpOverload's own view flag
         node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     return node is not None and node.op == "placeholder"
+
+
+def _products() -> set:
+    """The ops whose outputs a pointwise chain may start from and still fuse into one pointwise
+    kernel: the GEMMs (Inductor launches them as extern kernels, outside any fusion)."""
+    aten = torch.ops.aten
+    return {getattr(aten, name).default for name in
+            ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+            if hasattr(aten, name)}
+
+
+def pointwise_of_products(t: torch.Tensor) -> bool:
+    """Whether ``t``, being traced, is made by pointwise ops (at least one) from GEMM outputs and
+    graph inputs alone, through views and dtype copies: a SwiGLU product, never a norm's output
+    (a reduction) nor a GEMM's output as it is. Inductor computes such a tensor in a pointwise
+    kernel, into which a cast with its transposed store fuses with tiled (coalesced) accesses,
+    as it does where the tensor is recomputed in backward (the SwiGLU's backward kernel)."""
+    node = _traced_node(t)
+    if node is None:
+        return False
+    products, pointwise, stack, seen = _products(), torch.Tag.pointwise, [node], set()
+    computed = False  # a pointwise op among the producers
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op == "placeholder":
+            continue
+        seen.add(node)
+        if node.op != "call_function":
+            return False
+        if node.target in products:
+            continue
+        if pointwise in getattr(node.target, "tags", ()):
+            computed = True
+        elif not (getattr(node.target, "is_view", False)
+                  or node.target is torch.ops.aten._to_copy.default):
+            return False
+        stack.extend(node.all_input_nodes)
+    return computed
 
 
 def _plain(types: Any) -> bool:
@@ -213,6 +261,10 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
         device = device_of(*args, **kwargs)
         rowwise, columnwise = (True, False) if usage_of is None else usage_of(*args, **kwargs)
         backward_only = columnwise and not rowwise
+        # the columnwise order, but for backward's copy of a pointwise product: as ops its
+        # cast fuses into the kernel that recomputes the product in backward
+        columnwise_order = columnwise and body is not None and not (
+            backward_only and ops_body is not None and pointwise_of_products(args[0]))
 
         def unfusible_args():
             """What a recorded kernel or the opaque op reads (traced ops read ``args``)."""
@@ -222,8 +274,7 @@ def lower(op: torch._ops.OpOverload, body: Callable[..., Any] | None,
                 return _recomputable_input(args)
 
         with recomputed_in_backward(backward_only):
-            # the columnwise order only where a kernel body exists to take it
-            for form in forms(columnwise and body is not None):
+            for form in forms(columnwise_order):
                 try:
                     if form == "ops" and ops_body is not None and traceable(device):
                         with mode, backends.using("reference"):
