@@ -637,7 +637,7 @@ def commands(sub) -> dict:
                    help="tokens per sequence (default: one sequence; GPT-OSS: its own 4096)")
     d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
                    help="bf16 and ours, each with an optional :variant (" + ", ".join(
-                       steps.LLAMA_VARIANTS) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
+                       steps.variants()) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
                    "the grouped kernels and E4M3 x E4M3 on torch's at any expert count; "
                    "+ownall: every FP8 GEMM on the grouped kernels; +cublas: the E5M2 GEMMs "
                    "on cuBLAS per group under 64 experts (a host read)")

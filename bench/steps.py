@@ -231,12 +231,11 @@ LLAMA_DEFAULT = ("bf16", *LLAMA_PEERS, *OURS)
 #: ``@form`` suffix -> QUANT_LOWERING while the config compiles.
 FORMS = {"ops": "ops", "kernels": "kernels", "opaque": "0", "mixed": "mixed"}
 #: ``:variant`` suffix -> the ``Linear`` attributes set to False: which quantized copies backward
-#: quantizes again instead of keeping them from forward.
+#: quantizes again instead of keeping them from forward (the other variants, the other tables
+#: below and :data:`PATCH_VARIANTS`, set none: :func:`variants`).
 LLAMA_VARIANTS = {"requant": ("save_weight_copy",), "requant_input": ("save_input_copy",),
                   "requant_all": ("save_weight_copy", "save_input_copy"), "split": (),
-                  "copy": (), "index": (), "weight_copy": (), "chunks": (),
-                  "step_weights": (), "desc_slow": (), "copies": (), "cols_first": (),
-                  "wgrad_cols": (), "one_rows_tile": (), "product_kernels": ()}
+                  "weight_copy": (), "step_weights": (), "copies": ()}
 #: ``:variant`` suffix -> the grouped layers' flags it sets to True (their defaults are False).
 GROUPED_KEEPS = {"weight_copy": ("save_weight_copy",)}
 #: ``:variant`` suffix -> the dense layers' flags it sets to True: ``copies`` keeps both
@@ -384,6 +383,11 @@ PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_ch
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
                   "product_kernels": product_kernels}
+
+
+def variants() -> list[str]:
+    """Every ``:variant`` suffix a config may take."""
+    return [*LLAMA_VARIANTS, *PATCH_VARIANTS]
 
 
 def whole_step_patch(config: str):
@@ -554,9 +558,9 @@ def parse_llama_config(config: str) -> tuple[str, str, str]:
             form = value
     if form and form not in FORMS:
         raise ValueError(f"{config!r}: unknown form {form!r}; known: {', '.join(FORMS)}")
-    if variant and variant not in LLAMA_VARIANTS:
+    if variant and variant not in variants():
         raise ValueError(f"{config!r}: unknown variant {variant!r}; known: "
-                         f"{', '.join(LLAMA_VARIANTS)}")
+                         f"{', '.join(variants())}")
     return name, variant, form
 
 

@@ -784,23 +784,17 @@ def _fp8_bprop_ops(gy, lay, xt, sx, wt, sw, q, dgrad, wgrad, fast_dgrad=False,
     """``(dx, dw)`` of backward's three ops (None where not asked for), each opchecked with
     ``check``."""
     ops = torch.ops.quant_recipes
-    calls = [(ops.grouped_fp8_grad_bytes.default, (gy, lay, q, dgrad, wgrad, padded))]
-    if check:
-        torch.library.opcheck(*calls[-1])
-    gd, gt, sg = calls[-1][0](*calls[-1][1])
-    dx = dw = None
-    if dgrad:
-        calls.append((ops.grouped_fp8_dgrad.default,
-                      (gd, sg, lay, wt, sw, q, padded, fast_dgrad, requant_w)))
+
+    def run(op, *args):
         if check:
-            torch.library.opcheck(*calls[-1])
-        dx = calls[-1][0](*calls[-1][1])
-    if wgrad:
-        calls.append((ops.grouped_fp8_wgrad.default,
-                      (gt, sg, lay, xt, sx, q, fast_wgrad, group_multiple, requant_x, x_rows)))
-        if check:
-            torch.library.opcheck(*calls[-1])
-        dw = calls[-1][0](*calls[-1][1])
+            torch.library.opcheck(op, args)
+        return op(*args)
+
+    gd, gt, sg = run(ops.grouped_fp8_grad_bytes.default, gy, lay, q, dgrad, wgrad, padded)
+    dx = (run(ops.grouped_fp8_dgrad.default, gd, sg, lay, wt, sw, q, padded, fast_dgrad,
+              requant_w) if dgrad else None)
+    dw = (run(ops.grouped_fp8_wgrad.default, gt, sg, lay, xt, sx, q, fast_wgrad,
+              group_multiple, requant_x, x_rows) if wgrad else None)
     return dx, dw
 
 
@@ -1019,6 +1013,18 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
                 != save_weight_copy)
 
 
+def _log_alive(monkeypatch, name: str, refs: list, log: list) -> None:
+    """``grouped_fp8_gemm.<name>`` logs, at each call, which of the weak references ``refs``
+    are alive."""
+    real = getattr(grouped_fp8_gemm, name)
+
+    def spy(*args, **kw):
+        log.append([ref() is not None for ref in refs])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(grouped_fp8_gemm, name, spy)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("save_input_copy", [True, False])
 def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated, compiled,
@@ -1031,7 +1037,6 @@ def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated,
 
     made, alive_at_wgrad = [], []
     real_weight_t, real_rows = grouped_fp8_gemm.weight_transposed, grouped_fp8_gemm.quantize_rows
-    real_tokens_gemm = grouped_fp8_gemm.tokens_gemm
 
     def weight_t(*args, **kw):
         wt, sw = real_weight_t(*args, **kw)
@@ -1044,13 +1049,9 @@ def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated,
             made.append(weakref.ref(out[0]))
         return out
 
-    def tokens_gemm(*args, **kw):
-        alive_at_wgrad.append([ref() is not None for ref in made])
-        return real_tokens_gemm(*args, **kw)
-
     emulated.setattr(grouped_fp8_gemm, "weight_transposed", weight_t)
     emulated.setattr(grouped_fp8_gemm, "quantize_rows", rows)
-    emulated.setattr(grouped_fp8_gemm, "tokens_gemm", tokens_gemm)
+    _log_alive(emulated, "tokens_gemm", made, alive_at_wgrad)
     recipe = qr.Float8CurrentScaling()
     want, _ = _step(COUNTS, recipe)
     made.clear()
@@ -1074,25 +1075,17 @@ def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(emu
     import weakref
 
     grads, alive_at_dgrad, alive_at_wgrad = [], [], []
-    real_rows, real_tokens_gemm = grouped_fp8_gemm.quantize_rows, grouped_fp8_gemm.tokens_gemm
-    real_rows_gemm = grouped_fp8_gemm.rows_gemm
+    real_rows = grouped_fp8_gemm.quantize_rows
 
     def rows(x, lay, q, rowwise, columnwise, **kw):
         if columnwise and x.shape[1] == N:  # the output gradient
             grads.append(weakref.ref(x))
         return real_rows(x, lay, q, rowwise, columnwise, **kw)
 
-    def rows_gemm(*args, **kw):  # forward's GEMM, then the input gradient's
-        alive_at_dgrad.append([ref() is not None for ref in grads])
-        return real_rows_gemm(*args, **kw)
-
-    def tokens_gemm(*args, **kw):
-        alive_at_wgrad.append([ref() is not None for ref in grads])
-        return real_tokens_gemm(*args, **kw)
-
-    emulated.setattr(grouped_fp8_gemm, "rows_gemm", rows_gemm)
     emulated.setattr(grouped_fp8_gemm, "quantize_rows", rows)
-    emulated.setattr(grouped_fp8_gemm, "tokens_gemm", tokens_gemm)
+    # rows_gemm: forward's GEMM, then the input gradient's
+    _log_alive(emulated, "rows_gemm", grads, alive_at_dgrad)
+    _log_alive(emulated, "tokens_gemm", grads, alive_at_wgrad)
     recipe = qr.Float8CurrentScaling()
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)

@@ -305,14 +305,6 @@ def weight_transposed(w, qw, sw=None):
     return wt, sw
 
 
-def _groups_for(qa, qb, device: torch.device, lay, groups):
-    """:func:`_host_groups` where a GEMM of ``qa`` x ``qb`` runs per group and the caller has not
-    read them (``groups``), else ``groups``."""
-    if groups is None and _route(qa, qb, device, lay.groups) == "scaled_mm_per_group":
-        return _host_groups(lay)
-    return groups
-
-
 def gradient_bytes(gy, lay, qg, dgrad: bool, wgrad: bool, padded: bool):
     """``(gd | None, gt [N, rows] | None, sg)``: the output gradient ``gy [T, N]`` quantized
     once by ``qg`` into the layouts the two GEMMs read: the rowwise bytes of
@@ -327,12 +319,10 @@ def input_gradient(gd, sg, lay, wt, sw, qg, qw, padded: bool, fast_dgrad: bool =
     """``dx [T, K]`` from :func:`gradient_bytes`' rowwise bytes ``gd`` (``padded`` as there)
     and the weight's transposed bytes ``wt``; ``requant_w``: ``wt`` is the weight itself
     (``[E, N, K]``, with forward's ``sw``), whose transposed bytes are quantized here
-    (:func:`weight_transposed`) and released on return. ``groups``: :func:`_host_groups`,
-    when the caller has read them."""
+    (:func:`weight_transposed`) and released on return. ``groups``: as :func:`rows_gemm`'s."""
     if requant_w:
         wt, sw = weight_transposed(wt, qw, sw)
-    return rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded,
-                     _groups_for(qg, qw, gd.device, lay, groups), fast_accum=fast_dgrad)
+    return rows_gemm(gd, sg, wt, sw, lay, qg, qw, padded, groups, fast_accum=fast_dgrad)
 
 
 def weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad: bool = False,
@@ -344,8 +334,7 @@ def weight_gradient(gt, sg, lay, xt, sx, qg, qx, fast_wgrad: bool = False,
     ``group_multiple`` as :func:`tokens_gemm`'s, ``groups`` as :func:`input_gradient`'s."""
     if requant_x:
         xt, sx = input_transposed(xt, lay, qx, sx, x_rows)
-    return tokens_gemm(gt, sg, xt, sx, lay, qg, qx, _groups_for(qg, qx, gt.device, lay, groups),
-                       fast_wgrad, group_multiple)
+    return tokens_gemm(gt, sg, xt, sx, lay, qg, qx, groups, fast_wgrad, group_multiple)
 
 
 def backward(gy, lay, xt, sx, wt, sw, qg, qx, qw, dgrad: bool, wgrad: bool,

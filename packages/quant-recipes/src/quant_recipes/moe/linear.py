@@ -150,6 +150,8 @@ class _GroupedFP8Fn(torch.autograd.Function):
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
         qg, qx, qw = ctx.q
+        # the bias gradient first: compiled code releases gy once its last reader has run
+        db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
         # the input (weight) itself was kept (ctx.requant): backward quantizes its transposed
         # bytes again, from forward's amaxes (column 1 of its scale-inverses), so no amax
         # pass, each just before the GEMM that reads it, so that the weight's are released
@@ -157,8 +159,6 @@ class _GroupedFP8Fn(torch.autograd.Function):
         # own pass: computed where the gradient is made (a SwiGLU's backward), the row
         # reduction turns Inductor's pointwise kernel into a looped reduction that costs more
         # than the pass it saves
-        # the bias gradient first: compiled code releases gy once its last reader has run
-        db = (group_sums(gy, lay.offs, ctx.bias_dtype) if ctx.needs_input_grad[_B] else None)
         dx, dw = fp8_bprop(gy.contiguous(), lay, xt, sx, wt, sw, qg, qx, qw, dgrad, wgrad,
                            ctx.traced, *ctx.fast_accum[1:], ctx.align, *ctx.requant, rows)
         if dx is not None and copies is not None:
