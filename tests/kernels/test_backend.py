@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 import re
 
 import pytest
 import torch
+from installed import NOT_INSTALLED, triton_entry_point
 from quant_core import backends, reference
 from quant_core.dtypes import DType
 
@@ -15,8 +15,9 @@ NAMES = backends.FUNCTIONS
 
 
 def _backend():
-    eps = importlib.metadata.entry_points(group="quant_core.backends")
-    (ep,) = [e for e in eps if e.name == "triton"]
+    ep = triton_entry_point()
+    if ep is None:
+        pytest.fail(NOT_INSTALLED)
     return ep.load()
 
 

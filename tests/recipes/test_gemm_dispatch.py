@@ -3,16 +3,15 @@ backend, the emulated fallbacks, and the custom op's contract."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import quant_recipes as qr
 import torch
+from installed import TRITON_BACKEND
 from quant_core import DType, MXFP8Quantizer, NVFP4Quantizer
 from quant_recipes import gemm as G
 
-HAVE_TRITON_BACKEND = importlib.util.find_spec("quant_kernels") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -85,7 +84,7 @@ def test_qgemm_opcheck(fast_accum):
                           args if fast_accum is None else (*args, fast_accum))
 
 
-@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+@pytest.mark.skipif(not (TRITON_BACKEND and INTERPRET),
                     reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
 @pytest.mark.parametrize("q, path", [(MXFP8Quantizer(DType.E4M3), "triton_mxfp8"),
                                      (NVFP4Quantizer(DType.E2M1), "triton_nvfp4")])
@@ -99,7 +98,7 @@ def test_triton_backend_takes_the_kernel_path_with_the_reference_bits(monkeypatc
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+@pytest.mark.skipif(not (TRITON_BACKEND and INTERPRET),
                     reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
 def test_a_lowered_gemm_records_its_path_when_traced(monkeypatch):
     """The body recorded into a compiled graph counts its path in ``compiled_gemm_paths`` (the
@@ -114,7 +113,7 @@ def test_a_lowered_gemm_records_its_path_when_traced(monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not (HAVE_TRITON_BACKEND and INTERPRET),
+@pytest.mark.skipif(not (TRITON_BACKEND and INTERPRET),
                     reason="needs quant-kernels and TRITON_INTERPRET=1 (the nox 'tests' session)")
 def test_linear_step_on_the_triton_gemms_matches_the_reference_backend(monkeypatch):
     """A whole MXFP8 Linear step (fprop, dgrad, wgrad) on the kernel path equals the reference

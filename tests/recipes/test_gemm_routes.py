@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import formats
 import pytest
 import torch
+from installed import TRITON_BACKEND
 from quant_core import backends
 from quant_recipes import gemm_fast
 
-HAVE_TRITON_BACKEND = importlib.util.find_spec("quant_kernels") is not None
 #: format -> its default quantizer (tests/formats.py)
 QUANTIZERS = {fmt: make() for fmt, make in formats.default_quantizers(key="name").items()}
 
@@ -60,7 +58,7 @@ def test_hopper_routes(gpu):
         assert routes["fp8_block"].path == "scaled_mm_blockwise"
     else:  # a torch without block scaling in F.scaled_mm
         assert "F.scaled_mm" in routes["fp8_block"].note
-    if HAVE_TRITON_BACKEND:
+    if TRITON_BACKEND:
         from quant_kernels import _gemm
 
         assert routes["mxfp8"].path == "triton_mxfp8" and routes["nvfp4"].path == "triton_nvfp4"
