@@ -16,6 +16,7 @@ import os
 import pytest
 import quant_recipes as qr
 import torch
+from _alive import log_alive_at, track_first_output
 from moe_routing import plain_and_checkpointed, qwen3_moe_experts
 from quant_core import DType, Float8CurrentScalingQuantizer, backends
 from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
@@ -1013,18 +1014,6 @@ def test_without_copies_backward_quantizes_again_to_the_same_bits(emulated, save
                 != save_weight_copy)
 
 
-def _log_alive(monkeypatch, name: str, refs: list, log: list) -> None:
-    """``grouped_fp8_gemm.<name>`` logs, at each call, which of the weak references ``refs``
-    are alive."""
-    real = getattr(grouped_fp8_gemm, name)
-
-    def spy(*args, **kw):
-        log.append([ref() is not None for ref in refs])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(grouped_fp8_gemm, name, spy)
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("save_input_copy", [True, False])
 def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated, compiled,
@@ -1033,25 +1022,13 @@ def test_the_weights_fp8_bytes_are_released_before_the_weight_gradient(emulated,
     them, and the output gradient's rowwise bytes, before the weight gradient's GEMM makes its
     ``[E, N, K]`` output: at an expert block's widths the two would otherwise take memory at
     once (a Mixtral layer: 0.94 GB of FP8 weight beside a 1.9 GB gradient)."""
-    import weakref
-
-    made, alive_at_wgrad = [], []
-    real_weight_t, real_rows = grouped_fp8_gemm.weight_transposed, grouped_fp8_gemm.quantize_rows
-
-    def weight_t(*args, **kw):
-        wt, sw = real_weight_t(*args, **kw)
-        made.append(weakref.ref(wt))
-        return wt, sw
-
-    def rows(x, lay, q, rowwise, columnwise, **kw):
-        out = real_rows(x, lay, q, rowwise, columnwise, **kw)
-        if rowwise and columnwise and x.shape[1] == N:  # the output gradient's two layouts
-            made.append(weakref.ref(out[0]))
-        return out
-
-    emulated.setattr(grouped_fp8_gemm, "weight_transposed", weight_t)
-    emulated.setattr(grouped_fp8_gemm, "quantize_rows", rows)
-    _log_alive(emulated, "tokens_gemm", made, alive_at_wgrad)
+    made = []
+    track_first_output(emulated, grouped_fp8_gemm, "weight_transposed", made)
+    # the output gradient's two layouts
+    track_first_output(emulated, grouped_fp8_gemm, "quantize_rows", made,
+                       lambda x, lay, q, rowwise, columnwise, **kw:
+                       rowwise and columnwise and x.shape[1] == N)
+    alive_at_wgrad = log_alive_at(emulated, grouped_fp8_gemm, "tokens_gemm", made)
     recipe = qr.Float8CurrentScaling()
     want, _ = _step(COUNTS, recipe)
     made.clear()
@@ -1074,7 +1051,7 @@ def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(emu
     returns.)"""
     import weakref
 
-    grads, alive_at_dgrad, alive_at_wgrad = [], [], []
+    grads = []
     real_rows = grouped_fp8_gemm.quantize_rows
 
     def rows(x, lay, q, rowwise, columnwise, **kw):
@@ -1084,8 +1061,8 @@ def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(emu
 
     emulated.setattr(grouped_fp8_gemm, "quantize_rows", rows)
     # rows_gemm: forward's GEMM, then the input gradient's
-    _log_alive(emulated, "rows_gemm", grads, alive_at_dgrad)
-    _log_alive(emulated, "tokens_gemm", grads, alive_at_wgrad)
+    alive_at_dgrad = log_alive_at(emulated, grouped_fp8_gemm, "rows_gemm", grads)
+    alive_at_wgrad = log_alive_at(emulated, grouped_fp8_gemm, "tokens_gemm", grads)
     recipe = qr.Float8CurrentScaling()
     torch.manual_seed(0)
     m = qr.GroupedLinear(len(COUNTS), K, N, dtype=torch.bfloat16)

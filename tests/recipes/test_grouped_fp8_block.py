@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from _alive import log_alive_at, track_first_output
 from quant_core import Float8BlockQuantizer, backends
 from quant_core.dtypes import DType
 from quant_recipes.moe import fp8_block_gemm
@@ -129,3 +130,22 @@ def test_no_padded_copy_of_any_operand(on_cpu, impl, monkeypatch):
     _, paths = _step(qr.Float8BlockScaling())
     assert paths == {"fp8_block_grouped_gemm": 3}
     assert calls == []
+
+
+def test_the_input_gradients_operands_are_released_before_the_weight_gradient(on_cpu,
+                                                                            monkeypatch):
+    """The weight's transposed bytes and the gradient's rowwise bytes are released once the
+    input gradient is made, before the weight gradient quantizes the input and makes its
+    ``[E, N, K]`` output (at a Mixtral layer's gate/up: 0.875 GiB of weight bytes and 0.44 GiB
+    of gradient bytes)."""
+    made = []
+    track_first_output(monkeypatch, fp8_block_gemm, "_experts_t", made)
+    # the output gradient's rowwise bytes
+    track_first_output(monkeypatch, fp8_block_gemm, "_padded_rows", made,
+                       lambda q, t, lay, rowwise, *_: rowwise and t.shape[1] == N)
+    with backends.using("reference"):
+        alive = log_alive_at(monkeypatch, backends.get(None, torch.device("cpu")),
+                             "fp8_block_grouped_tokens_gemm", made)
+        _, paths = _step(qr.Float8BlockScaling())
+    assert paths == {"fp8_block_grouped_gemm": 3}
+    assert len(made) == 2 and alive == [[False, False]]

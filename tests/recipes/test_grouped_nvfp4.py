@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import quant_recipes as qr
 import torch
+from _alive import log_alive_at, track_first_output
 from quant_core import NVFP4Quantizer, backends
 from quant_recipes.moe import nvfp4_gemm
 
@@ -107,3 +108,21 @@ def test_transposed_experts_equal_quantizing_each_transpose(impl, tiles):
     assert got[0].is_contiguous()
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_the_input_gradients_operands_are_released_before_the_weight_gradient(on_cpu,
+                                                                            monkeypatch):
+    """The weight's transposed FP4 bytes and the gradient's rowwise bytes are released once the
+    input gradient is made, before the weight gradient quantizes the input and makes its
+    ``[E, N, K]`` output."""
+    made = []
+    track_first_output(monkeypatch, nvfp4_gemm, "_experts_t", made)
+    # the output gradient, quantized in both layouts at once
+    track_first_output(monkeypatch, nvfp4_gemm, "_quantize", made,
+                       lambda t, grp, groups, q, rowwise, columnwise: rowwise and columnwise)
+    with backends.using("reference"):
+        alive = log_alive_at(monkeypatch, backends.get(None, torch.device("cpu")),
+                             "nvfp4_grouped_tokens_gemm", made)
+        _, paths = _step(RNE)
+    assert paths == {"nvfp4_grouped_gemm": 3}
+    assert len(made) == 2 and alive == [[False, False]]

@@ -112,7 +112,9 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
 def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
              qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
-    ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
+    ``gy [T, N]``, quantized once in the layouts both GEMMs read. The input gradient's
+    operands (the weight's transposed bytes, the gradient's rowwise bytes) are released before
+    the weight gradient quantizes the input and makes its output."""
     total, k, n = gy.shape[0], x.shape[1], w.shape[1]
     backend = backends.get(None, gy.device)
     g_row, g_row_s, g_col, g_col_s = _padded_rows(qg, gy, lay, dgrad, wgrad)
@@ -123,6 +125,8 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
             g_row, _scales(g_row_s, lay.rows), wt, swt, lay.offs, lay.ends, total=total,
             a_dtype=qg.dtype, b_dtype=qw.dtype)
         count_path("fp8_block_grouped_gemm")
+        del wt, swt
+    del g_row, g_row_s
     if wgrad:
         _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True, x_rows)
         dw = backend.fp8_block_grouped_tokens_gemm(

@@ -113,7 +113,9 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
 def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
              qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
     """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
-    ``gy [T, N]``, quantized once in the layouts both GEMMs read."""
+    ``gy [T, N]``, quantized once in the layouts both GEMMs read. The input gradient's
+    operands (the weight's transposed bytes, the gradient's rowwise bytes) are released before
+    the weight gradient quantizes the input and makes its output."""
     total = gy.shape[0]
     backend = backends.get(None, gy.device)
     gd, gs, gc, gcs, ga, gca = _quantize(fp8.padded(gy, lay), lay.grp, lay.groups, qg, dgrad,
@@ -124,6 +126,8 @@ def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor
         dx = backend.nvfp4_grouped_rows_gemm(gd, gs, ga, wd, ws, wa, lay.offs, lay.ends,
                                              total=total, a_swizzled=False, b_swizzled=False)
         count_path("nvfp4_grouped_gemm")
+        del wd, ws
+    del gd, gs
     if wgrad:
         _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay, x_rows), lay.grp, lay.groups, qx,
                                           False, True)
