@@ -217,11 +217,14 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
     with bench_steps.llama_lowering(config), bench_steps.whole_step_patch(config):
         _, forward, opt = bench_steps.compiled_training(config, size, device, layers)
 
+        def update():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
         def step(ids):
             loss = forward(ids)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            update()
             return loss.item()
 
         for i in range(measure.WARMUP):
@@ -231,10 +234,6 @@ def run(config: str, size: str, layers: int | None, min_us: float, rows: int,
             dump = pstats_dir and os.path.join(pstats_dir, f"{config}.pstats")
             res["cprofile"] = host_profile(lambda: step(data[-1]), cprofile_rows, dump)
         if held_steps:
-            def update():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
             res["held"] = held(lambda: forward(data[-1]), lambda loss: loss.backward(), update,
                                held_steps, rows)
         return res

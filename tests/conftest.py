@@ -36,10 +36,11 @@ def cpu_ops_device(monkeypatch) -> None:
 def impl(request):
     """Each test once on the reference backend and once on the Triton kernels, which run on the
     CPU only through ``TRITON_INTERPRET=1``; yields the backend's name."""
+    from installed import require_triton_backend
     from quant_core import backends
 
     if request.param == "triton":
-        pytest.importorskip("quant_kernels")
+        require_triton_backend()
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels run on the CPU only through TRITON_INTERPRET=1")
     with backends.using(request.param):

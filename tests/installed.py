@@ -1,11 +1,13 @@
 """Whether quant-kernels is installed as a distribution, whose entry point registers the Triton
 backend. A source checkout on ``PYTHONPATH`` imports ``quant_kernels`` but registers nothing:
-there the backend tests say so instead of failing on an empty registry."""
+there the tests that run on the Triton backend skip, saying so, and
+``tests/kernels/test_backend.py`` fails, saying so (it guards the installation CI makes)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 
+import pytest
 from quant_core.backends import ENTRY_POINT_GROUP
 
 NOT_INSTALLED = ("quant-kernels is importable but not installed (pip install -e "
@@ -20,3 +22,9 @@ def triton_entry_point():
 
 #: The Triton backend is registered (quant-kernels installed).
 TRITON_BACKEND = triton_entry_point() is not None
+
+
+def require_triton_backend() -> None:
+    """Skip the calling test unless the Triton backend is registered."""
+    if not TRITON_BACKEND:
+        pytest.skip(NOT_INSTALLED)

@@ -17,6 +17,7 @@ import pytest
 import quant_recipes as qr
 import torch
 from _alive import log_alive_at, track_first_output
+from installed import require_triton_backend
 from moe_routing import plain_and_checkpointed, qwen3_moe_experts
 from quant_core import DType, Float8CurrentScalingQuantizer, backends
 from quant_core.reference.fp8_grouped import group_amaxes, row_amaxes
@@ -673,7 +674,7 @@ def test_whole_chunk_groups_give_the_same_bits(emulated, compiled):
     gradient's contraction and tells the backend's kernel so (it then loads the chunks from
     descriptors made on the host); the outputs and gradients are those of the 16-row layout,
     bit for bit, eagerly and compiled."""
-    pytest.importorskip("quant_kernels")
+    require_triton_backend()
     emulated.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     backend = backends.get("triton")
     tokens_gemm, multiples = backend.fp8_grouped_tokens_gemm, []

@@ -16,6 +16,7 @@ import pytest
 import quant_recipes as qr
 import torch
 from _host_reads import HostReads
+from installed import require_triton_backend
 from quant_core import backends
 from quant_recipes.moe import fp8_block_gemm, nvfp4_gemm
 from quant_recipes.moe import fp8_gemm as grouped_fp8_gemm
@@ -73,7 +74,7 @@ ON_KERNELS = pytest.mark.skipif(
     ("nvfp4", nvfp4_gemm, "nvfp4_grouped_gemm")])
 def test_block_scaled_grouped_kernels_read_nothing_on_the_host(monkeypatch, recipe, route, path,
                                                               bias):
-    pytest.importorskip("quant_kernels")
+    require_triton_backend()
     monkeypatch.setattr(route, "DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
     qr.reset_grouped_gemm_paths()
@@ -86,7 +87,7 @@ def test_block_scaled_grouped_kernels_read_nothing_on_the_host(monkeypatch, reci
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_current_reads_nothing_on_the_host(monkeypatch, bias):
     """With the default routes, also in a layer of a few experts (HYBRID's E5M2 gradients)."""
-    pytest.importorskip("quant_kernels")
+    require_triton_backend()
     monkeypatch.setattr(grouped_fp8_gemm, "SCALED_GROUPED_MM_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(grouped_fp8_gemm, "_runs", lambda device_type, dtype: False)
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
@@ -101,7 +102,7 @@ def test_fp8_current_reads_nothing_on_the_host(monkeypatch, bias):
 def test_a_biased_grouped_mm_layer_reads_nothing_on_the_host(monkeypatch, recipe):
     """The forward GEMM with a bias on the backend's grouped rows GEMM (MXFP8, and the
     high-precision layer outside autocast), the backward on ``torch._grouped_mm``."""
-    pytest.importorskip("quant_kernels")
+    require_triton_backend()
     _grouped_mm_on_cpu(monkeypatch)
     monkeypatch.setattr(qr.GroupedLinear, "offsets", lambda self, x, offs, counts: offs)
     qr.reset_grouped_gemm_paths()
