@@ -9,6 +9,8 @@
 - :mod:`.fp8_block_gemm`, :mod:`.nvfp4_gemm`: FP8 blocks' and NVFP4's grouped GEMMs, one launch
   each;
 - :mod:`.bias`: expert biases on those routes (added to the fp32 products, summed per group);
+- :mod:`.backward_parts`: those routes' backward in three parts (the output gradient quantized
+  once, then each GEMM), three ops under ``torch.compile``;
 - :mod:`.ops`: those GEMMs as custom ops for ``torch.compile`` (static output shapes);
 - :mod:`.paths`: which path each grouped GEMM took;
 - :mod:`.hf_experts`: Hugging Face ``transformers`` experts blocks converted in place;

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import torch
 from quant_core import Float8BlockQuantizer, backends
-from quant_core.shapes import FP8_BLOCK, ceil_div
+from quant_core.shapes import (
+    FP8_BLOCK,
+    ceil_div,
+    fp8_block_columnwise_scale_shape,
+    fp8_block_rowwise_scale_shape,
+)
 
 from . import bias, fp8
+from .backward_parts import Route
 from .fp8 import rows_moved
 from .paths import count_path
 
@@ -109,28 +115,47 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
-def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
-             qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
-    """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
-    ``gy [T, N]``, quantized once in the layouts both GEMMs read. The input gradient's
-    operands (the weight's transposed bytes, the gradient's rowwise bytes) are released before
-    the weight gradient quantizes the input and makes its output."""
-    total, k, n = gy.shape[0], x.shape[1], w.shape[1]
-    backend = backends.get(None, gy.device)
+def gradient(gy: torch.Tensor, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """``((rowwise bytes, scale-inverses), (columnwise bytes, scale-inverses))`` of the output
+    gradient ``gy [T, N]`` in the padded layout ``lay``, quantized once (an empty tuple for a
+    GEMM not asked for)."""
     g_row, g_row_s, g_col, g_col_s = _padded_rows(qg, gy, lay, dgrad, wgrad)
-    dx = dw = None
-    if dgrad:
-        wt, swt = _experts_t(w, qw)
-        dx = backend.fp8_block_grouped_rows_gemm(
-            g_row, _scales(g_row_s, lay.rows), wt, swt, lay.offs, lay.ends, total=total,
-            a_dtype=qg.dtype, b_dtype=qw.dtype)
-        count_path("fp8_block_grouped_gemm")
-        del wt, swt
-    del g_row, g_row_s
-    if wgrad:
-        _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True, x_rows)
-        dw = backend.fp8_block_grouped_tokens_gemm(
-            g_col, _scales(g_col_s, n), x_col, _scales(x_col_s, k), lay.ends, a_dtype=qg.dtype,
-            b_dtype=qx.dtype)
-        count_path("fp8_block_grouped_gemm")
-    return dx, dw
+    return (g_row, g_row_s) if dgrad else (), (g_col, g_col_s) if wgrad else ()
+
+
+def gradient_like(gy: torch.Tensor, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """:func:`gradient`'s tensors, empty (the 1x128 layouts of ``[rows, N]``)."""
+    rows, n = lay.rows, gy.shape[1]
+    row = (gy.new_empty((rows, n), dtype=torch.uint8),
+           gy.new_empty(fp8_block_rowwise_scale_shape(rows, n, 1), dtype=torch.float32))
+    col = (gy.new_empty((n, rows), dtype=torch.uint8),
+           gy.new_empty(fp8_block_columnwise_scale_shape(rows, n, 1), dtype=torch.float32))
+    return row if dgrad else (), col if wgrad else ()
+
+
+def input_gradient(g, lay: fp8.Layout, w: torch.Tensor, qg, qw) -> torch.Tensor:
+    """``dx [T, K]``: the gradient's rowwise bytes ``g`` (:func:`gradient`) times each
+    expert's weight, whose transposed bytes are made here."""
+    g_row, g_row_s = g
+    wt, swt = _experts_t(w, qw)
+    count_path("fp8_block_grouped_gemm")
+    return backends.get(None, w.device).fp8_block_grouped_rows_gemm(
+        g_row, _scales(g_row_s, lay.rows), wt, swt, lay.offs, lay.ends, total=lay.total,
+        a_dtype=qg.dtype, b_dtype=qw.dtype)
+
+
+def weight_gradient(g, x: torch.Tensor, lay: fp8.Layout, qg, qx,
+                    x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dw [E, N, K]``: the gradient's columnwise bytes ``g`` (:func:`gradient`) times the
+    input ``x [T, K]`` (``x[x_rows]``), quantized here in its columnwise layout."""
+    g_col, g_col_s = g
+    n, k = g_col.shape[0], x.shape[1]
+    _, _, x_col, x_col_s = _padded_rows(qx, x, lay, False, True, x_rows)
+    count_path("fp8_block_grouped_gemm")
+    return backends.get(None, x.device).fp8_block_grouped_tokens_gemm(
+        g_col, _scales(g_col_s, n), x_col, _scales(x_col_s, k), lay.ends, a_dtype=qg.dtype,
+        b_dtype=qx.dtype)
+
+
+#: The backward's parts (:mod:`.backward_parts`).
+ROUTE = Route("fp8_block", gradient, gradient_like, input_gradient, weight_gradient, 2)

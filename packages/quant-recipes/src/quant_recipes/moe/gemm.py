@@ -52,7 +52,8 @@ from .. import operands
 from ..compiling import device_probe
 from ..gemm import HP, dequantize, is_high_precision, qgemm_impl, quantizer_meta
 from ..operands import Operand
-from . import fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
+from . import backward_parts, fp8, fp8_block_gemm, fp8_gemm, nvfp4_gemm
+from .backward_parts import Route
 from .bias import added as bias_added
 from .bias import group_sums as bias_sums
 from .paths import count_path
@@ -206,25 +207,81 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
     return out if a_ends is lay.offs else out[lay.dest]
 
 
+def _grouped_mm_dgrad(g_row, lay: fp8.Layout, w, qw, col: bool) -> torch.Tensor:
+    """``dx [T, K]``: the gradient's decoded rowwise values ``g_row`` times each expert's
+    decoded weight (its columnwise copy when ``col``, else its rowwise form)."""
+    dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
+    count_path("grouped_mm")
+    return dx
+
+
+def _grouped_mm_wgrad(g, x, lay: fp8.Layout, qx, col: bool, x_rows=None) -> torch.Tensor:
+    """``dw [E, N, K]``: the gradient's decoded values ``g [rows, N]`` times the input's,
+    decoded here (columnwise when ``col``)."""
+    dw = torch._grouped_mm(g.t(), _decoded(x, qx, col, lay, x_rows), offs=lay.ends)
+    count_path("grouped_mm")
+    return dw
+
+
+def _decoded_gradient(gy, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """``((rowwise values,), (columnwise values,))`` of the output gradient ``gy`` quantized
+    once in the padded layout ``lay`` and decoded to bf16 (an empty tuple where not asked)."""
+    g_row, g_col = _decoded_pair(gy, qg, dgrad, wgrad, lay)
+    return (g_row,) if dgrad else (), (g_col,) if wgrad else ()
+
+
+def _decoded_gradient_like(gy, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """:func:`_decoded_gradient`'s tensors, empty (bf16 ``[rows, N]`` each)."""
+    def values():
+        return (gy.new_empty((lay.rows, gy.shape[1]), dtype=torch.bfloat16),)
+    return values() if dgrad else (), values() if wgrad else ()
+
+
+def _decoded_input_gradient(g, lay: fp8.Layout, w, qg, qw) -> torch.Tensor:
+    return _grouped_mm_dgrad(g[0], lay, w, qw, True)
+
+
+def _decoded_weight_gradient(g, x, lay: fp8.Layout, qg, qx, x_rows=None) -> torch.Tensor:
+    return _grouped_mm_wgrad(g[0], x, lay, qx, True, x_rows)
+
+
+#: The ``"grouped_mm"`` path's backward in parts (:mod:`.backward_parts`), with the columnwise
+#: copies.
+DECODED_ROUTE = Route("grouped_mm", _decoded_gradient, _decoded_gradient_like,
+                      _decoded_input_gradient, _decoded_weight_gradient, 1)
+
+
 def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool,
                   x_rows=None):
-    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path. The
-    gradient's decoded rowwise values are released after the input gradient (unless the weight
-    gradient reads them too), before the weight gradient decodes the input and makes its
-    output."""
-    g_row, g_col = _decoded_pair(gy, qg, dgrad, wgrad and col, lay)
-    if wgrad and not col:  # the backward overrides: the gradient's rowwise form
-        g_col = g_row if g_row is not None else _decoded(gy, qg, False, lay)
-    dx = dw = None
-    if dgrad:
-        dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
-        count_path("grouped_mm")
-    del g_row
-    if wgrad:
-        xv = _decoded(x, qx, col, lay, x_rows)
-        dw = torch._grouped_mm(g_col.t(), xv, offs=lay.ends)
-        count_path("grouped_mm")
+    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path. With
+    the columnwise copies (``col``), :data:`DECODED_ROUTE`'s parts: the gradient's decoded
+    rowwise values are released after the input gradient, before the weight gradient decodes
+    the input and makes its output. Under the backward overrides both GEMMs read the
+    gradient's rowwise values."""
+    if col:
+        return backward_parts.backward(DECODED_ROUTE, gy, x, lay, w, qg, qx, qw, dgrad, wgrad,
+                                       x_rows)
+    g_row = _decoded(gy, qg, False, lay)
+    dx = _grouped_mm_dgrad(g_row, lay, w, qw, False) if dgrad else None
+    dw = _grouped_mm_wgrad(g_row, x, lay, qx, False, x_rows) if wgrad else None
     return dx, dw
+
+
+#: Every route whose backward runs in parts, by name.
+ROUTES = {r.name: r for r in (fp8_block_gemm.ROUTE, nvfp4_gemm.ROUTE, DECODED_ROUTE)}
+
+
+def backward_route(qg, qx, qw, device: torch.device, dtypes, widths, align: int, col: bool
+                   ) -> Route | None:
+    """The route whose backward runs in parts (:mod:`.backward_parts`) for a layer of these
+    quantizers, operand ``dtypes`` and expert ``widths`` ``(N, K)``; None where backward takes
+    the per-group path or the backward overrides' ``"grouped_mm"`` form."""
+    for route in (fp8_block_gemm, nvfp4_gemm):
+        if route.takes(qx, qw, qg, device, dtypes, widths, align, col):
+            return route.ROUTE
+    if col and _batched_takes((qg, qx, qw), device, dtypes, widths, qw):
+        return DECODED_ROUTE
+    return None
 
 
 def _work(offs: torch.Tensor, total: int, align: int) -> list[tuple[int, int, int, int]]:
@@ -275,11 +332,11 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.T
     :func:`grouped_fprop`'s; ``dx`` is then the gradient of the rows, ``[T, K]``."""
     (total, k), (experts, n) = (gy.shape[0], x.shape[1]), w.shape[:2]
     dtypes = (gy.dtype, x.dtype, w.dtype)
-    grouped = None
-    for route in (fp8_block_gemm, nvfp4_gemm):
-        if grouped is None and route.takes(qx, qw, qg, x.device, dtypes, (n, k), align, col):
-            grouped = route.backward(gy, x, lay, w, qg, qx, qw, dgrad, wgrad, x_rows)
-    if grouped is None and _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
+    grouped, route = None, backward_route(qg, qx, qw, x.device, dtypes, (n, k), align, col)
+    if route is not None:
+        grouped = backward_parts.backward(route, gy, x, lay, w, qg, qx, qw, dgrad, wgrad,
+                                          x_rows)
+    elif _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
         grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, col, dgrad, wgrad, x_rows)
     if grouped is not None:
         dx, dw = grouped

@@ -22,9 +22,15 @@ from __future__ import annotations
 import torch
 from quant_core import NVFP4Quantizer, backends
 from quant_core.reference.pad import zero_pad
-from quant_core.shapes import nvfp4_rowwise_scale_shape
+from quant_core.shapes import (
+    nvfp4_columnwise_data_shape,
+    nvfp4_columnwise_scale_shape,
+    nvfp4_rowwise_data_shape,
+    nvfp4_rowwise_scale_shape,
+)
 
 from . import bias, fp8
+from .backward_parts import Route
 from .fp8 import rows_moved
 from .paths import count_path
 
@@ -110,28 +116,53 @@ def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
     return y if b is None else bias.added(y, b, lay.gid, x.dtype)
 
 
-def backward(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qg, qx,
-             qw, dgrad: bool, wgrad: bool, x_rows: torch.Tensor | None = None):
-    """``(dx [T, K] | None, dw [E, N, K] | None)`` of :func:`forward` for the output gradient
-    ``gy [T, N]``, quantized once in the layouts both GEMMs read. The input gradient's
-    operands (the weight's transposed bytes, the gradient's rowwise bytes) are released before
-    the weight gradient quantizes the input and makes its output."""
-    total = gy.shape[0]
-    backend = backends.get(None, gy.device)
+def gradient(gy: torch.Tensor, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """``((rowwise data, scales, amaxes), (columnwise data, scales, amaxes))`` of the output
+    gradient ``gy [T, N]`` in the padded layout ``lay``, quantized once, each group with its own
+    amaxes (an empty tuple for a GEMM not asked for)."""
     gd, gs, gc, gcs, ga, gca = _quantize(fp8.padded(gy, lay), lay.grp, lay.groups, qg, dgrad,
                                          wgrad)
-    dx = dw = None
-    if dgrad:
-        wd, ws, wa = _experts_t(w, qw)
-        dx = backend.nvfp4_grouped_rows_gemm(gd, gs, ga, wd, ws, wa, lay.offs, lay.ends,
-                                             total=total, a_swizzled=False, b_swizzled=False)
-        count_path("nvfp4_grouped_gemm")
-        del wd, ws
-    del gd, gs
-    if wgrad:
-        _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay, x_rows), lay.grp, lay.groups, qx,
-                                          False, True)
-        dw = backend.nvfp4_grouped_tokens_gemm(gc, gcs, gca, xc, xcs, xca, lay.ends,
-                                               a_swizzled=False, b_swizzled=False)
-        count_path("nvfp4_grouped_gemm")
-    return dx, dw
+    return (gd, gs, ga) if dgrad else (), (gc, gcs, gca) if wgrad else ()
+
+
+def gradient_like(gy: torch.Tensor, lay: fp8.Layout, qg, dgrad: bool, wgrad: bool):
+    """:func:`gradient`'s tensors, empty (NVFP4's layouts of ``[rows, N]``)."""
+    (rows, n), groups = (lay.rows, gy.shape[1]), lay.groups
+
+    def empty(shape, dtype=torch.uint8):
+        return gy.new_empty(shape, dtype=dtype)
+
+    amax = empty((groups,), torch.float32)
+    row = (empty(nvfp4_rowwise_data_shape(rows, n)), empty(nvfp4_rowwise_scale_shape(rows, n)),
+           amax)
+    col = (empty(nvfp4_columnwise_data_shape(rows, n)),
+           empty(nvfp4_columnwise_scale_shape(rows, n)), amax.clone())
+    return row if dgrad else (), col if wgrad else ()
+
+
+def input_gradient(g, lay: fp8.Layout, w: torch.Tensor, qg, qw) -> torch.Tensor:
+    """``dx [T, K]``: the gradient's rowwise operand ``g`` (:func:`gradient`) times each
+    expert's weight, whose transposed FP4 bytes are made here."""
+    gd, gs, ga = g
+    wd, ws, wa = _experts_t(w, qw)
+    count_path("nvfp4_grouped_gemm")
+    return backends.get(None, w.device).nvfp4_grouped_rows_gemm(
+        gd, gs, ga, wd, ws, wa, lay.offs, lay.ends, total=lay.total, a_swizzled=False,
+        b_swizzled=False)
+
+
+def weight_gradient(g, x: torch.Tensor, lay: fp8.Layout, qg, qx,
+                    x_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dw [E, N, K]``: the gradient's columnwise operand ``g`` (:func:`gradient`) times the
+    input ``x [T, K]`` (``x[x_rows]``), quantized here columnwise, each group with its own
+    amax."""
+    gc, gcs, gca = g
+    _, _, xc, xcs, _, xca = _quantize(fp8.padded(x, lay, x_rows), lay.grp, lay.groups, qx,
+                                      False, True)
+    count_path("nvfp4_grouped_gemm")
+    return backends.get(None, x.device).nvfp4_grouped_tokens_gemm(
+        gc, gcs, gca, xc, xcs, xca, lay.ends, a_swizzled=False, b_swizzled=False)
+
+
+#: The backward's parts (:mod:`.backward_parts`).
+ROUTE = Route("nvfp4", gradient, gradient_like, input_gradient, weight_gradient, 3)

@@ -3,7 +3,9 @@
 ``grouped_bprop`` opaquely, and ``quant_recipes::grouped_fp8_fprop`` and
 backward's ``grouped_fp8_grad_bytes`` / ``grouped_fp8_dgrad`` / ``grouped_fp8_wgrad`` the
 quantize-once FP8 path (:mod:`.fp8_gemm`; the two GEMM ops also quantize a kept input or
-weight again, just before the GEMM that reads it), so the groups'
+weight again, just before the GEMM that reads it), and ``grouped_grad_operands`` /
+``grouped_dgrad`` / ``grouped_wgrad`` the backward parts of the FP8 block, NVFP4 and decoded
+``torch._grouped_mm`` routes (:mod:`.backward_parts`), so the groups'
 data-dependent sizes never reach the graph: the outputs have static shapes (``[T, N]``,
 ``[T, K]``, ``[E, N, K]``, ``[E, N]``; the FP8 path's kept bytes ``[K, rows]`` and
 ``[E, K, N]``, ``rows`` the padded layout's ``roundup(T, align) + E * align``), and a step with
@@ -26,8 +28,9 @@ from quant_core import value_classes
 from ..compiling import dynamo
 from ..module import intern
 from . import fp8_gemm
+from .bias import group_sums as bias_sums
 from .fp8 import SCALE_PITCH, Layout
-from .gemm import grouped_bprop, grouped_fprop
+from .gemm import ROUTES, backward_route, grouped_bprop, grouped_fprop
 
 #: Why a torch cannot trace :func:`quantizer_spec` (2.10 reads no member of a baked value).
 NEEDS_MEMBERS = ("GroupedLinear under torch.compile reads its quantizers' value keys at trace "
@@ -94,6 +97,57 @@ _op("grouped_fprop(Tensor x, Tensor[] lay, Tensor w, Tensor? b, str[] q, int ali
 _op("grouped_bprop(Tensor gy, Tensor x, Tensor[] lay, Tensor w, str[] q, bool col, int align, "
     "bool dgrad, bool wgrad, bool bias, bool fast_dgrad=False, bool fast_wgrad=False, "
     "Tensor? x_rows=None) -> (Tensor, Tensor, Tensor)", _bprop, _bprop_fake)
+
+
+def _distinct(tensors) -> list[torch.Tensor]:
+    """``tensors`` as an op's outputs: one that shares memory with an earlier one is copied
+    (a high-precision gradient's two forms are one tensor; an op's outputs may not alias)."""
+    out, seen = [], set()
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen and t.numel() else t)
+        seen.add(ptr)
+    return out
+
+
+def _grad_operands(gy, lay, q, route, dgrad, wgrad, bias):
+    g_dgrad, g_wgrad = ROUTES[route].gradient(gy, _layout(lay), quantizer_of(q[0]), dgrad,
+                                              wgrad)
+    db = [bias_sums(gy, _layout(lay).offs, gy.dtype)] if bias else []
+    return _distinct([*g_dgrad, *g_wgrad, *db])
+
+
+def _grad_operands_fake(gy, lay, q, route, dgrad, wgrad, bias):
+    g_dgrad, g_wgrad = ROUTES[route].gradient_like(gy, _layout(lay), quantizer_of(q[0]),
+                                                   dgrad, wgrad)
+    db = [gy.new_empty((lay[5].shape[0], gy.shape[1]))] if bias else []
+    return [*g_dgrad, *g_wgrad, *db]
+
+
+def _dgrad(g, lay, w, q, route):
+    qg, _, qw = map(quantizer_of, q)
+    return ROUTES[route].input_gradient(tuple(g), _layout(lay), w, qg, qw)
+
+
+def _dgrad_fake(g, lay, w, q, route):
+    return w.new_empty((lay[0].shape[0], w.shape[2]))
+
+
+def _wgrad(g, x, lay, q, route, n, x_rows=None):
+    qg, qx, _ = map(quantizer_of, q)
+    return ROUTES[route].weight_gradient(tuple(g), x, _layout(lay), qg, qx, x_rows)
+
+
+def _wgrad_fake(g, x, lay, q, route, n, x_rows=None):
+    return x.new_empty((lay[5].shape[0], n, x.shape[1]))
+
+
+_op("grouped_grad_operands(Tensor gy, Tensor[] lay, str[] q, str route, bool dgrad, "
+    "bool wgrad, bool bias) -> Tensor[]", _grad_operands, _grad_operands_fake)
+_op("grouped_dgrad(Tensor[] g, Tensor[] lay, Tensor w, str[] q, str route) -> Tensor", _dgrad,
+    _dgrad_fake)
+_op("grouped_wgrad(Tensor[] g, Tensor x, Tensor[] lay, str[] q, str route, SymInt n, "
+    "Tensor? x_rows=None) -> Tensor", _wgrad, _wgrad_fake)
 
 
 def _input_t_fake(x, lay):
@@ -203,9 +257,30 @@ def bprop(gy, x, lay: Layout, w, qg, qx, qw, col: bool, align: int, dgrad: bool,
         return grouped_bprop(gy, x, lay, w, qg, qx, qw, col, align, dgrad, wgrad, bias,
                              fast_dgrad, fast_wgrad, x_rows)
     specs = [quantizer_spec(q) for q in (qg, qx, qw)]
+    (k, n), dtypes = (x.shape[1], w.shape[1]), (gy.dtype, x.dtype, w.dtype)
+    route = backward_route(qg, qx, qw, x.device, dtypes, (n, k), align, col)
+    if route is not None:
+        return _bprop_in_parts(route, gy, x, lay, w, specs, dgrad, wgrad, bias, x_rows)
     return torch.ops.quant_recipes.grouped_bprop(gy, x, lay.tensors(), w, specs, col, align,
                                                  dgrad, wgrad, bias, fast_dgrad, fast_wgrad,
                                                  x_rows)
+
+
+def _bprop_in_parts(route, gy, x, lay: Layout, w, specs, dgrad: bool, wgrad: bool,
+                    bias: bool, x_rows=None):
+    """``(dx | None, dw | None, db | None)`` of ``route``'s backward parts
+    (:mod:`.backward_parts`), each through its op: ``grouped_grad_operands`` quantizes ``gy``
+    (and sums each group's bias gradient), ``grouped_dgrad`` and ``grouped_wgrad`` multiply,
+    so that the graph releases ``gy`` once it is quantized: an op cannot release its own
+    input."""
+    ops, tensors = torch.ops.quant_recipes, lay.tensors()
+    parts = ops.grouped_grad_operands(gy, tensors, specs, route.name, dgrad, wgrad, bias)
+    nd = route.dgrad_operands if dgrad else 0
+    nw = len(parts) - nd - bias
+    dx = ops.grouped_dgrad(parts[:nd], tensors, w, specs, route.name) if dgrad else None
+    dw = (ops.grouped_wgrad(parts[nd:nd + nw], x, tensors, specs, route.name, w.shape[1],
+                            x_rows) if wgrad else None)
+    return dx, dw, parts[-1] if bias else None
 
 
 def fp8_fprop(x, lay: Layout, w, b, qx, qw, keep_x_t: bool, keep_w_t: bool, traced: bool,
