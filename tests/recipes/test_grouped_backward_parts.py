@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+import formats
 import pytest
 import quant_recipes as qr
 import torch
@@ -132,9 +133,10 @@ def test_eager_backward_runs_the_same_parts(route, monkeypatch):
     assert alive == [("dgrad", [True]), ("wgrad", [True])]
 
 
-def _eager_backward_args(monkeypatch, route: str, bias: bool):
+def _eager_backward_args(monkeypatch, route, bias: bool):
     """The arguments an eager step gives the route's backward: ``(route, gy, x, lay, w, qg,
-    qx, qw)`` (the quantizers the layer made under the recipe)."""
+    qx, qw)`` (the quantizers the layer made under the recipe: the route's, or ``route``
+    itself where it is a recipe)."""
     real, calls = grouped_gemm.backward_parts.backward, []
 
     def recorded(*args):
@@ -144,7 +146,8 @@ def _eager_backward_args(monkeypatch, route: str, bias: bool):
     monkeypatch.setattr(grouped_gemm.backward_parts, "backward", recorded)
     m, x = _layer(bias)
     xi = x.clone().requires_grad_()
-    recipe = (RECIPES[route](disable_stochastic_rounding=True) if route == "nvfp4"
+    recipe = (route if not isinstance(route, str)
+              else RECIPES[route](disable_stochastic_rounding=True) if route == "nvfp4"
               else RECIPES[route]())
     with qr.autocast(recipe=recipe):
         y = m(xi, counts=torch.tensor(COUNTS))
@@ -182,3 +185,44 @@ def test_opcheck_backward_part_ops(route, monkeypatch, bias):
             assert torch.equal(ops.grouped_wgrad(*wargs), want[1])
         if bias:
             assert torch.equal(parts[-1], grouped_gemm.bias_sums(gy, lay.offs, w.dtype))
+
+
+def test_a_high_precision_gradient_on_the_decoded_route(monkeypatch):
+    """A ``CustomRecipe`` whose output gradient stays in high precision, with MXFP8 inputs and
+    weights, takes the decoded route: the gradient's two forms are one tensor, which the first
+    op gives as two distinct outputs (an op's outputs may not alias); compiled equals eager
+    bitwise, and the op passes ``opcheck``."""
+    from quant_recipes.identity import IdentityQuantizer
+
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    backend = _compiler()
+    from quant_recipes.moe.ops import quantizer_spec
+
+    def factory(role):
+        if role is not None and role.tensor_type == "grad_output":
+            return IdentityQuantizer()
+        return formats.quantizer("mxfp8")
+
+    recipe = qr.CustomRecipe(qfactory=factory, quantization_alignment=32)
+    _, gy, x, lay, w, qg, qx, qw = _eager_backward_args(monkeypatch, recipe, False)
+    assert grouped_gemm.backward_route(qg, qx, qw, x.device, (gy.dtype,) * 3, (N, K), 32,
+                                       True) is grouped_gemm.DECODED_ROUTE
+    args = (gy, lay.tensors(), [quantizer_spec(q) for q in (qg, qx, qw)], "grouped_mm", True,
+            True, False)
+    torch.library.opcheck(torch.ops.quant_recipes.grouped_grad_operands.default, args)
+    m, x = _layer(False)
+
+    def step(x, counts):
+        with qr.autocast(recipe=recipe):
+            return m(x, counts=counts).float().square().sum()
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True, backend=backend), step):
+        xi = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        fn(xi, torch.tensor(COUNTS)).backward()
+        results.append((xi.grad, m.weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
