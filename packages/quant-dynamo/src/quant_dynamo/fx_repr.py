@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 from quant_core.quantizer import Quantizer, rebuild_quantizer
@@ -43,13 +44,32 @@ def literal(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} into FX code: key items must be primitives")
 
 
+def _bind_in_outermost_graph(names: dict[str, Any]) -> None:
+    """Record ``names`` for the module of the outermost graph Inductor is lowering, when it is
+    lowering a nested subgraph (``torch.compiler.nested_compile_region``): Inductor binds the
+    names an expression needs from the graph that wrote it, but a subgraph's code is a function
+    in its outermost graph's module, which would not get them (``NameError`` when it runs)."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    graph = None if virtualized is None else virtualized.V.graph
+    parent = getattr(graph, "parent", None)
+    if parent is None:
+        return
+    while getattr(parent, "parent", None) is not None:
+        parent = parent.parent
+    record = getattr(parent, "opaque_value_type_classes", None)
+    if isinstance(record, dict):
+        record.update(names)
+
+
 def quantizer_fx_repr(self: Quantizer) -> tuple[str, dict[str, Any]]:
     """``(expr, globals)`` such that ``eval(expr, globals) == self`` (a distinct object, shared by
     every evaluation of an equal expression: see :func:`rebuild_for_graph`)."""
     cls = type(self)
     items = self.value_key()[1]
     expr = f"_rebuild_quantizer({cls.__name__}, {literal(items)})"
-    return expr, {"_rebuild_quantizer": rebuild_for_graph, cls.__name__: cls}
+    names = {"_rebuild_quantizer": rebuild_for_graph, cls.__name__: cls}
+    _bind_in_outermost_graph(names)
+    return expr, names
 
 
 def _rebuild_from_items(cls: type, items: tuple[tuple[str, Any], ...]) -> Quantizer:
