@@ -211,21 +211,23 @@ def cmd_step(args, p) -> None:
 
 def run_model(config: str, size: str, n_steps: int, device: torch.device,
               layers: int | None = None, micro: int = 1, kv_cache: bool = False,
-              whole: bool = False, mode: str = "default", peaks: bool = False) -> dict:
+              whole: bool = False, mode: str = "default", peaks: bool = False,
+              regions: bool = False) -> dict:
     """Train config ``config`` for ``n_steps`` steps after 3 warm-up steps; its row
     (``layers``: decoder layers instead of the size's; ``micro``: the batch's forward and
     backward run that many times per optimizer step, as gradient accumulation does;
     ``kv_cache``: the model builds a KV cache in training, see ``steps.llama``; ``whole``: the
-    whole model compiled at once instead of each decoder layer; ``mode``: torch.compile's;
+    whole model compiled at once instead of each decoder layer (``regions``: each layer a nested
+    compile region, compiled once); ``mode``: torch.compile's;
     ``peaks``: one more step with the allocator's history, what is alive at its peak)."""
     torch._dynamo.reset()
     data = steps.batches(size, n_steps + measure.WARMUP + 1, device)
     cuda = device.type == "cuda"
     with steps.llama_lowering(config), steps.whole_step_patch(config):
         model, forward, opt = steps.compiled_training(config, size, device, layers, kv_cache,
-                                                      whole, mode)
+                                                      whole, mode, regions)
         row: dict = {"config": config, "size": size, "layers": len(model.model.layers),
-                     "micro": micro, "whole": whole, "mode": mode}
+                     "micro": micro, "whole": whole, "mode": mode, "regions": regions}
         graphs = mode == "reduce-overhead"
         losses: list[float] = []
         held: list[int] = []
@@ -364,6 +366,8 @@ def model_table(rows: list[dict]) -> str:
 def cmd_model(args, p) -> None:
     if args.micro < 1:
         p.error(f"--micro must be at least 1, got {args.micro}")
+    if args.regions and not args.whole:
+        p.error("--regions needs --whole (per-layer compiles already compile each layer once)")
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     import quant_dynamo  # compile support; before any quant module is traced
@@ -375,7 +379,7 @@ def cmd_model(args, p) -> None:
         t0 = time.perf_counter()
         try:
             row = run_model(config, args.size, args.steps, device, args.layers, args.micro,
-                            args.kv_cache, args.whole, args.mode, args.peaks)
+                            args.kv_cache, args.whole, args.mode, args.peaks, args.regions)
         except Exception as e:  # noqa: BLE001 - a failing config is reported, the run goes on
             row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         torch._dynamo.reset()  # free what the config left (model, optimizer, compiled code)
@@ -613,6 +617,9 @@ def commands(sub) -> dict:
     m.add_argument("--whole", action="store_true",
                    help="compile the whole model at once (model.compile()) instead of each "
                    "decoder layer: every layer's Python is traced, in one graph")
+    m.add_argument("--regions", action="store_true",
+                   help="with --whole: each decoder layer a nested compile region "
+                   "(torch.compiler.nested_compile_region), traced and compiled once")
     m.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
                    help="torch.compile's mode for every config (reduce-overhead: each compiled "
                    "graph replayed as a CUDA graph, no host time per kernel)")

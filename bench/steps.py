@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import sysconfig
+import types
 from unittest import mock
 
 import torch
@@ -517,19 +518,33 @@ def corpus(tokens: int) -> torch.Tensor:
     return torch.tensor(list(data[:tokens]), dtype=torch.int64)
 
 
+def nested_regions(model) -> None:
+    """Each decoder layer of ``model`` a nested compile region
+    (``torch.compiler.nested_compile_region``): a whole-model compile traces and compiles the
+    layer once and calls that code for every layer (hierarchical compilation)."""
+    layers = model.model.layers
+    region = torch.compiler.nested_compile_region(type(layers[0]).forward)
+    for layer in layers:
+        layer.forward = types.MethodType(region, layer)
+
+
 def compiled_training(config: str, size: str, device: torch.device, layers: int | None = None,
-                      kv_cache: bool = False, whole: bool = False, mode: str = "default"):
+                      kv_cache: bool = False, whole: bool = False, mode: str = "default",
+                      regions: bool = False):
     """``(model, forward, optimizer)`` of the model benchmark: ``size``'s model (Llama or
     mixture of experts) with ``layers`` decoder layers, converted for ``config``
     (:func:`convert_llama`), every decoder layer compiled (per block, as torchtitan compiles),
     AdamW (fused on CUDA); ``kv_cache``: see :func:`llama`; ``whole``: the whole model compiled
-    at once (``model.compile()``) instead; ``mode``: torch.compile's (``"reduce-overhead"``:
+    at once (``model.compile()``) instead, with ``regions`` each decoder layer a nested compile
+    region (:func:`nested_regions`); ``mode``: torch.compile's (``"reduce-overhead"``:
     each compiled graph replayed as a CUDA graph). Call it inside :func:`llama_lowering` of
     ``config``."""
     model = (moe_model if size in MOE_SIZES else llama)(size, device, layers, kv_cache)
     forward = convert_llama(config, model)
     kw = {} if mode == "default" else {"mode": mode}
     if whole:
+        if regions:
+            nested_regions(model)
         model.compile(**kw)
     else:
         for layer in model.model.layers:
