@@ -10,11 +10,13 @@ from _dynamo_helpers import assert_bitwise, make_input, quantizers, requires_api
 
 
 @pytest.fixture(autouse=True)
-def _fresh_compiles(monkeypatch):
+def _fresh_compiles():
     # a cached graph would hide what its first compile generates
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    import torch._inductor.config
+
     torch._dynamo.reset()
-    yield
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
     torch._dynamo.reset()
 
 
