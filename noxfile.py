@@ -74,6 +74,7 @@ COMPAT_TESTS = [
     "tests/recipes/test_te_compile_sanity.py", "tests/recipes/test_lowered_linear.py",
     "tests/recipes/test_grouped_linear.py", "tests/recipes/test_grouped_fp8.py",
     "tests/recipes/test_moe_routes.py", "tests/recipes/test_grouped_routed_rows.py",
+    "tests/recipes/test_grouped_backward_parts.py",
     "tests/recipes/test_tensor_parallel.py", "tests/recipes/test_step_weights.py",
     "tests/recipes/test_requantized_in_backward_compiled.py",
 ]

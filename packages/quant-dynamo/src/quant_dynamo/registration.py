@@ -44,6 +44,7 @@ _READ_ONLY_MEMBERS = (
     "supports_only_rowwise_all_gather", "with_usage", "replace", "copy", "__fx_repr__",
     "_opaque_qualname", "_quant_op_overload", "storage_format", "_storage_tags",
     "reduces_amax", "amax_numel", "lowerings", "row_alignment", "shape_rule",
+    "decodes_exactly_to_bf16",
 )
 #: Overload names of the ``quant`` ops already taken. They are allocated here, not in ``ops``
 #: (which defines the overloads): ``_quant_op_overload`` is one of the members torch records at
