@@ -217,3 +217,28 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="same C/2"):
         kern.nvfp4_grouped_tokens_gemm(a, a_scale, amax, a[:, :8].contiguous(), a_scale, amax,
                                        offs, a_swizzled=False, b_swizzled=False)
+
+
+@pytest.mark.parametrize("swizzle", [False, True], ids=["plain", "swizzled"])
+def test_rows_gemm_in_column_slices(monkeypatch, swizzle):
+    """Experts wider than ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice of
+    output columns at a time (plain scales; swizzled ones whole): the reference's bytes, with a
+    last slice narrower than the others."""
+    counts = [0, 37, 1, 0, 20]
+    args = _rows_operands(counts, False, swizzle, True, n=320, ends_dtype=torch.int32)
+    kw = {"total": sum(counts), "a_swizzled": swizzle, "b_swizzled": swizzle}
+    want = reference.nvfp4_grouped_rows_gemm(*args, **kw)
+    width = 4 if DEVICE == "cpu" else 2  # decoded bytes per element: fp32 interpreted, bf16
+    monkeypatch.setattr(kern, "DECODED_WEIGHT_BYTES", len(counts) * 64 * width * 128)
+    assert kern.column_slices(len(counts), 320, 64, width) == [(0, 128), (128, 256), (256, 320)]
+    launches = []
+    real = kern.rows_gemm
+    monkeypatch.setattr(kern, "rows_gemm", lambda *a, **k: launches.append(1) or real(*a, **k))
+    got = kern.nvfp4_grouped_rows_gemm(*_on_device(args), **kw)
+    assert torch.equal(got.cpu(), want)
+    assert len(launches) == (1 if swizzle else 3)
+    # any values: each output element the same sum in the same order as in one launch
+    args = _on_device(_rows_operands(counts, False, swizzle, False, n=320))
+    sliced = kern.nvfp4_grouped_rows_gemm(*args, **kw)
+    monkeypatch.setattr(kern, "DECODED_WEIGHT_BYTES", 2**40)
+    assert torch.equal(sliced, kern.nvfp4_grouped_rows_gemm(*args, **kw))

@@ -3,7 +3,8 @@
 of :mod:`.fp8_grouped_gemm` over packed NVFP4 row operands.
 
 Each operand is decoded whole, group-agnostic, to its exact elements ``e2m1 * e4m3`` (bf16 on a
-GPU, fp32 under the interpreter, whose bf16 casts are wrong), then one launch of
+GPU, fp32 under the interpreter, whose bf16 casts are wrong; the rows GEMM's experts a slice of
+output columns at a time where they are wide, :func:`column_slices`), then one launch of
 :mod:`.fp8_grouped_gemm`'s kernels multiplies them with fp32 accumulation and scales group
 ``g``'s product ``(P * (a_amax[g] * R)) * (b_amax[g] * R)``, ``R = fp32(1/2688)``, before one
 cast. The group bounds stay on the device.
@@ -102,10 +103,39 @@ def nvfp4_grouped_rows_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torc
     experts, n, kh = b.shape
     _check(name, a, a_scale, a_amax, a_swizzled, b, b_scale, b_amax, b_swizzled, experts,
            out_dtype)
-    av = _decoded(a, a_scale, a_swizzled)
-    bv = _decoded(b.reshape(experts * n, kh), b_scale, b_swizzled).view(experts, n, 2 * kh)
-    return rows_gemm(av, _factor(a_amax), bv, _factor(b_amax), offs, a_ends, total, _DECODED,
-                     out_dtype, launch_config("nvfp4_grouped_rows_gemm"))
+    av, factors = _decoded(a, a_scale, a_swizzled), (_factor(a_amax), _factor(b_amax))
+    config = launch_config("nvfp4_grouped_rows_gemm")
+    slices = [(0, n)] if b_swizzled else column_slices(experts, n, 2 * kh, av.element_size())
+    if len(slices) == 1:
+        bv = _decoded(b.reshape(experts * n, kh), b_scale, b_swizzled).view(experts, n, 2 * kh)
+        return rows_gemm(av, factors[0], bv, factors[1], offs, a_ends, total, _DECODED,
+                         out_dtype, config)
+    out = torch.empty((total, n), dtype=out_dtype, device=a.device)
+    scales = b_scale[:experts * n].view(experts, n, b_scale.shape[1])
+    for n0, n1 in slices:
+        bv = _decoded(b[:, n0:n1].reshape(-1, kh), scales[:, n0:n1].reshape(-1, scales.shape[2]),
+                      False).view(experts, n1 - n0, 2 * kh)
+        out[:, n0:n1] = rows_gemm(av, factors[0], bv, factors[1], offs, a_ends, total,
+                                  _DECODED, out_dtype, config)
+        del bv
+    return out
+
+
+#: The most bytes of decoded expert weights one launch of the rows GEMM multiplies. Hopper
+#: multiplies NVFP4 operands decoded, and every expert's weight decoded at once set a training
+#: step's peak (1.75 GiB at a Mixtral layer's gate/up input gradient); wider weights (with plain
+#: scales) are decoded and multiplied a slice of output columns at a time. Each output element
+#: is the same sum in the same order: the bytes do not change.
+DECODED_WEIGHT_BYTES = 512 * 2**20
+
+
+def column_slices(experts: int, n: int, k: int, element_size: int) -> list[tuple[int, int]]:
+    """``[(n0, n1), ...]``: the output columns of each launch of a rows GEMM over decoded
+    experts ``[experts, n, k]``, each slice (a multiple of 128 columns but the last) within
+    :data:`DECODED_WEIGHT_BYTES`, or one slice of all."""
+    per_column = max(experts * k * element_size, 1)
+    width = max(128, DECODED_WEIGHT_BYTES // per_column // 128 * 128)
+    return [(n0, min(n, n0 + width)) for n0 in range(0, max(n, 1), width)]
 
 
 def nvfp4_grouped_tokens_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
