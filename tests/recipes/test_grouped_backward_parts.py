@@ -226,3 +226,37 @@ def test_a_high_precision_gradient_on_the_decoded_route(monkeypatch):
         results.append((xi.grad, m.weight.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("override", [None, "dequantized"])
+def test_the_decoded_input_gradient_in_column_slices(monkeypatch, override):
+    """Experts wider than ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice
+    of the input gradient's columns at a time (with the columnwise copies, and under the
+    backward override): the same gradients as decoding them whole."""
+    monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
+    if not grouped_gemm.grouped_mm_available("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    experts = len(COUNTS)
+    recipe = qr.MXFP8BlockScaling(**({} if override is None else
+                                     {"backward_override": override}))
+    decoded, real = [], grouped_gemm._experts
+    monkeypatch.setattr(grouped_gemm, "_experts",
+                        lambda w, *a: decoded.append(tuple(w.shape)) or real(w, *a))
+
+    def grads():
+        m, x = _layer(False)
+        xi = x.clone().requires_grad_()
+        with qr.autocast(recipe=recipe):
+            y = m(xi, counts=torch.tensor(COUNTS))
+        y.backward(torch.ones_like(y))
+        return xi.grad, m.weight.grad
+
+    whole = grads()
+    assert decoded[-1] == (experts, N, K)  # the input gradient's operand, decoded whole
+    decoded.clear()
+    monkeypatch.setattr(grouped_gemm, "DECODED_WEIGHT_BYTES", experts * N * 2 * 128)
+    assert grouped_gemm.column_slices(experts, N, K) == [(0, 128), (128, 256)]
+    sliced = grads()
+    assert decoded[1:] == [(experts, N, 128)] * 2  # after the forward's
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)

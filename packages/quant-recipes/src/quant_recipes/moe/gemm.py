@@ -207,11 +207,35 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
     return out if a_ends is lay.offs else out[lay.dest]
 
 
+#: The most bytes of decoded expert weights one input-gradient GEMM of the ``"grouped_mm"`` path
+#: multiplies: wider weights are decoded and multiplied a slice of the input gradient's columns
+#: at a time (every expert's weight decoded at once, 1.75 GiB at a Mixtral layer's gate/up, set
+#: the training step's peak).
+DECODED_WEIGHT_BYTES = 512 * 2**20
+
+
+def column_slices(experts: int, n: int, k: int) -> list[tuple[int, int]]:
+    """``[(k0, k1), ...]``: the columns of each slice of the experts' weights ``[experts, n, k]``
+    decoded at once (bf16; multiples of 128 columns but the last, so no 1x32 or 32x32 block is
+    cut), within :data:`DECODED_WEIGHT_BYTES`, or one slice of all."""
+    width = max(128, DECODED_WEIGHT_BYTES // max(experts * n * 2, 1) // 128 * 128)
+    return [(k0, min(k, k0 + width)) for k0 in range(0, max(k, 1), width)]
+
+
 def _grouped_mm_dgrad(g_row, lay: fp8.Layout, w, qw, col: bool) -> torch.Tensor:
     """``dx [T, K]``: the gradient's decoded rowwise values ``g_row`` times each expert's
-    decoded weight (its columnwise copy when ``col``, else its rowwise form)."""
-    dx = torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
+    decoded weight (its columnwise copy when ``col``, else its rowwise form), a slice of
+    :func:`column_slices` at a time."""
+    e, n, k = w.shape
+    slices = column_slices(e, n, k)
     count_path("grouped_mm")
+    if len(slices) == 1:
+        return torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
+    dx = g_row.new_empty((lay.total, k))
+    for k0, k1 in slices:
+        wv = _experts(w[:, :, k0:k1].contiguous(), qw, col)
+        dx[:, k0:k1] = torch._grouped_mm(g_row, wv, offs=lay.ends)[lay.dest]
+        del wv
     return dx
 
 
