@@ -254,7 +254,7 @@ def test_the_decoded_input_gradient_in_column_slices(monkeypatch, override):
     whole = grads()
     assert decoded[-1] == (experts, N, K)  # the input gradient's operand, decoded whole
     decoded.clear()
-    monkeypatch.setattr(grouped_gemm, "DECODED_WEIGHT_BYTES", experts * N * 2 * 128)
+    monkeypatch.setattr(grouped_gemm, "DECODED_WEIGHT_BYTES", experts * N * 4 * 128)
     assert grouped_gemm.column_slices(experts, N, K) == [(0, 128), (128, 256)]
     sliced = grads()
     assert decoded[1:] == [(experts, N, 128)] * 2  # after the forward's
