@@ -221,7 +221,7 @@ def test_argument_errors():
 
 @pytest.mark.parametrize("swizzle", [False, True], ids=["plain", "swizzled"])
 def test_rows_gemm_in_column_slices(monkeypatch, swizzle):
-    """Experts wider than ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice of
+    """Experts past twice ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice of
     output columns at a time (plain scales; swizzled ones whole): the reference's bytes, with a
     last slice narrower than the others."""
     counts = [0, 37, 1, 0, 20]

@@ -230,7 +230,7 @@ def test_a_high_precision_gradient_on_the_decoded_route(monkeypatch):
 
 @pytest.mark.parametrize("override", [None, "dequantized"])
 def test_the_decoded_input_gradient_in_column_slices(monkeypatch, override):
-    """Experts wider than ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice
+    """Experts past twice ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice
     of the input gradient's columns at a time (with the columnwise copies, and under the
     backward override): the same gradients as decoding them whole."""
     monkeypatch.setattr(grouped_gemm, "GROUPED_MM_DEVICES", {"cpu", "cuda"})
@@ -254,7 +254,7 @@ def test_the_decoded_input_gradient_in_column_slices(monkeypatch, override):
     whole = grads()
     assert decoded[-1] == (experts, N, K)  # the input gradient's operand, decoded whole
     decoded.clear()
-    monkeypatch.setattr(grouped_gemm, "DECODED_WEIGHT_BYTES", experts * N * 4 * 128)
+    monkeypatch.setattr(grouped_gemm, "DECODED_WEIGHT_BYTES", experts * N * 128)
     assert grouped_gemm.column_slices(experts, N, K) == [(0, 128), (128, 256)]
     sliced = grads()
     assert decoded[1:] == [(experts, N, 128)] * 2  # after the forward's

@@ -121,21 +121,23 @@ def nvfp4_grouped_rows_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torc
     return out
 
 
-#: The most bytes of decoded expert weights one launch of the rows GEMM multiplies. Hopper
-#: multiplies NVFP4 operands decoded, and every expert's weight decoded at once set a training
-#: step's peak (1.75 GiB at a Mixtral layer's gate/up input gradient); wider weights (with plain
-#: scales) are decoded and multiplied a slice of output columns at a time. Each output element
-#: is the same sum in the same order: the bytes do not change.
+#: The rows GEMM decodes experts (with plain scales) whose decoded weights take more than twice
+#: this many bytes a slice of output columns at a time, each slice within it. Hopper multiplies
+#: NVFP4 operands decoded, and every expert's weight decoded at once set a training step's peak
+#: (1.75 GiB at a Mixtral layer's gate/up input gradient). Smaller weights are decoded whole, in
+#: one launch. Each output element is the same sum in the same order: the bytes do not change.
 DECODED_WEIGHT_BYTES = 512 * 2**20
 
 
 def column_slices(experts: int, n: int, k: int, element_size: int) -> list[tuple[int, int]]:
     """``[(n0, n1), ...]``: the output columns of each launch of a rows GEMM over decoded
-    experts ``[experts, n, k]``, each slice (a multiple of 128 columns but the last) within
-    :data:`DECODED_WEIGHT_BYTES`, or one slice of all."""
+    experts ``[experts, n, k]`` (multiples of 128 columns but the last), as
+    :data:`DECODED_WEIGHT_BYTES` says."""
     per_column = max(experts * k * element_size, 1)
+    if per_column * n <= 2 * DECODED_WEIGHT_BYTES:
+        return [(0, n)]
     width = max(128, DECODED_WEIGHT_BYTES // per_column // 128 * 128)
-    return [(n0, min(n, n0 + width)) for n0 in range(0, max(n, 1), width)]
+    return [(n0, min(n, n0 + width)) for n0 in range(0, n, width)]
 
 
 def nvfp4_grouped_tokens_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,

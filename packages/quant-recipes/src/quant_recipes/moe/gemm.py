@@ -207,20 +207,22 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
     return out if a_ends is lay.offs else out[lay.dest]
 
 
-#: The most bytes one input-gradient GEMM of the ``"grouped_mm"`` path holds for the experts'
-#: decoded weights (a slice's bf16 copy and its decoded values): wider weights are decoded and
-#: multiplied a slice of the input gradient's columns at a time (every expert's weight decoded
-#: at once, 1.75 GiB at a Mixtral layer's gate/up, set the training step's peak).
+#: The input-gradient GEMM of the ``"grouped_mm"`` path decodes experts whose decoded weights
+#: take more than twice this many bytes a slice of its columns at a time, each slice (its bf16
+#: copy and its decoded values) within it: every expert's weight decoded at once, 1.75 GiB at a
+#: Mixtral layer's gate/up, set the training step's peak. Smaller weights are decoded whole
+#: (one launch, no copy): there a slice's copy would cost more than it saves.
 DECODED_WEIGHT_BYTES = 512 * 2**20
 
 
 def column_slices(experts: int, n: int, k: int) -> list[tuple[int, int]]:
     """``[(k0, k1), ...]``: the columns of each slice of the experts' weights ``[experts, n, k]``
-    decoded at once (multiples of 128 columns but the last, so no 1x32 or 32x32 block is cut),
-    its bf16 copy and decoded values within :data:`DECODED_WEIGHT_BYTES`, or one slice of
-    all."""
+    decoded at once to bf16 (multiples of 128 columns but the last, so no 1x32 or 32x32 block is
+    cut), as :data:`DECODED_WEIGHT_BYTES` says."""
+    if experts * n * k * 2 <= 2 * DECODED_WEIGHT_BYTES:
+        return [(0, k)]
     width = max(128, DECODED_WEIGHT_BYTES // max(experts * n * 4, 1) // 128 * 128)
-    return [(k0, min(k, k0 + width)) for k0 in range(0, max(k, 1), width)]
+    return [(k0, min(k, k0 + width)) for k0 in range(0, k, width)]
 
 
 def _grouped_mm_dgrad(g_row, lay: fp8.Layout, w, qw, col: bool) -> torch.Tensor:
