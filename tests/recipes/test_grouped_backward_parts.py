@@ -77,21 +77,14 @@ def _spied(monkeypatch, name: str):
     return grads, alive
 
 
-@pytest.mark.parametrize(("bias", "dynamic"), [(False, False), (True, False), (False, True)])
-def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(route,
-                                                                          monkeypatch, bias,
-                                                                          dynamic):
-    """Compiled (with static or dynamic shapes), the output gradient (made in the graph) is
-    dead when each backward GEMM runs: the first op quantized it, the GEMM ops read only its
-    quantized form. The results (output, input, weight and bias gradients) equal eager
-    code's bitwise."""
-    backend = _compiler()
-    grads, alive = _spied(monkeypatch, route)
+def _assert_compiled_equals_eager(recipe, backend, bias=False, dynamic=False, path=None):
+    """A layer's step under ``recipe``, its output gradient made in the graph, compiled
+    (``fullgraph``) and eagerly: the input, weight and bias gradients equal bitwise; each run's
+    three GEMMs take ``path`` where given."""
     m, x = _layer(bias)
-    recipe = RECIPES[route]()
 
     def step(x, counts):
-        with qr.autocast(recipe=recipe):  # the layer's output gradient is made in the graph
+        with qr.autocast(recipe=recipe):
             return m(x, counts=counts).float().square().sum()
 
     results = []
@@ -102,12 +95,24 @@ def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(rou
         torch.manual_seed(1)  # NVFP4's stochastic rounding of the gradient
         fn(xi, torch.tensor(COUNTS)).backward()
         results.append((xi.grad, m.weight.grad, m.bias.grad if bias else None))
-        path = "nvfp4_grouped_gemm" if route == "nvfp4" else (
-            "fp8_block_grouped_gemm" if route == "fp8_block" else None)
         if path is not None:
             assert qr.grouped_gemm_paths() == {path: 3}
     for a, b in zip(*results, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("bias", "dynamic"), [(False, False), (True, False), (False, True)])
+def test_compiled_backward_releases_the_output_gradient_once_it_is_quantized(route,
+                                                                          monkeypatch, bias,
+                                                                          dynamic):
+    """Compiled (with static or dynamic shapes), the output gradient (made in the graph) is
+    dead when each backward GEMM runs: the first op quantized it, the GEMM ops read only its
+    quantized form. The results (output, input, weight and bias gradients) equal eager
+    code's bitwise."""
+    backend = _compiler()
+    grads, alive = _spied(monkeypatch, route)
+    path = {"nvfp4": "nvfp4_grouped_gemm", "fp8_block": "fp8_block_grouped_gemm"}.get(route)
+    _assert_compiled_equals_eager(RECIPES[route](), backend, bias, dynamic, path)
     assert len(grads) == 1  # compiled only: eager code calls the route's backward directly
     assert alive == [("dgrad", [False]), ("wgrad", [False])]
 
@@ -212,20 +217,7 @@ def test_a_high_precision_gradient_on_the_decoded_route(monkeypatch):
     args = (gy, lay.tensors(), [quantizer_spec(q) for q in (qg, qx, qw)], "grouped_mm", True,
             True, False)
     torch.library.opcheck(torch.ops.quant_recipes.grouped_grad_operands.default, args)
-    m, x = _layer(False)
-
-    def step(x, counts):
-        with qr.autocast(recipe=recipe):
-            return m(x, counts=counts).float().square().sum()
-
-    results = []
-    for fn in (torch.compile(step, fullgraph=True, backend=backend), step):
-        xi = x.clone().requires_grad_()
-        m.zero_grad(set_to_none=True)
-        fn(xi, torch.tensor(COUNTS)).backward()
-        results.append((xi.grad, m.weight.grad))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    _assert_compiled_equals_eager(recipe, backend)
 
 
 @pytest.mark.parametrize("override", [None, "dequantized"])

@@ -278,16 +278,12 @@ DECODED_ROUTE = Route("grouped_mm", _decoded_gradient, _decoded_gradient_like,
                       _decoded_input_gradient, _decoded_weight_gradient, 1)
 
 
-def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, col: bool, dgrad: bool, wgrad: bool,
+def batched_bprop(gy, x, lay: fp8.Layout, w, qg, qx, qw, dgrad: bool, wgrad: bool,
                   x_rows=None):
-    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path. With
-    the columnwise copies (``col``), :data:`DECODED_ROUTE`'s parts: the gradient's decoded
-    rowwise values are released after the input gradient, before the weight gradient decodes
-    the input and makes its output. Under the backward overrides both GEMMs read the
-    gradient's rowwise values."""
-    if col:
-        return backward_parts.backward(DECODED_ROUTE, gy, x, lay, w, qg, qx, qw, dgrad, wgrad,
-                                       x_rows)
+    """``(dx | None, dw | None)`` of :func:`grouped_bprop` on the ``"grouped_mm"`` path under
+    the backward overrides (no columnwise copies): both GEMMs read the gradient's decoded
+    rowwise values, and the weight's and input's rowwise forms. With the columnwise copies the
+    path's backward is :data:`DECODED_ROUTE`."""
     g_row = _decoded(gy, qg, False, lay)
     dx = _grouped_mm_dgrad(g_row, lay, w, qw, False) if dgrad else None
     dw = _grouped_mm_wgrad(g_row, x, lay, qx, False, x_rows) if wgrad else None
@@ -364,7 +360,7 @@ def grouped_bprop(gy: torch.Tensor, x: torch.Tensor, lay: fp8.Layout, w: torch.T
         grouped = backward_parts.backward(route, gy, x, lay, w, qg, qx, qw, dgrad, wgrad,
                                           x_rows)
     elif _batched_takes((qg, qx, qw), x.device, dtypes, (n, k), qw):
-        grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, col, dgrad, wgrad, x_rows)
+        grouped = batched_bprop(gy, x, lay, w, qg, qx, qw, dgrad, wgrad, x_rows)
     if grouped is not None:
         dx, dw = grouped
         return (dx if dgrad else x.new_zeros((0,)), dw if wgrad else w.new_zeros((0,)),
