@@ -79,6 +79,7 @@ def _rebuild_from_items(cls: type, items: tuple[tuple[str, Any], ...]) -> Quanti
 
 def quantizer_eval_repr(self: Quantizer) -> str:
     """torch 2.10's eval-able ``__repr__``, naming only the class."""
+    _bind_in_outermost_graph({type(self).__name__: type(self)})
     return f"{type(self).__name__}._rebuild_from_items({literal(self.value_key()[1])})"
 
 
