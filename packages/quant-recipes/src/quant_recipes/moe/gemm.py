@@ -20,7 +20,9 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
   expert widths close the weight quantizer's row blocks: all groups at once, in the padded
   layout of :mod:`.fp8` (no group bound is read on the host). Each operand is quantized
   in one call over every padded group (the same bytes as one call per padded group: no block
-  crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``. It
+  crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``
+  (the input gradient of experts past 1 GiB decoded: one per slice of columns,
+  :func:`column_slices`). It
   differs from ``"per_group"`` only in the order of the fp32 accumulation. ``torch._grouped_mm``
   gives bf16 only, so a forward GEMM with a bias takes ``"decoded_grouped_gemm"``: the same
   decoded operands multiplied by the backend's ``grouped_rows_gemm`` into fp32;
