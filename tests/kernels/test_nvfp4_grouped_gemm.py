@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _kernels_util import DEVICE, GROUPED_LOAD_FORMS, GROUPED_LOAD_IDS, grouped_load_form
-from quant_core import reference
+from quant_core import decoded_slices, reference
 from quant_kernels import nvfp4_grouped_gemm as kern
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -221,24 +221,26 @@ def test_argument_errors():
 
 @pytest.mark.parametrize("swizzle", [False, True], ids=["plain", "swizzled"])
 def test_rows_gemm_in_column_slices(monkeypatch, swizzle):
-    """Experts past twice ``DECODED_WEIGHT_BYTES`` decoded are decoded and multiplied a slice of
+    """Experts past twice ``DECODED_SLICE_BYTES`` decoded are decoded and multiplied a slice of
     output columns at a time (plain scales; swizzled ones whole): the reference's bytes, with a
-    last slice narrower than the others."""
+    last slice narrower than the others, and the bytes of one launch for any values."""
     counts = [0, 37, 1, 0, 20]
     args = _rows_operands(counts, False, swizzle, True, n=320, ends_dtype=torch.int32)
     kw = {"total": sum(counts), "a_swizzled": swizzle, "b_swizzled": swizzle}
     want = reference.nvfp4_grouped_rows_gemm(*args, **kw)
     width = 4 if DEVICE == "cpu" else 2  # decoded bytes per element: fp32 interpreted, bf16
-    monkeypatch.setattr(kern, "DECODED_WEIGHT_BYTES", len(counts) * 64 * width * 128)
-    assert kern.column_slices(len(counts), 320, 64, width) == [(0, 128), (128, 256), (256, 320)]
+    # 128 decoded columns of the 5 experts' 64-element rows a slice: 3 slices of 320 columns
+    monkeypatch.setattr(decoded_slices, "DECODED_SLICE_BYTES", len(counts) * 64 * width * 128)
     launches = []
     real = kern.rows_gemm
-    monkeypatch.setattr(kern, "rows_gemm", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setattr(kern, "rows_gemm", lambda *a, **k: launches.append(a[2].shape) or
+                        real(*a, **k))
     got = kern.nvfp4_grouped_rows_gemm(*_on_device(args), **kw)
     assert torch.equal(got.cpu(), want)
-    assert len(launches) == (1 if swizzle else 3)
+    assert launches == ([(5, 320, 64)] if swizzle else
+                        [(5, 128, 64), (5, 128, 64), (5, 64, 64)])
     # any values: each output element the same sum in the same order as in one launch
     args = _on_device(_rows_operands(counts, False, swizzle, False, n=320))
     sliced = kern.nvfp4_grouped_rows_gemm(*args, **kw)
-    monkeypatch.setattr(kern, "DECODED_WEIGHT_BYTES", 2**40)
+    monkeypatch.setattr(decoded_slices, "DECODED_SLICE_BYTES", 2**40)
     assert torch.equal(sliced, kern.nvfp4_grouped_rows_gemm(*args, **kw))

@@ -4,7 +4,7 @@ of :mod:`.fp8_grouped_gemm` over packed NVFP4 row operands.
 
 Each operand is decoded whole, group-agnostic, to its exact elements ``e2m1 * e4m3`` (bf16 on a
 GPU, fp32 under the interpreter, whose bf16 casts are wrong; the rows GEMM's experts a slice of
-output columns at a time where they are wide, :func:`column_slices`), then one launch of
+output columns at a time where they are wide, ``quant_core.decoded_slices``), then one launch of
 :mod:`.fp8_grouped_gemm`'s kernels multiplies them with fp32 accumulation and scales group
 ``g``'s product ``(P * (a_amax[g] * R)) * (b_amax[g] * R)``, ``R = fp32(1/2688)``, before one
 cast. The group bounds stay on the device.
@@ -16,6 +16,7 @@ import math
 
 import torch
 from quant_core.constants import NVFP4_GLOBAL_MAX, RCP_NVFP4_GLOBAL_MAX
+from quant_core.decoded_slices import column_slices
 from quant_core.shapes import NVFP4_BLOCK, ceil_div, nvfp4_rowwise_scale_shape
 
 from . import nvfp4
@@ -105,13 +106,14 @@ def nvfp4_grouped_rows_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torc
            out_dtype)
     av, factors = _decoded(a, a_scale, a_swizzled), (_factor(a_amax), _factor(b_amax))
     config = launch_config("nvfp4_grouped_rows_gemm")
-    slices = [(0, n)] if b_swizzled else column_slices(experts, n, 2 * kh, av.element_size())
+    column_bytes = experts * 2 * kh * av.element_size()  # one column of the decoded experts
+    slices = [(0, n)] if b_swizzled else column_slices(n, column_bytes, column_bytes * n)
     if len(slices) == 1:
         bv = _decoded(b.reshape(experts * n, kh), b_scale, b_swizzled).view(experts, n, 2 * kh)
         return rows_gemm(av, factors[0], bv, factors[1], offs, a_ends, total, _DECODED,
                          out_dtype, config)
     out = torch.empty((total, n), dtype=out_dtype, device=a.device)
-    scales = b_scale[:experts * n].view(experts, n, b_scale.shape[1])
+    scales = b_scale[:experts * n].reshape(experts, n, b_scale.shape[1])
     for n0, n1 in slices:
         bv = _decoded(b[:, n0:n1].reshape(-1, kh), scales[:, n0:n1].reshape(-1, scales.shape[2]),
                       False).view(experts, n1 - n0, 2 * kh)
@@ -119,25 +121,6 @@ def nvfp4_grouped_rows_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torc
                                   _DECODED, out_dtype, config)
         del bv
     return out
-
-
-#: The rows GEMM decodes experts (with plain scales) whose decoded weights take more than twice
-#: this many bytes a slice of output columns at a time, each slice within it. Hopper multiplies
-#: NVFP4 operands decoded, and every expert's weight decoded at once set a training step's peak
-#: (1.75 GiB at a Mixtral layer's gate/up input gradient). Smaller weights are decoded whole, in
-#: one launch. Each output element is the same sum in the same order: the bytes do not change.
-DECODED_WEIGHT_BYTES = 512 * 2**20
-
-
-def column_slices(experts: int, n: int, k: int, element_size: int) -> list[tuple[int, int]]:
-    """``[(n0, n1), ...]``: the output columns of each launch of a rows GEMM over decoded
-    experts ``[experts, n, k]`` (multiples of 128 columns but the last), as
-    :data:`DECODED_WEIGHT_BYTES` says."""
-    per_column = max(experts * k * element_size, 1)
-    if per_column * n <= 2 * DECODED_WEIGHT_BYTES:
-        return [(0, n)]
-    width = max(128, DECODED_WEIGHT_BYTES // per_column // 128 * 128)
-    return [(n0, min(n, n0 + width)) for n0 in range(0, n, width)]
 
 
 def nvfp4_grouped_tokens_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,

@@ -22,7 +22,7 @@ The paths (:func:`~quant_recipes.grouped_gemm_paths` counts one per grouped GEMM
   in one call over every padded group (the same bytes as one call per padded group: no block
   crosses a group), decoded to bf16 in one pass, and each GEMM is one ``torch._grouped_mm``
   (the input gradient of experts past 1 GiB decoded: one per slice of columns,
-  :func:`column_slices`). It
+  ``quant_core.decoded_slices``). It
   differs from ``"per_group"`` only in the order of the fp32 accumulation. ``torch._grouped_mm``
   gives bf16 only, so a forward GEMM with a bias takes ``"decoded_grouped_gemm"``: the same
   decoded operands multiplied by the backend's ``grouped_rows_gemm`` into fp32;
@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from quant_core import backends
+from quant_core.decoded_slices import column_slices
 from quant_core.shapes import roundup
 
 from .. import operands
@@ -209,30 +210,14 @@ def batched_fprop(x, lay: fp8.Layout, w, qx, qw, b=None, x_rows=None) -> torch.T
     return out if a_ends is lay.offs else out[lay.dest]
 
 
-#: The input-gradient GEMM of the ``"grouped_mm"`` path decodes experts whose decoded weights
-#: take more than twice this many bytes a slice of its columns at a time, each slice (its bf16
-#: copy and its decoded values) within it: every expert's weight decoded at once, 1.75 GiB at a
-#: Mixtral layer's gate/up, set the training step's peak. Smaller weights are decoded whole
-#: (one launch, no copy): there a slice's copy would cost more than it saves.
-DECODED_WEIGHT_BYTES = 512 * 2**20
-
-
-def column_slices(experts: int, n: int, k: int) -> list[tuple[int, int]]:
-    """``[(k0, k1), ...]``: the columns of each slice of the experts' weights ``[experts, n, k]``
-    decoded at once to bf16 (multiples of 128 columns but the last, so no 1x32 or 32x32 block is
-    cut), as :data:`DECODED_WEIGHT_BYTES` says."""
-    if experts * n * k * 2 <= 2 * DECODED_WEIGHT_BYTES:
-        return [(0, k)]
-    width = max(128, DECODED_WEIGHT_BYTES // max(experts * n * 4, 1) // 128 * 128)
-    return [(k0, min(k, k0 + width)) for k0 in range(0, k, width)]
-
-
 def _grouped_mm_dgrad(g_row, lay: fp8.Layout, w, qw, col: bool) -> torch.Tensor:
     """``dx [T, K]``: the gradient's decoded rowwise values ``g_row`` times each expert's
-    decoded weight (its columnwise copy when ``col``, else its rowwise form), a slice of
-    :func:`column_slices` at a time."""
+    decoded weight (its columnwise copy when ``col``, else its rowwise form); wide experts a
+    slice of columns at a time (``quant_core.decoded_slices``), each slice decoded from a
+    contiguous bf16 copy of its columns (slices of 128 columns cut no 1x32 or 32x32 block)."""
     e, n, k = w.shape
-    slices = column_slices(e, n, k)
+    # a slice holds its bf16 copy and its decoded values: 4 bytes per element
+    slices = column_slices(k, e * n * 4, e * n * k * 2)
     count_path("grouped_mm")
     if len(slices) == 1:
         return torch._grouped_mm(g_row, _experts(w, qw, col), offs=lay.ends)[lay.dest]
