@@ -416,6 +416,46 @@ def cast_forms(counts: list[int], k: int) -> list[dict]:
     return out
 
 
+#: The one-pass expert cast's sweep: (name, config overrides); ``None``: the two passes.
+EXPERT_CAST_CONFIGS = (("two passes (amax, then cast)", None),
+                       ("one pass", {}),
+                       ("one pass, 2 programs a SM", {"per_sm": 2}),
+                       ("one pass, BM 32 BK 256", {"BM": 32, "BK": 256}))
+
+
+def expert_cast_forms(experts: int, n: int, k: int) -> list[dict]:
+    """The per-expert FP8 quantize of bf16 expert weights ``[experts, n, k]`` as a forward
+    without kept amaxes takes it (the backend's ``fp8_group_quantize_experts``, rowwise and
+    transposed) in two passes and in one; ``tflops`` is the share of a bf16 copy's speed (the
+    one pass moves a copy's bytes, the two passes 1.5 copies')."""
+    from quant_core.dtypes import DType
+    from quant_kernels import configs, fp8_grouped_experts
+
+    w = torch.randn(experts * n, k, device="cuda", dtype=torch.bfloat16)
+    copy_ms = _time(lambda: w.clone())
+    base = configs.TABLE["fp8_expert_cast"]["gpu"]
+    out, first = [], None
+    for name, cfg in EXPERT_CAST_CONFIGS:
+        def run():
+            return fp8_grouped_experts.fp8_group_quantize_experts(
+                w, groups=experts, fp8_dtype=DType.E4M3, force_pow_2_scales=False,
+                amax_epsilon=0.0, rowwise=True, columnwise=True, scale_pitch=4)[1]
+        bound = fp8_grouped_experts.ONE_PASS_EXPERT_BYTES
+        try:
+            fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = 0 if cfg is None else bound
+            with configs.overridden("fp8_expert_cast", {**base, **(cfg or {})}):
+                got = run().float()
+                first = first if out else got  # every form's bytes against the first's
+                res = _row(f"experts {name} (copy {copy_ms:.3f} ms)", run,
+                           lambda f=first: f, 0.0)
+        finally:
+            fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = bound
+        if res.get("ok"):
+            res["tflops"] = copy_ms / res["ms"]
+        out.append(res)
+    return out
+
+
 def main(args) -> None:
     """The forms ``speed.py probe``'s options select: a JSON line each, then the table."""
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}))
@@ -429,7 +469,9 @@ def main(args) -> None:
     counts = group_rows(args.experts, args.rows, args.ragged, args.multiple, args.skew)
     print(json.dumps({"group_rows": {"min": min(counts), "max": max(counts),
                                      "total": sum(counts)}}))
-    if args.wgrad:
+    if args.experts_cast:
+        rows += expert_cast_forms(args.experts, args.out, args.hidden)
+    elif args.wgrad:
         rows += wgrad_forms(counts, args.out, args.hidden)
     else:
         rows += (cast_forms(counts, args.hidden) if args.cast

@@ -747,6 +747,10 @@ def commands(sub) -> dict:
     r.add_argument("--cast", action="store_true",
                    help="instead of the own GEMMs: the grouped FP8 quantize over tile configs "
                    "(TFLOP/s column: the share of a bf16 copy's speed)")
+    r.add_argument("--experts-cast", action="store_true",
+                   help="instead of the own GEMMs: the per-expert FP8 quantize of [--experts, "
+                   "--out, --hidden] bf16 weights in two passes and in one (TFLOP/s column: "
+                   "the share of a bf16 copy's speed)")
     r.add_argument("--wgrad", action="store_true",
                    help="instead of the own GEMMs: the weight-gradient GEMM ([E, --out, "
                    "--hidden] from the groups' rows), bf16 torch._grouped_mm and the own "

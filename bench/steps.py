@@ -379,11 +379,25 @@ def descriptors_by_identity():
         _launcher._arg_key = saved
 
 
+@contextlib.contextmanager
+def two_pass_experts():
+    """FP8 current scaling's expert weights quantized by the amax pass and the cast apart, as
+    before the one-pass kernel (``:two_pass``), for an A/B in one process."""
+    from quant_kernels import fp8_grouped_experts
+
+    saved = fp8_grouped_experts.ONE_PASS_EXPERT_BYTES
+    fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = 0
+    try:
+        yield
+    finally:
+        fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = saved
+
+
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
-                  "product_kernels": product_kernels}
+                  "product_kernels": product_kernels, "two_pass": two_pass_experts}
 
 
 def variants() -> list[str]:
@@ -416,6 +430,7 @@ LLAMA_CONFIG_HELP = (
     "expert past 32 MiB; product_kernels: backward's columnwise copy of a SwiGLU product "
     "recorded as kernels from an exact copy, as before such copies took the ops; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
+    "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

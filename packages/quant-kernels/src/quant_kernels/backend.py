@@ -21,6 +21,7 @@ from . import (
     fp8_block,
     fp8_block_grouped_gemm,
     fp8_grouped,
+    fp8_grouped_experts,
     fp8_grouped_gemm,
     fp8_tensor,
     grouped_gemm,
@@ -86,7 +87,7 @@ class TritonBackend:
     mxfp8_gemm = staticmethod(mxfp8_gemm.mxfp8_gemm)
     nvfp4_gemm = staticmethod(nvfp4_gemm.nvfp4_gemm)
     fp8_group_quantize_rows = staticmethod(fp8_grouped.fp8_group_quantize_rows)
-    fp8_group_quantize_experts = staticmethod(fp8_grouped.fp8_group_quantize_experts)
+    fp8_group_quantize_experts = staticmethod(fp8_grouped_experts.fp8_group_quantize_experts)
     grouped_rows_gemm = staticmethod(grouped_gemm.grouped_rows_gemm)
     fp8_grouped_rows_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_rows_gemm)
     fp8_grouped_tokens_gemm = staticmethod(fp8_grouped_gemm.fp8_grouped_tokens_gemm)

@@ -75,19 +75,43 @@ def _group_amax_kernel(x_ptr, gid_ptr, amax_bits_ptr, R, K, GROUP_ROWS: tl.const
 
 
 @triton.jit
+def store_scale_inv_of(amax, out_ptr, i, mask, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                       PITCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Groups ``i`` (a ``[BLOCK]`` vector, where ``mask``) of amaxes ``amax``: ``div_rn(1,
+    scale)`` of each group's current-scaling scale in column 0 of ``out [groups, PITCH]``
+    (fp32), the amax in column 1 (``PITCH`` >= 2); the other columns written zero, so the
+    buffer needs no clearing first."""
+    s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
+    tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=mask)
+    if PITCH > 1:
+        tl.store(out_ptr + i * PITCH + 1, amax, mask=mask)
+    for c in tl.static_range(2, PITCH):
+        tl.store(out_ptr + i * PITCH + c, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
 def _store_scale_inv(amax_ptr, out_ptr, i, n, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                      PITCH: tl.constexpr, BLOCK: tl.constexpr):
-    """Groups ``i`` (a ``[BLOCK]`` range, those below ``n``): ``div_rn(1, scale)`` of each
-    group's current-scaling scale in column 0 of ``out [n, PITCH]`` (fp32), the amax in column
-    1 (``PITCH`` >= 2); the other columns written zero, so the buffer needs no clearing
-    first."""
-    amax = tl.load(amax_ptr + i, mask=i < n, other=0.0)
-    s = scale_from_amax(amax, eps, FP8_MAX, POW2, FLT_MAX)
-    tl.store(out_ptr + i * PITCH, scale_inverse(s, POW2), mask=i < n)
-    if PITCH > 1:
-        tl.store(out_ptr + i * PITCH + 1, amax, mask=i < n)
-    for c in tl.static_range(2, PITCH):
-        tl.store(out_ptr + i * PITCH + c, tl.zeros([BLOCK], dtype=tl.float32), mask=i < n)
+    """:func:`store_scale_inv_of` of groups ``i`` (a ``[BLOCK]`` range, those below ``n``),
+    their amaxes read from ``amax_ptr``."""
+    store_scale_inv_of(tl.load(amax_ptr + i, mask=i < n, other=0.0), out_ptr, i, i < n, eps,
+                       FP8_MAX, POW2, PITCH, BLOCK)
+
+
+@triton.jit
+def store_fp8_tile(v, data_ptr, t_ptr, row_offs, t_offs, row_mask, t_mask, ROW: tl.constexpr,
+                   COL: tl.constexpr, IS_E4M3: tl.constexpr):
+    """``fp8_satfinite_rne`` of the scaled fp32 tile ``v [BM, BK]``: at ``data_ptr + row_offs``
+    (``[BM, BK]`` offsets, where ``row_mask``) when ``ROW``, transposed at ``t_ptr + t_offs``
+    (``[BK, BM]``, where ``t_mask``) when ``COL``."""
+    if ROW:
+        tl.store(data_ptr + row_offs,
+                 fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True),
+                 mask=row_mask)
+    if COL:
+        tl.store(t_ptr + t_offs,
+                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)).to(t_ptr.dtype.element_ty, bitcast=True),
+                 mask=t_mask)
 
 
 @triton.jit
@@ -144,29 +168,24 @@ def _group_cast_kernel(
                 other=0.0)
     s = scale_from_amax(tl.load(amax_ptr + g, mask=pmask, other=0.0), eps, FP8_MAX, POW2, FLT_MAX)
     v = widen(x) * s[:, None]  # padding rows: 0 * a finite scale
-    if ROW:
-        if ROW_PADDED or GROUP_ROWS > 0:
-            tl.store(data_ptr + rp[:, None] * K + rk[None, :],
-                     fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True),
-                     mask=pmask[:, None] & kmask[None, :])
+    if ROW_PADDED or GROUP_ROWS > 0:
+        row_offs = rp[:, None] * K + rk[None, :]
+        row_mask = pmask[:, None] & kmask[None, :]
+    else:
+        row_offs = src[:, None] * K + rk[None, :]
+        row_mask = valid[:, None] & kmask[None, :]
+    if GROUP_ROWS > 0:
+        if GROUP_ROWS % BM == 0:  # the tile lies in one group: contiguous columns
+            e = p0 // GROUP_ROWS
+            cols = (p0 - e * GROUP_ROWS + tl.arange(0, BM)).to(tl.int64)
+            t_offs = e.to(tl.int64) * K * GROUP_ROWS + rk[:, None] * GROUP_ROWS + cols[None, :]
         else:
-            tl.store(data_ptr + src[:, None] * K + rk[None, :],
-                     fp8_rne_sat(v, IS_E4M3).to(data_ptr.dtype.element_ty, bitcast=True),
-                     mask=valid[:, None] & kmask[None, :])
-    if COL:
-        if GROUP_ROWS > 0:
-            if GROUP_ROWS % BM == 0:  # the tile lies in one group: contiguous columns
-                e = p0 // GROUP_ROWS
-                cols = (p0 - e * GROUP_ROWS + tl.arange(0, BM)).to(tl.int64)
-                addr = e.to(tl.int64) * K * GROUP_ROWS + rk[:, None] * GROUP_ROWS + cols[None, :]
-            else:
-                base = (rp // GROUP_ROWS) * K * GROUP_ROWS + rp % GROUP_ROWS
-                addr = rk[:, None].to(tl.int64) * GROUP_ROWS + base[None, :]
-        else:
-            addr = rk[:, None].to(tl.int64) * P + rp[None, :]
-        tl.store(t_ptr + addr,
-                 tl.trans(fp8_rne_sat_t(v, IS_E4M3)).to(t_ptr.dtype.element_ty, bitcast=True),
-                 mask=kmask[:, None] & pmask[None, :])
+            base = (rp // GROUP_ROWS) * K * GROUP_ROWS + rp % GROUP_ROWS
+            t_offs = rk[:, None].to(tl.int64) * GROUP_ROWS + base[None, :]
+    else:
+        t_offs = rk[:, None].to(tl.int64) * P + rp[None, :]
+    store_fp8_tile(v, data_ptr, t_ptr, row_offs, t_offs, row_mask,
+                   kmask[:, None] & pmask[None, :], ROW, COL, IS_E4M3)
 
 
 def group_amax(x: torch.Tensor, groups: int, gid: torch.Tensor | None,
@@ -201,7 +220,8 @@ def group_scale_inv(amax: torch.Tensor, fp8_dtype: DType, force_pow_2_scales: bo
     return out
 
 
-def _quantized(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch, **kw):
+def quantized_with_scale_inv(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
+                             **kw):
     """``(data, transpose, scale_inv)``: :func:`fp8_group_quantize` of ``x``, the cast's launch
     also writing :func:`group_scale_inv`'s ``[groups, scale_pitch]`` (a launch of its own only
     where nothing is cast)."""
@@ -285,27 +305,6 @@ def fp8_group_quantize_rows(x: torch.Tensor, gid: torch.Tensor, src: torch.Tenso
         amax = group_amax(x, groups, gid)
     else:
         amax = group_amax(row_amaxes(x)[x_rows.to(torch.int64), None], groups, gid)
-    return _quantized(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
-                      rowwise=rowwise, columnwise=columnwise, src=src, grp=grp,
-                      row_padded=row_padded, x_rows=x_rows)
-
-
-def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
-                               force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                               columnwise: bool, scale_pitch: int = 1,
-                               amax: torch.Tensor | None = None):
-    """The backend contract's ``fp8_group_quantize_experts`` (``w [E * N, K]``, ``E =
-    groups``): per-expert amaxes (unless ``amax`` is given), the cast and the
-    scale-inverses."""
-    check_input_dtype(w, "fp8_group_quantize_experts")
-    n = w.shape[0] // groups if groups else 0
-    amax = (group_amax(w, groups, None, group_rows=n) if amax is None
-            else given_group_amax(amax, groups, w.device, "fp8_group_quantize_experts"))
-    if n == 0:  # experts without rows: nothing to cast (and no row count marks the layout)
-        k = w.shape[1]
-        data = fp8_data((0, k), fp8_dtype, w.device)[1] if rowwise else None
-        trans = fp8_data((groups, k, 0), fp8_dtype, w.device)[1] if columnwise else None
-        return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
-                                            scale_pitch)
-    return _quantized(w, amax, fp8_dtype, force_pow_2_scales, amax_epsilon, scale_pitch,
-                      rowwise=rowwise, columnwise=columnwise, group_rows=n)
+    return quantized_with_scale_inv(x, amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                    scale_pitch, rowwise=rowwise, columnwise=columnwise,
+                                    src=src, grp=grp, row_padded=row_padded, x_rows=x_rows)

@@ -1,0 +1,208 @@
+"""Per-expert FP8 current scaling of small experts in one launch that reads each weight from
+memory once (``fp8_group_quantize_experts`` without given amaxes).
+
+The two-pass form (:mod:`.fp8_grouped`: every expert's amax, then the cast) reads every weight
+twice from memory: by the time the cast starts, the amax pass has streamed all experts through
+the cache. Here a persistent grid walks the experts in order. For expert ``e`` each program
+max-reduces its tiles into ``e``'s amax (one atomic max) and marks its arrival; then it waits
+until every program has arrived at expert ``e - 1`` and casts its tiles of ``e - 1`` with that
+expert's finished amax. The cast reads tiles read one expert earlier, which the L2 cache still
+holds where two experts fit in it (:data:`ONE_PASS_EXPERT_BYTES`): at Qwen3-MoE's widths (128
+experts of 768 x 2048) that is a third of the bytes the two passes move. The amax is the same
+maximum and the cast the same arithmetic as the two-pass kernels': the bytes are theirs.
+
+The tiles are dealt to the programs round-robin over all experts' tiles in order, so that no
+program takes the last tile of every expert. A program waits at most ``spin`` polls; a program
+still missing arrivals then computes the expert's amax itself from all its tiles (the same
+maximum), so the kernel finishes whether or not all its programs are resident at once (Triton's
+CPU interpreter runs them one after another: ``spin`` 0 there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quant_core.dtypes import DType
+from quant_core.inputs import check_input_dtype, given_group_amax
+from quant_core.shapes import ceil_div
+
+from ._amax import _sm_count
+from ._common import fp8_data, interpreting, launch
+from ._rounding import (
+    FLT_MAX,
+    abs_for_max,
+    f32_bits,
+    f32_from_bits,
+    nan_to_0,
+    scale_from_amax,
+    widen,
+)
+from .configs import launch_config
+from .fp8_grouped import (
+    group_amax,
+    group_scale_inv,
+    quantized_with_scale_inv,
+    store_fp8_tile,
+    store_scale_inv_of,
+)
+
+#: The largest expert (bytes of one expert's weight) cast in one pass: two experts in flight
+#: stay within half an H100's or H200's 50 MiB L2 cache. Larger experts take the two passes.
+ONE_PASS_EXPERT_BYTES = 12 << 20
+
+#: Polls of an arrival count before a program computes the expert's amax itself (GPU).
+SPIN_POLLS = 1 << 16
+
+
+@triton.jit
+def _expert_tile(w_ptr, e, t, N, K, tiles_k, BM: tl.constexpr, BK: tl.constexpr):
+    """Tile ``t`` of expert ``e`` of ``w [E * N, K]``: ``(x [BM, BK], rows within the expert,
+    columns, row mask, column mask)``."""
+    rn = ((t // tiles_k) * BM + tl.arange(0, BM)).to(tl.int64)
+    rk = (t % tiles_k) * BK + tl.arange(0, BK)
+    nmask = rn < N
+    kmask = rk < K
+    x = tl.load(w_ptr + (e * N + rn)[:, None] * K + rk[None, :],
+                mask=nmask[:, None] & kmask[None, :], other=0.0)
+    return x, rn, rk, nmask, kmask
+
+
+@triton.jit
+def _first_tile(pid, progs, e, tiles):
+    """This program's first tile of expert ``e``: the global tile ``e * tiles + t`` belongs to
+    program ``(e * tiles + t) % progs``."""
+    return (pid - (e * tiles) % progs + progs) % progs
+
+
+@triton.jit
+def _tiles_max(w_ptr, e, t, step, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constexpr):
+    """NaN-dropping ``max|w|`` of tiles ``t, t + step, ...`` of expert ``e`` (0 for none): an
+    elementwise running max, reduced once."""
+    acc = tl.zeros([BM, BK], tl.float32)
+    t = tl.full((), t, tl.int32)  # a runtime value even where the caller passes a constant
+    while t < tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
+        x, _, _, _, _ = _expert_tile(w_ptr, e, t, N, K, tiles_k, BM, BK)
+        acc = tl.maximum(acc, abs_for_max(x))
+        t += step
+    return nan_to_0(tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _all_arrived(arrived_ptr, e, progs, spin):
+    """Poll expert ``e``'s arrival count until all ``progs`` programs arrived or ``spin`` polls
+    passed; whether all arrived."""
+    seen = tl.atomic_add(arrived_ptr + e, 0)
+    polls = 0
+    while (seen < progs) & (polls < spin):
+        seen = tl.atomic_add(arrived_ptr + e, 0)
+        polls += 1
+    return seen >= progs
+
+
+@triton.jit
+def _expert_cast_kernel(
+    w_ptr, amax_bits_ptr, arrived_ptr, data_ptr, t_ptr, sinv_ptr, E, N, K, eps, spin,
+    ROW: tl.constexpr, COL: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
+    POW2: tl.constexpr, PITCH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """Every expert's amax and cast, one expert behind the other (the module docstring).
+
+    w_ptr: ``w [E * N, K]``, contiguous (fp32, bf16 or fp16); expert ``e`` is rows
+        ``e * N ... (e + 1) * N``.
+    amax_bits_ptr: int32 ``[E]``, zeros: each expert's fp32 amax bits, max-accumulated.
+    arrived_ptr: int32 ``[E]``, zeros: the programs done with each expert's amax.
+    data_ptr: FP8 rowwise bytes ``[E * N, K]`` (``ROW``).
+    t_ptr: FP8 transposed bytes, each expert's ``[K, N]``, experts end to end (``COL``).
+    sinv_ptr: fp32 ``[E, PITCH]`` scale-inverses and amaxes (``PITCH`` > 0).
+    spin: polls before a program computes a missing amax itself.
+    """
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    tiles_k = tl.cdiv(K, BK)
+    tiles = tl.cdiv(N, BM) * tiles_k
+    e = 0
+    while e <= E:
+        if e < E:
+            m = _tiles_max(w_ptr, e, _first_tile(pid, progs, e, tiles), progs, tiles, N, K,
+                           tiles_k, BM, BK)
+            tl.atomic_max(amax_bits_ptr + e, f32_bits(m))
+            tl.atomic_add(arrived_ptr + e, 1)
+        if e > 0:
+            c = e - 1
+            if _all_arrived(arrived_ptr, c, progs, spin):
+                amax = f32_from_bits(tl.atomic_max(amax_bits_ptr + c, 0))
+            else:
+                amax = _tiles_max(w_ptr, c, 0, 1, tiles, N, K, tiles_k, BM, BK)
+            a = tl.zeros([BM], tl.float32) + amax
+            if PITCH > 0:
+                if pid == 0:
+                    store_scale_inv_of(a, sinv_ptr, c + tl.arange(0, BM),
+                                       tl.arange(0, BM) == 0, eps, FP8_MAX, POW2, PITCH, BM)
+            s = scale_from_amax(a, eps, FP8_MAX, POW2, FLT_MAX)
+            t = _first_tile(pid, progs, c, tiles)
+            while t < tiles:
+                x, rn, rk, nmask, kmask = _expert_tile(w_ptr, c, t, N, K, tiles_k, BM, BK)
+                store_fp8_tile(widen(x) * s[:, None], data_ptr, t_ptr,
+                               (c * N + rn)[:, None] * K + rk[None, :],
+                               c.to(tl.int64) * K * N + rk[:, None] * N + rn[None, :],
+                               nmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :],
+                               ROW, COL, IS_E4M3)
+                t += progs
+        e += 1
+
+
+def _one_pass(w: torch.Tensor, groups: int) -> bool:
+    """Whether ``w [E * N, K]``'s experts are cast in one pass: experts of at most
+    :data:`ONE_PASS_EXPERT_BYTES`, with elements."""
+    return w.numel() > 0 and w.numel() * w.element_size() <= groups * ONE_PASS_EXPERT_BYTES
+
+
+def _quantized_in_one_pass(w: torch.Tensor, groups: int, fp8_dtype: DType,
+                           force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                           columnwise: bool, scale_pitch: int):
+    """:func:`fp8_group_quantize_experts` of ``w [E * N, K]`` (contiguous, :func:`_one_pass`)
+    in one launch of :func:`_expert_cast_kernel`."""
+    e, k = groups, w.shape[1]
+    n = w.shape[0] // e
+    dev = w.device
+    data_arg, data = fp8_data((e * n, k), fp8_dtype, dev) if rowwise else (None, None)
+    t_arg, trans = fp8_data((e, k, n), fp8_dtype, dev) if columnwise else (None, None)
+    sinv = torch.empty((e, scale_pitch), dtype=torch.float32, device=dev)
+    counts = torch.zeros(2 * e, dtype=torch.int32, device=dev)  # amax bits, then arrivals
+    cfg, kw = launch_config("fp8_expert_cast")
+    tiles = ceil_div(n, cfg["BM"]) * ceil_div(k, cfg["BK"])
+    grid = min(e * tiles, cfg["per_sm"] * _sm_count(dev))
+    launch(_expert_cast_kernel, (grid,), w, counts[:e], counts[e:],
+           data_arg if rowwise else sinv, t_arg if columnwise else sinv, sinv, e, n, k,
+           float(amax_epsilon), 0 if interpreting() else SPIN_POLLS, ROW=rowwise,
+           COL=columnwise, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
+           POW2=bool(force_pow_2_scales), PITCH=scale_pitch, **kw)
+    return data, trans, sinv
+
+
+def fp8_group_quantize_experts(w: torch.Tensor, *, groups: int, fp8_dtype: DType,
+                               force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
+                               columnwise: bool, scale_pitch: int = 1,
+                               amax: torch.Tensor | None = None):
+    """The backend contract's ``fp8_group_quantize_experts`` (``w [E * N, K]``, ``E =
+    groups``): per-expert amaxes (unless ``amax`` is given), the cast and the scale-inverses.
+    Without ``amax``, experts small enough are cast in one pass over ``w``
+    (:func:`_expert_cast_kernel`); the others, and given amaxes, take the amax pass
+    (:func:`~quant_kernels.fp8_grouped.group_amax`) and the cast apart."""
+    check_input_dtype(w, "fp8_group_quantize_experts")
+    n = w.shape[0] // groups if groups else 0
+    if amax is None and n and _one_pass(w, groups):
+        return _quantized_in_one_pass(w, groups, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                      rowwise, columnwise, scale_pitch)
+    amax = (group_amax(w, groups, None, group_rows=n) if amax is None
+            else given_group_amax(amax, groups, w.device, "fp8_group_quantize_experts"))
+    if n == 0:  # experts without rows: nothing to cast (and no row count marks the layout)
+        k = w.shape[1]
+        data = fp8_data((0, k), fp8_dtype, w.device)[1] if rowwise else None
+        trans = fp8_data((groups, k, 0), fp8_dtype, w.device)[1] if columnwise else None
+        return data, trans, group_scale_inv(amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                            scale_pitch)
+    return quantized_with_scale_inv(w, amax, fp8_dtype, force_pow_2_scales, amax_epsilon,
+                                    scale_pitch, rowwise=rowwise, columnwise=columnwise,
+                                    group_rows=n)
