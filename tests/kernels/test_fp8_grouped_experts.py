@@ -1,11 +1,8 @@
 """Per-expert FP8 current scaling in one pass (``quant_kernels.fp8_grouped_experts``): the bytes,
-scale-inverses and amaxes equal the reference's bitwise, for every grid the persistent kernel
-may run on (more programs than tiles, fewer, a program per tile), ragged tiles, and experts of
-NaN, Inf, zeros, subnormal amaxes and values past the FP8 maxima; larger experts take the two
-passes.
-
-Under the interpreter the programs run one after another, so every program but the last finds
-arrivals missing and computes the expert's amax itself; on a GPU they wait for each other."""
+scale-inverses and amaxes equal the reference's bitwise, for ragged tiles, a tile per expert,
+experts smaller than a tile, and experts of NaN, Inf, zeros, subnormal amaxes and values past
+the FP8 maxima; a program that finds an arrival missing computes the amax itself, to the same
+bytes; larger experts and given amaxes take the two passes."""
 
 from __future__ import annotations
 
@@ -77,15 +74,33 @@ def test_scale_options(kw):
     _check(_experts(4, 24, 48, torch.float32, seed=5), 4, **kw)
 
 
-@pytest.mark.parametrize("per_sm", [1, 3, 64])
-def test_every_grid_gives_the_same_bytes(per_sm):
-    """Grids of fewer programs than an expert's tiles, of a count that divides no expert's
-    tiles, and of more programs than all tiles (programs without a tile of an expert still
-    arrive at it); under the interpreter 2, 6 and 128 programs (it counts 2 SMs)."""
+@pytest.mark.parametrize("tile", [(16, 16), (64, 128)])
+def test_tile_shapes(tile):
+    """Tiles that split an expert's rows and columns unevenly, and a tile larger than an
+    expert."""
     mode = "gpu" if HAVE_CUDA else "interp"
-    cfg = {**configs.TABLE["fp8_expert_cast"][mode], "per_sm": per_sm}
+    cfg = {**configs.TABLE["fp8_expert_cast"][mode], "BM": tile[0], "BK": tile[1]}
     with configs.overridden("fp8_expert_cast", cfg, mode=mode):
         _check(_experts(7, 40, 80, torch.bfloat16, seed=7), 7)
+
+
+def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch):
+    """Expert 3's arrival count one short, as if a program had not run yet, and its amax
+    accumulator holding a value no tile has: the programs casting it stop polling and compute
+    its amax from all its tiles themselves (its maximum planted in the first), to the same
+    bytes."""
+    real = fp8_grouped_experts.launch
+
+    def one_short(kernel, grid, *args, **kwargs):
+        args[1][3] = torch.tensor(1e30).view(torch.int32)  # the amax bits
+        args[2][3] -= 1  # the arrivals
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_grouped_experts, "launch", one_short)
+    monkeypatch.setattr(fp8_grouped_experts, "SPIN_POLLS", 0)
+    w = _experts(4, 40, 80, torch.bfloat16, seed=9)
+    w[3 * 40, 0] = 1e4
+    _check(w, 4)
 
 
 def test_one_launch_for_small_experts_two_passes_for_large(monkeypatch):

@@ -3,19 +3,18 @@ memory once (``fp8_group_quantize_experts`` without given amaxes).
 
 The two-pass form (:mod:`.fp8_grouped`: every expert's amax, then the cast) reads every weight
 twice from memory: by the time the cast starts, the amax pass has streamed all experts through
-the cache. Here a persistent grid walks the experts in order. For expert ``e`` each program
-max-reduces its tiles into ``e``'s amax (one atomic max) and marks its arrival; then it waits
-until every program has arrived at expert ``e - 1`` and casts its tiles of ``e - 1`` with that
-expert's finished amax. The cast reads tiles read one expert earlier, which the L2 cache still
-holds where two experts fit in it (:data:`ONE_PASS_EXPERT_BYTES`): at Qwen3-MoE's widths (128
-experts of 768 x 2048) that is a third of the bytes the two passes move. The amax is the same
-maximum and the cast the same arithmetic as the two-pass kernels': the bytes are theirs.
+the cache. Here program ``e * tiles + t`` max-reduces tile ``t`` of expert ``e`` into ``e``'s
+amax (one atomic max) and counts its arrival, then waits until all of expert ``e - 1``'s tiles
+have arrived and casts tile ``t`` of expert ``e - 1`` with that expert's finished amax. The cast
+reads a tile read ``tiles`` programs earlier, which the L2 cache still holds where two experts
+fit in it (:data:`ONE_PASS_EXPERT_BYTES`): at Qwen3-MoE's widths (128 experts of 768 x 2048)
+a third of the bytes the two passes move. The amax is the same maximum and the cast the same
+arithmetic as the two-pass kernels': the bytes are theirs.
 
-The tiles are dealt to the programs round-robin over all experts' tiles in order, so that no
-program takes the last tile of every expert. A program waits at most ``spin`` polls; a program
-still missing arrivals then computes the expert's amax itself from all its tiles (the same
-maximum), so the kernel finishes whether or not all its programs are resident at once (Triton's
-CPU interpreter runs them one after another: ``spin`` 0 there).
+A program waits only for programs of lower index, which the GPU starts first, so the launch
+needs none of its programs resident together and makes progress beside other streams' kernels.
+Should the wait pass ``spin`` polls all the same, the program computes the expert's amax itself
+from all its tiles (the same maximum): the launch finishes whatever the order.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from quant_core.dtypes import DType
 from quant_core.inputs import check_input_dtype, given_group_amax
 from quant_core.shapes import ceil_div
 
-from ._amax import _sm_count
 from ._common import fp8_data, interpreting, launch
 from ._rounding import (
     FLT_MAX,
@@ -51,7 +49,8 @@ from .fp8_grouped import (
 #: stay within half an H100's or H200's 50 MiB L2 cache. Larger experts take the two passes.
 ONE_PASS_EXPERT_BYTES = 12 << 20
 
-#: Polls of an arrival count before a program computes the expert's amax itself (GPU).
+#: Polls of an arrival count before a program computes the expert's amax itself (GPU): a
+#: bound the launch never meets while the GPU starts programs in index order.
 SPIN_POLLS = 1 << 16
 
 
@@ -69,35 +68,28 @@ def _expert_tile(w_ptr, e, t, N, K, tiles_k, BM: tl.constexpr, BK: tl.constexpr)
 
 
 @triton.jit
-def _first_tile(pid, progs, e, tiles):
-    """This program's first tile of expert ``e``: the global tile ``e * tiles + t`` belongs to
-    program ``(e * tiles + t) % progs``."""
-    return (pid - (e * tiles) % progs + progs) % progs
-
-
-@triton.jit
-def _tiles_max(w_ptr, e, t, step, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constexpr):
-    """NaN-dropping ``max|w|`` of tiles ``t, t + step, ...`` of expert ``e`` (0 for none): an
-    elementwise running max, reduced once."""
+def _expert_max(w_ptr, e, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constexpr):
+    """NaN-dropping ``max|w|`` of expert ``e``'s ``tiles`` tiles: an elementwise running max,
+    reduced once."""
     acc = tl.zeros([BM, BK], tl.float32)
-    t = tl.full((), t, tl.int32)  # a runtime value even where the caller passes a constant
+    t = tl.full((), 0, tl.int32)
     while t < tiles:  # a while loop: the interpreter cannot iterate range() of a runtime int
         x, _, _, _, _ = _expert_tile(w_ptr, e, t, N, K, tiles_k, BM, BK)
         acc = tl.maximum(acc, abs_for_max(x))
-        t += step
+        t += 1
     return nan_to_0(tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
-def _all_arrived(arrived_ptr, e, progs, spin):
-    """Poll expert ``e``'s arrival count until all ``progs`` programs arrived or ``spin`` polls
-    passed; whether all arrived."""
+def _all_arrived(arrived_ptr, e, count, spin):
+    """Poll expert ``e``'s arrival count until it reaches ``count`` or ``spin`` polls passed;
+    whether it reached it."""
     seen = tl.atomic_add(arrived_ptr + e, 0)
     polls = 0
-    while (seen < progs) & (polls < spin):
+    while (seen < count) & (polls < spin):
         seen = tl.atomic_add(arrived_ptr + e, 0)
         polls += 1
-    return seen >= progs
+    return seen >= count
 
 
 @triton.jit
@@ -106,50 +98,45 @@ def _expert_cast_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
     POW2: tl.constexpr, PITCH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """Every expert's amax and cast, one expert behind the other (the module docstring).
+    """Program ``e * tiles + t`` (``(E + 1) * tiles`` programs): tile ``t``'s amax of expert
+    ``e`` (``e < E``), then tile ``t``'s cast of expert ``e - 1`` (``e > 0``).
 
     w_ptr: ``w [E * N, K]``, contiguous (fp32, bf16 or fp16); expert ``e`` is rows
         ``e * N ... (e + 1) * N``.
     amax_bits_ptr: int32 ``[E]``, zeros: each expert's fp32 amax bits, max-accumulated.
-    arrived_ptr: int32 ``[E]``, zeros: the programs done with each expert's amax.
+    arrived_ptr: int32 ``[E]``, zeros: the tiles of each expert whose amax is accumulated.
     data_ptr: FP8 rowwise bytes ``[E * N, K]`` (``ROW``).
     t_ptr: FP8 transposed bytes, each expert's ``[K, N]``, experts end to end (``COL``).
     sinv_ptr: fp32 ``[E, PITCH]`` scale-inverses and amaxes (``PITCH`` > 0).
     spin: polls before a program computes a missing amax itself.
     """
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
     tiles_k = tl.cdiv(K, BK)
     tiles = tl.cdiv(N, BM) * tiles_k
-    e = 0
-    while e <= E:
-        if e < E:
-            m = _tiles_max(w_ptr, e, _first_tile(pid, progs, e, tiles), progs, tiles, N, K,
-                           tiles_k, BM, BK)
-            tl.atomic_max(amax_bits_ptr + e, f32_bits(m))
-            tl.atomic_add(arrived_ptr + e, 1)
-        if e > 0:
-            c = e - 1
-            if _all_arrived(arrived_ptr, c, progs, spin):
-                amax = f32_from_bits(tl.atomic_max(amax_bits_ptr + c, 0))
-            else:
-                amax = _tiles_max(w_ptr, c, 0, 1, tiles, N, K, tiles_k, BM, BK)
-            a = tl.zeros([BM], tl.float32) + amax
-            if PITCH > 0:
-                if pid == 0:
-                    store_scale_inv_of(a, sinv_ptr, c + tl.arange(0, BM),
-                                       tl.arange(0, BM) == 0, eps, FP8_MAX, POW2, PITCH, BM)
-            s = scale_from_amax(a, eps, FP8_MAX, POW2, FLT_MAX)
-            t = _first_tile(pid, progs, c, tiles)
-            while t < tiles:
-                x, rn, rk, nmask, kmask = _expert_tile(w_ptr, c, t, N, K, tiles_k, BM, BK)
-                store_fp8_tile(widen(x) * s[:, None], data_ptr, t_ptr,
-                               (c * N + rn)[:, None] * K + rk[None, :],
-                               c.to(tl.int64) * K * N + rk[:, None] * N + rn[None, :],
-                               nmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :],
-                               ROW, COL, IS_E4M3)
-                t += progs
-        e += 1
+    e = tl.program_id(0) // tiles
+    t = tl.program_id(0) % tiles
+    if e < E:
+        x, _, _, _, _ = _expert_tile(w_ptr, e, t, N, K, tiles_k, BM, BK)
+        tl.atomic_max(amax_bits_ptr + e, f32_bits(nan_to_0(tl.max(tl.max(abs_for_max(x),
+                                                                            axis=1), axis=0))))
+        tl.atomic_add(arrived_ptr + e, 1)
+    if e > 0:
+        c = e - 1
+        if _all_arrived(arrived_ptr, c, tiles, spin):
+            amax = f32_from_bits(tl.atomic_max(amax_bits_ptr + c, 0))
+        else:
+            amax = _expert_max(w_ptr, c, tiles, N, K, tiles_k, BM, BK)
+        a = tl.zeros([BM], tl.float32) + amax
+        if PITCH > 0:
+            if t == 0:
+                store_scale_inv_of(a, sinv_ptr, c + tl.arange(0, BM), tl.arange(0, BM) == 0,
+                                   eps, FP8_MAX, POW2, PITCH, BM)
+        s = scale_from_amax(a, eps, FP8_MAX, POW2, FLT_MAX)
+        x, rn, rk, nmask, kmask = _expert_tile(w_ptr, c, t, N, K, tiles_k, BM, BK)
+        store_fp8_tile(widen(x) * s[:, None], data_ptr, t_ptr,
+                       (c * N + rn)[:, None] * K + rk[None, :],
+                       c.to(tl.int64) * K * N + rk[:, None] * N + rn[None, :],
+                       nmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :],
+                       ROW, COL, IS_E4M3)
 
 
 def _one_pass(w: torch.Tensor, groups: int) -> bool:
@@ -172,8 +159,7 @@ def _quantized_in_one_pass(w: torch.Tensor, groups: int, fp8_dtype: DType,
     counts = torch.zeros(2 * e, dtype=torch.int32, device=dev)  # amax bits, then arrivals
     cfg, kw = launch_config("fp8_expert_cast")
     tiles = ceil_div(n, cfg["BM"]) * ceil_div(k, cfg["BK"])
-    grid = min(e * tiles, cfg["per_sm"] * _sm_count(dev))
-    launch(_expert_cast_kernel, (grid,), w, counts[:e], counts[e:],
+    launch(_expert_cast_kernel, ((e + 1) * tiles,), w, counts[:e], counts[e:],
            data_arg if rowwise else sinv, t_arg if columnwise else sinv, sinv, e, n, k,
            float(amax_epsilon), 0 if interpreting() else SPIN_POLLS, ROW=rowwise,
            COL=columnwise, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
