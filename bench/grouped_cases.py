@@ -442,16 +442,11 @@ def expert_cast_forms(experts: int, n: int, k: int) -> list[dict]:
             return fp8_grouped_experts.fp8_group_quantize_experts(
                 w, groups=experts, fp8_dtype=DType.E4M3, force_pow_2_scales=False,
                 amax_epsilon=0.0, rowwise=True, columnwise=True, scale_pitch=4)[1]
-        bound = fp8_grouped_experts.ONE_PASS_EXPERT_BYTES
-        try:
-            fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = 0 if cfg is None else bound
-            with configs.overridden("fp8_expert_cast", {**base, **(cfg or {})}):
-                got = run().float()
-                first = first if out else got  # every form's bytes against the first's
-                res = _row(f"experts {name} (copy {copy_ms:.3f} ms)", run,
-                           lambda f=first: f, 0.0)
-        finally:
-            fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = bound
+        passes = steps.two_pass_experts() if cfg is None else contextlib.nullcontext()
+        with passes, configs.overridden("fp8_expert_cast", {**base, **(cfg or {})}):
+            got = run().float()
+            first = first if out else got  # every form's bytes against the first's
+            res = _row(f"experts {name} (copy {copy_ms:.3f} ms)", run, lambda f=first: f, 0.0)
         if res.get("ok"):
             res["tflops"] = copy_ms / res["ms"]
         out.append(res)

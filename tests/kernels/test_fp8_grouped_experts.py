@@ -126,9 +126,9 @@ def test_given_amaxes_take_the_cast_alone(monkeypatch):
     assert names == ["_group_cast_kernel"]
 
 
-@pytest.mark.skipif(not HAVE_CUDA, reason="real widths: a GPU's grid of resident programs")
+@pytest.mark.skipif(not HAVE_CUDA, reason="real widths: thousands of programs, on a GPU only")
 @pytest.mark.parametrize("n, k", [(1536, 2048), (2048, 768)])
 def test_qwen3_moe_widths(n, k):
-    """Qwen3-MoE's gate/up and down experts (32 of its 128): every program resident, waiting
-    for the others at each expert."""
+    """Qwen3-MoE's gate/up and down experts (32 of its 128): hundreds of programs an expert,
+    most of them running while the ones they wait for still are."""
     _check(_experts(32, n, k, torch.bfloat16, seed=11), 32)
