@@ -74,17 +74,32 @@ def test_scale_options(kw):
     _check(_experts(4, 24, 48, torch.float32, seed=5), 4, **kw)
 
 
-@pytest.mark.parametrize("tile", [(16, 16), (64, 128)])
-def test_tile_shapes(tile):
-    """Tiles that split an expert's rows and columns unevenly, and a tile larger than an
-    expert."""
+def _config(**changes):
+    """``fp8_expert_cast``'s config of this device's mode, with ``changes``, in the block."""
     mode = "gpu" if HAVE_CUDA else "interp"
-    cfg = {**configs.TABLE["fp8_expert_cast"][mode], "BM": tile[0], "BK": tile[1]}
-    with configs.overridden("fp8_expert_cast", cfg, mode=mode):
+    return configs.overridden("fp8_expert_cast",
+                              {**configs.TABLE["fp8_expert_cast"][mode], **changes}, mode=mode)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+@pytest.mark.parametrize("tile", [(16, 16), (64, 128)])
+def test_tile_shapes_and_lags(tile, lag):
+    """Tiles that split an expert's rows and columns unevenly, a tile larger than an expert,
+    and programs casting the expert one, two or three behind the one they read."""
+    with _config(BM=tile[0], BK=tile[1], LAG=lag):
         _check(_experts(7, 40, 80, torch.bfloat16, seed=7), 7)
 
 
-def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch):
+@pytest.mark.parametrize("lag", [2, 3])
+def test_lag_past_the_experts(lag):
+    """A lag of as many experts as there are, or more: programs past the last expert's reads
+    cast the first experts."""
+    with _config(LAG=lag):
+        _check(_experts(2, 24, 48, torch.bfloat16, seed=13), 2)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch, lag):
     """Expert 3's arrival count one short, as if a program had not run yet, and its amax
     accumulator holding a value no tile has: the programs casting it stop polling and compute
     its amax from all its tiles themselves (its maximum planted in the first), to the same
@@ -100,7 +115,8 @@ def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch):
     monkeypatch.setattr(fp8_grouped_experts, "SPIN_POLLS", 0)
     w = _experts(4, 40, 80, torch.bfloat16, seed=9)
     w[3 * 40, 0] = 1e4
-    _check(w, 4)
+    with _config(LAG=lag):
+        _check(w, 4)
 
 
 def test_one_launch_for_small_experts_two_passes_for_large(monkeypatch):
@@ -128,7 +144,9 @@ def test_given_amaxes_take_the_cast_alone(monkeypatch):
 
 @pytest.mark.skipif(not HAVE_CUDA, reason="real widths: thousands of programs, on a GPU only")
 @pytest.mark.parametrize("n, k", [(1536, 2048), (2048, 768)])
-def test_qwen3_moe_widths(n, k):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_qwen3_moe_widths(n, k, lag):
     """Qwen3-MoE's gate/up and down experts (32 of its 128): hundreds of programs an expert,
     most of them running while the ones they wait for still are."""
-    _check(_experts(32, n, k, torch.bfloat16, seed=11), 32)
+    with _config(LAG=lag):
+        _check(_experts(32, n, k, torch.bfloat16, seed=11), 32)
