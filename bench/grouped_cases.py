@@ -420,6 +420,7 @@ def cast_forms(counts: list[int], k: int) -> list[dict]:
 EXPERT_CAST_CONFIGS = (("two passes (amax, then cast)", None),
                        ("one pass", {}),
                        ("one pass, lag 2", {"LAG": 2}),
+                       ("one pass, lag 4", {"LAG": 4}),
                        ("one pass, lag 2, BM 128 BK 128, 8 warps", {"LAG": 2, "BM": 128,
                                                                     "BK": 128,
                                                                     "num_warps": 8}),
