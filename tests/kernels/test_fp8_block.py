@@ -83,6 +83,39 @@ def test_gathered_rows_equal_quantizing_the_gathered_tensor(dim, rw, cw, dtype, 
     assert_all_same(none, ref.fp8_block_quantize(x.new_zeros(128, 256), **kw), fp8, NAMES)
 
 
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("rw", [True, False])
+@pytest.mark.parametrize("groups,k", [(3, 256), (1, 200), (2, 130)])
+def test_column_groups_transpose_each_group_on_its_own(dim, rw, groups, k):
+    """``groups``: the columnwise bytes of each group of rows (an expert's weight) transposed on
+    their own, ``[E, K, M / E]``, the same bytes and scales as the whole ``[K, M]``'s columns of
+    that group; ragged columns; through a row index too (1D only: 2D weights are read whole)."""
+    x = make_input(groups * 128, k, torch.bfloat16, seed=11)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=dim, force_pow_2_scales=True,
+              amax_epsilon=0.0, rowwise=rw, columnwise=True)
+    whole = ref.fp8_block_quantize(x, **kw)
+    want = (*whole[:2], whole[2].view(k, groups, 128).transpose(0, 1).contiguous(), whole[3])
+    assert_all_same(ref.fp8_block_quantize(x, groups=groups, **kw), want, DType.E4M3, NAMES)
+    assert_all_same(B.fp8_block_quantize(x.to(DEVICE), groups=groups, **kw), want, DType.E4M3,
+                    NAMES)
+    if dim == 1:
+        rows = torch.arange(groups * 128 - 1, -1, -1)
+        flipped = ref.fp8_block_quantize(x.flip(0), groups=groups, **kw)
+        got = B.fp8_block_quantize(x.to(DEVICE), rows=rows.to(DEVICE), groups=groups, **kw)
+        assert_all_same(got, flipped, DType.E4M3, NAMES)
+
+
+@pytest.mark.parametrize("groups", [-1, 3, 5])
+def test_column_groups_clear_errors(groups):
+    """Groups that do not split the rows into equal groups of whole 128-row blocks."""
+    x = make_input(256, 128, torch.bfloat16, seed=2).to(DEVICE)
+    kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=2, force_pow_2_scales=True,
+              amax_epsilon=0.0, rowwise=False, columnwise=True)
+    for impl in (B.fp8_block_quantize, ref.fp8_block_quantize):
+        with pytest.raises(ValueError, match="groups must be 0 or split the 256 rows"):
+            impl(x, groups=groups, **kw)
+
+
 def test_gathered_rows_clear_errors():
     x = make_input(16, 128, torch.bfloat16, seed=1).to(DEVICE)
     kw = dict(fp8_dtype=DType.E4M3, block_scaling_dim=1, force_pow_2_scales=True,

@@ -119,27 +119,20 @@ def test_transposed_experts_are_the_transposed_bytes_and_scales(impl):
     assert torch.equal(swt, sw.transpose(1, 2))
 
 
-def test_transposed_experts_past_the_slice_bound_are_the_same_bytes(impl, monkeypatch):
-    """A weight past ``TRANSPOSED_SLICE_BYTES`` is quantized two experts at a time (the last
-    slice one): the same bytes and scales as one quantize, and no quantize's columnwise bytes
-    hold more than the bound (one quantize held all three experts' before)."""
-    torch.manual_seed(1)
-    w = torch.randn(5, 256, 384, dtype=torch.bfloat16) * torch.tensor(
-        [1e-3, 1.0, 300.0, 2.0, 1e-6])[:, None, None]
+def test_transposed_experts_are_the_quantize_output_itself(impl, monkeypatch):
+    """The input gradient's weight operand is the bytes one quantize writes, each expert's rows
+    transposed on their own (the backend's column groups): no ``[K, E·N]`` copy made first and
+    then moved, which held the weight's FP8 bytes twice at a Mixtral layer's input gradient."""
+    torch.manual_seed(2)
+    w = torch.randn(3, 256, 384, dtype=torch.bfloat16)
     qw = Float8BlockQuantizer(DType.E4M3, block_scaling_dim=2)
-    whole_t, whole_s = fp8_block_gemm._experts_t(w, qw)
-    made, real = [], fp8_block_gemm._rows
-
-    def rows(q, t, rowwise, columnwise):
-        s = real(q, t, rowwise, columnwise)
-        made.append(s._columnwise_data.numel())
-        return s
-
-    monkeypatch.setattr(fp8_block_gemm, "_rows", rows)
-    monkeypatch.setattr(fp8_block_gemm, "TRANSPOSED_SLICE_BYTES", 2 * 256 * 384 + 1)
-    wt, swt = fp8_block_gemm._experts_t(w, qw)
-    assert made == [2 * 256 * 384, 2 * 256 * 384, 256 * 384]
-    assert wt.is_contiguous() and torch.equal(wt, whole_t) and torch.equal(swt, whole_s)
+    be = backends.get(None, w.device)
+    made, real = [], be.fp8_block_quantize
+    monkeypatch.setattr(be, "fp8_block_quantize",
+                        lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    wt, _ = fp8_block_gemm._experts_t(w, qw)
+    assert len(made) == 1 and wt.data_ptr() == made[0][2].data_ptr()
+    assert wt.shape == (3, 384, 256) and wt.is_contiguous()
 
 
 def test_no_padded_copy_of_any_operand(on_cpu, impl, monkeypatch):

@@ -90,11 +90,15 @@ class Backend(Protocol):
     # ------------------------------------------------------------------- FP8 blocks (§6)
     def fp8_block_quantize(self, x: torch.Tensor, *, fp8_dtype: DType, block_scaling_dim: int,
                            force_pow_2_scales: bool, amax_epsilon: float, rowwise: bool,
-                           columnwise: bool, rows: torch.Tensor | None = None) -> Tensors4:
+                           columnwise: bool, rows: torch.Tensor | None = None,
+                           groups: int = 0) -> Tensors4:
         """``(row_data [M, K], row_scale_inv fp32, col_data [K, M], col_scale_inv fp32)`` in
         the GEMM-ready layouts (1x128 blocks, or 128x128 with ``block_scaling_dim=2``). With
         ``rows`` (int32/int64 ``[P]``, ``M = P``) the tensor quantized is ``x``'s rows in that
-        order, a zero row for each ``rows[p] < 0`` (a grouped operand's padded layout)."""
+        order, a zero row for each ``rows[p] < 0`` (a grouped operand's padded layout). With
+        ``groups = E > 0`` (``M / E`` a multiple of 128) ``col_data`` is ``[E, K, M / E]``: each
+        group of rows transposed on its own (every expert's transposed weight), the same bytes
+        and scales."""
 
     def fp8_block_dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, *,
                              fp8_dtype: DType, block_scaling_dim: int, columnwise: bool,

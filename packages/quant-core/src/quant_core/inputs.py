@@ -112,6 +112,15 @@ def check_row_index(x: torch.Tensor, rows: torch.Tensor, what: str, *, arg: str 
         raise ValueError(f"{what}: {arg} is on {rows.device} but x on {x.device}")
 
 
+def check_column_groups(m: int, groups: int, block: int, what: str) -> None:
+    """A clear error unless ``groups`` (the columnwise data's groups of rows, 0 for none) splits
+    ``m`` rows into equal groups of whole ``block``-row blocks."""
+    if groups < 0 or (groups and (m % groups or (m // groups) % block)):
+        raise ValueError(f"{what}: groups must be 0 or split the {m} rows into equal groups of "
+                         f"a multiple of {block} rows (each group's rows transposed on their "
+                         f"own), got {groups}")
+
+
 def check_rht_input(x: torch.Tensor) -> None:
     """``ValueError`` unless ``x [M, K]`` can take the NVFP4 16x16 RHT: bf16 and ``M % 16 == 0``."""
     if x.dtype != torch.bfloat16:

@@ -11,6 +11,7 @@ from quant_core import shapes
 from quant_core.dtypes import DType, check_fp8
 from quant_core.inputs import (
     check_block_scaling_dim,
+    check_column_groups,
     check_input_dtype,
     check_output_dtype,
     check_row_index,
@@ -39,7 +40,7 @@ _DTYPE_MAX = {torch.float32: 3.4028234663852886e38, torch.bfloat16: 3.3895313892
 
 @triton.jit
 def _fp8_block_kernel(
-    x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, RS_C, CS_C, eps,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, M, K, G, RS_C, CS_C, eps,
     ROW: tl.constexpr, COL: tl.constexpr, TWO_D: tl.constexpr, IS_E4M3: tl.constexpr,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, VINF: tl.constexpr, GATHER: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, SLAB: tl.constexpr,
@@ -54,10 +55,12 @@ def _fp8_block_kernel(
     rd_ptr: FP8 rowwise data ``[M, K]`` (uint8 or torch FP8: ``fp8_data``), written when ``ROW``
         (else a dummy).
     rs_ptr: fp32 rowwise scale_inv ``[ceil(K/128), RS_C]`` (1D) or ``[ceil(M/128), RS_C]`` (2D).
-    cd_ptr: FP8 columnwise data ``[K, M]`` (transposed; uint8 or torch FP8), written when ``COL``.
+    cd_ptr: FP8 columnwise data ``[M / G, K, G]`` (each group of ``G`` rows transposed; uint8 or
+        torch FP8), written when ``COL``.
     cs_ptr: fp32 columnwise scale_inv ``[ceil(M/128), CS_C]`` (1D) or ``[ceil(K/128), CS_C]`` (2D).
     M: rows of x.
     K: columns of x.
+    G: rows of a group of the columnwise data: ``M``, or a multiple of ``BM``.
     RS_C: dim 1 of the rowwise scales: M (1D) or ceil(K/128) (2D), rounded up to a multiple of 4.
     CS_C: dim 1 of the columnwise scales: K (1D) or ceil(M/128) (2D), rounded up to a multiple of 4.
     eps: ``amax_epsilon``, the floor of each block amax.
@@ -98,7 +101,7 @@ def _fp8_block_kernel(
                          mask=mask)
             if COL:
                 q = tl.trans(fp8_rne_sat_t(xf * s_t, IS_E4M3))
-                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                tl.store(cd_ptr + _col_offsets(pid_m, rk, rm, K, G, BM),
                          q.to(cd_ptr.dtype.element_ty, bitcast=True), mask=tl.trans(mask))
     else:
         # pass 1: the rowwise 1x128 blocks lie inside a slab; column maxima accumulate
@@ -122,9 +125,18 @@ def _fp8_block_kernel(
                 rm, mask = _slab(pid_m, r, rk, M, K, BM, SLAB)
                 x = load_rows(x_ptr, src_ptr, rm, rk, M, K, GATHER)
                 q = fp8_rne_sat_t(widen(x) * s_c[None, :], IS_E4M3)
-                tl.store(cd_ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+                tl.store(cd_ptr + _col_offsets(pid_m, rk, rm, K, G, BM),
                          tl.trans(q).to(cd_ptr.dtype.element_ty, bitcast=True),
                          mask=tl.trans(mask))
+
+
+@triton.jit
+def _col_offsets(pid_m, rk, rm, K, G, BM: tl.constexpr):
+    """``[BK, SLAB]`` offsets of the columnwise elements of columns ``rk`` and rows ``rm`` of
+    tile ``pid_m``: row ``r`` of group ``e`` (``G`` rows, whole tiles) at ``e·K·G + k·G + r``
+    (``[K, M]`` when ``G = M``)."""
+    e = (pid_m * BM // G).to(tl.int64)
+    return e * K * G + rk[:, None].to(tl.int64) * G + (rm[None, :] - e * G)
 
 
 @triton.jit
@@ -157,9 +169,11 @@ def fp8_block_quantize(
     rowwise: bool,
     columnwise: bool,
     rows: torch.Tensor | None = None,
+    groups: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over ``[BM, 128]`` tiles (``BM = 128`` when columnwise or 2D) writing
-    ``row_data [M, K]``, ``col_data [K, M]`` (transposed) and fp32 ``scale_inv`` buffers in the
+    ``row_data [M, K]``, ``col_data [K, M]`` (transposed; ``[E, K, M / E]`` with ``groups =
+    E``, each group's rows transposed on their own) and fp32 ``scale_inv`` buffers in the
     GEMM-ready layouts; with ``rows`` the tiles read ``x``'s rows through that index (``M`` its
     length, zero rows where it is negative). Mirrors ``reference.fp8_block_quantize``."""
     check_input_dtype(x, "fp8_block_quantize")
@@ -168,6 +182,7 @@ def fp8_block_quantize(
     if rows is not None:
         check_row_index(x, rows, "fp8_block_quantize")
     m, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
+    check_column_groups(m, groups, BLOCK, "fp8_block_quantize")
     dev = x.device
     rd = rs = cd = cs = None
     rs_shape = shapes.fp8_block_rowwise_scale_shape(m, k, block_scaling_dim)
@@ -178,7 +193,7 @@ def fp8_block_quantize(
         rd_arg, rd = fp8_data((m, k), fp8_dtype, dev)
         rs = _scale_buffer(rs_shape, ceil_div(k, BLOCK) if two_d else m, dev)
     if columnwise:
-        cd_arg, cd = fp8_data((k, m), fp8_dtype, dev)
+        cd_arg, cd = fp8_data((groups, k, m // groups) if groups else (k, m), fp8_dtype, dev)
         cs = _scale_buffer(cs_shape, ceil_div(m, BLOCK) if two_d else k, dev)
     if m == 0 or k == 0 or not (rowwise or columnwise):
         return rd, rs, cd, cs
@@ -194,7 +209,8 @@ def fp8_block_quantize(
         _fp8_block_kernel, grid,
         x, x if rows is None else rows, rd_arg if rowwise else dummy, rs if rowwise else dummy_s,
         cd_arg if columnwise else dummy,
-        cs if columnwise else dummy_s, m, k, rs_shape[1], cs_shape[1], float(amax_epsilon),
+        cs if columnwise else dummy_s, m, k, m // groups if groups else max(m, 1), rs_shape[1],
+        cs_shape[1], float(amax_epsilon),
         ROW=rowwise, COL=columnwise, TWO_D=block_scaling_dim == 2,
         IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max, POW2=bool(force_pow_2_scales),
         VINF=_DTYPE_MAX[x.dtype], GATHER=rows is not None, BM=bm, BK=BLOCK, SLAB=slab,

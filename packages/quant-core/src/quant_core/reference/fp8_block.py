@@ -8,6 +8,7 @@ from .. import shapes
 from ..dtypes import DType, check_fp8
 from ..inputs import (
     check_block_scaling_dim,
+    check_column_groups,
     check_input_dtype,
     check_output_dtype,
     check_row_index,
@@ -55,13 +56,15 @@ def fp8_block_quantize(
     rowwise: bool,
     columnwise: bool,
     rows: torch.Tensor | None = None,
+    groups: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Block-scaled FP8 of ``x [M, K]`` (any M, K; partial edge blocks), or with ``rows``
     (int32/int64 ``[P]``) of the ``[P, K]`` tensor whose row ``p`` is ``x[rows[p]]`` and zero
     where ``rows[p] < 0`` (a grouped operand's padded layout, read where its rows are).
 
     Returns ``(row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv)``, ``None`` for a
-    direction not asked for. Scales are fp32 in the GEMM-ready layouts of ``quant_core.shapes``
+    direction not asked for; with ``groups = E > 0`` (``M / E`` a multiple of 128) ``col_data``
+    is ``[E, K, M / E]``, each group of rows transposed on its own. Scales are fp32 in the GEMM-ready layouts of ``quant_core.shapes``
     (1D: transposed, inner dim padded to 4; 2D: the column scales are the transposed row scales);
     padding is 0. ``value_for_inf`` is the max finite value of ``x.dtype``.
     """
@@ -71,6 +74,18 @@ def fp8_block_quantize(
     if rows is not None:
         check_row_index(x, rows, "fp8_block_quantize")
         x = gathered_rows(x, rows)
+    m, k = x.shape
+    check_column_groups(m, groups, BLOCK, "fp8_block_quantize")
+    row, row_s, col, col_s = _quantized(x, fp8_dtype, block_scaling_dim, force_pow_2_scales,
+                                        amax_epsilon, rowwise, columnwise)
+    if col is not None and groups:
+        col = col.view(k, groups, m // groups).transpose(0, 1).contiguous()
+    return row, row_s, col, col_s
+
+
+def _quantized(x, fp8_dtype, block_scaling_dim, force_pow_2_scales, amax_epsilon, rowwise,
+               columnwise):
+    """:func:`fp8_block_quantize` of ``x [M, K]`` without groups."""
     m, k = x.shape
     args = (fp8_dtype, force_pow_2_scales, amax_epsilon)
     row_data = row_scale = col_data = col_scale = None

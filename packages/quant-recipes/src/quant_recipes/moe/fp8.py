@@ -142,22 +142,14 @@ def padded(x: torch.Tensor, lay: Layout, x_rows: torch.Tensor | None = None) -> 
     return gathered_rows(x, source_rows(lay, x_rows), lay.pad)
 
 
-def rows_moved(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``t [A, B, C]`` as a contiguous ``[B, A, C]`` (written into ``out`` where given, a
-    contiguous ``[B, A, C]`` of ``t``'s dtype): whole rows of ``C`` elements moved, 8 bytes at a
-    time where the rows allow it (one-byte elements copied one by one reach a fraction of the
-    memory bandwidth)."""
+def rows_moved(t: torch.Tensor) -> torch.Tensor:
+    """``t [A, B, C]`` as a contiguous ``[B, A, C]``: whole rows of ``C`` elements moved, 8 bytes
+    at a time where the rows allow it (one-byte elements copied one by one reach a fraction of
+    the memory bandwidth)."""
     size = t.element_size()
     if t.is_contiguous() and t.shape[2] * size % 8 == 0 and t.storage_offset() * size % 8 == 0:
-        src = t.view(torch.int64).transpose(0, 1)
-        if out is None:
-            return src.contiguous().view(t.dtype)
-        if out.storage_offset() * size % 8 == 0:
-            out.view(torch.int64).copy_(src)
-            return out
-    if out is None:
-        return t.transpose(0, 1).contiguous()
-    return out.copy_(t.transpose(0, 1))
+        return t.view(torch.int64).transpose(0, 1).contiguous().view(t.dtype)
+    return t.transpose(0, 1).contiguous()
 
 
 def padded_starts(bounds: list[int], align: int) -> list[int]:

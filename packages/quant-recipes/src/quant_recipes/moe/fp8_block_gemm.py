@@ -25,18 +25,10 @@ from quant_core.shapes import (
 
 from . import bias, fp8
 from .backward_parts import Route
-from .fp8 import rows_moved
 from .paths import count_path
 
 #: Device types where the path runs (tests add "cpu", with the reference or the interpreter).
 DEVICES = {"cuda"}
-
-#: The most transposed weight bytes one quantize of :func:`_experts_t` writes: a larger weight
-#: is quantized a slice of experts at a time, each slice's bytes moved into the experts' output
-#: before the next is quantized, so that the quantize's output and the moved copy are alive
-#: together for one slice, not the whole weight (0.44 GiB less at a Mixtral layer's gate/up
-#: input gradient). Qwen3-MoE's experts (at most 384 MiB) stay one quantize.
-TRANSPOSED_SLICE_BYTES = 512 * 2**20
 
 
 def _is_block(q, dim: int) -> bool:
@@ -98,35 +90,15 @@ def _experts(w: torch.Tensor, qw):
 def _experts_t(w: torch.Tensor, qw):
     """``(data [E, K, N], scale_inv [E, K/128, N/128])``: every expert's transposed weight, the
     columnwise copy of one ``[E·N, K]`` quantize (128x128 blocks: the transposed bytes and
-    scales of :func:`_experts`), each expert's columns moved into its own ``[K, N]`` by
-    whole-row copies instead of a byte-wise transpose; past :data:`TRANSPOSED_SLICE_BYTES`, a
-    slice of experts at a time (the blocks don't cross experts: the same bytes)."""
+    scales of :func:`_experts`) written with each expert's rows transposed on their own (the
+    backend's column groups), so that no ``[K, E·N]`` copy is made and moved."""
     e, n, k = w.shape
-    per = max(1, TRANSPOSED_SLICE_BYTES // max(n * k, 1))
-    if per >= e:
-        s = _rows(qw, w.reshape(e * n, k), False, True)
-        return _moved(s, e, n, k)
-    data = w.new_empty((e, k, n), dtype=torch.uint8)
-    scale_inv = w.new_empty((e, ceil_div(k, FP8_BLOCK), n // FP8_BLOCK), dtype=torch.float32)
-    for e0 in range(0, e, per):
-        e1 = min(e, e0 + per)
-        s = _rows(qw, w[e0:e1].reshape((e1 - e0) * n, k), False, True)
-        _moved(s, e1 - e0, n, k, data[e0:e1], scale_inv[e0:e1])
-        del s  # this slice's columnwise bytes go before the next slice's are made
-    return data, scale_inv
-
-
-def _moved(s, e: int, n: int, k: int, data=None, scale_inv=None):
-    """:func:`_experts_t`'s ``(data, scale_inv)`` of the columnwise copy ``s`` of ``e``
-    experts' ``[e·N, K]`` quantize (written into ``data`` and ``scale_inv`` where given)."""
+    _, _, data, scale_inv = backends.get(None, w.device).fp8_block_quantize(
+        w.reshape(e * n, k), fp8_dtype=qw.dtype, block_scaling_dim=2,
+        force_pow_2_scales=qw.force_pow_2_scales, amax_epsilon=qw.amax_epsilon, rowwise=False,
+        columnwise=True, groups=e)
     kb, nb = ceil_div(k, FP8_BLOCK), n // FP8_BLOCK
-    scales = s._columnwise_scale_inv[:kb, :e * nb].view(kb, e, nb).transpose(0, 1)
-    moved = rows_moved(s._columnwise_data.view(k, e, n),
-                       None if data is None else data.view(s._columnwise_data.dtype))
-    if scale_inv is None:
-        return moved, scales
-    scale_inv.copy_(scales)
-    return moved, scale_inv
+    return data, scale_inv[:kb, :e * nb].view(kb, e, nb).transpose(0, 1)
 
 
 def forward(x: torch.Tensor, lay: fp8.Layout, w: torch.Tensor, qx, qw,
