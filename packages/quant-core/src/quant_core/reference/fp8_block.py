@@ -64,9 +64,10 @@ def fp8_block_quantize(
 
     Returns ``(row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv)``, ``None`` for a
     direction not asked for; with ``groups = E > 0`` (``M / E`` a multiple of 128) ``col_data``
-    is ``[E, K, M / E]``, each group of rows transposed on its own. Scales are fp32 in the GEMM-ready layouts of ``quant_core.shapes``
-    (1D: transposed, inner dim padded to 4; 2D: the column scales are the transposed row scales);
-    padding is 0. ``value_for_inf`` is the max finite value of ``x.dtype``.
+    is ``[E, K, M / E]``, each group of rows transposed on its own. Scales are fp32 in the
+    GEMM-ready layouts of ``quant_core.shapes`` (1D: transposed, inner dim padded to 4; 2D: the
+    column scales are the transposed row scales); padding is 0. ``value_for_inf`` is the max
+    finite value of ``x.dtype``.
     """
     check_input_dtype(x, "fp8_block_quantize")
     check_fp8(fp8_dtype, "fp8_dtype")
