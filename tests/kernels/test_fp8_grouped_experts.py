@@ -81,12 +81,13 @@ def _config(**changes):
                               {**configs.TABLE["fp8_expert_cast"][mode], **changes}, mode=mode)
 
 
-@pytest.mark.parametrize("lag", [1, 2, 3])
+@pytest.mark.parametrize("lag, load_polls", [(1, 0), (2, 0), (3, 0), (1, 1), (2, 1)])
 @pytest.mark.parametrize("tile", [(16, 16), (64, 128)])
-def test_tile_shapes_and_lags(tile, lag):
+def test_tile_shapes_lags_and_polls(tile, lag, load_polls):
     """Tiles that split an expert's rows and columns unevenly, a tile larger than an expert,
-    and programs casting the expert one, two or three behind the one they read."""
-    with _config(BM=tile[0], BK=tile[1], LAG=lag):
+    programs casting the expert one, two or three behind the one they read, polling by atomics
+    or by loads."""
+    with _config(BM=tile[0], BK=tile[1], LAG=lag, LOAD_POLLS=load_polls):
         _check(_experts(7, 40, 80, torch.bfloat16, seed=7), 7)
 
 
@@ -98,8 +99,8 @@ def test_lag_past_the_experts(lag):
         _check(_experts(2, 24, 48, torch.bfloat16, seed=13), 2)
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch, lag):
+@pytest.mark.parametrize("lag, load_polls", [(1, 0), (2, 0), (1, 1)])
+def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch, lag, load_polls):
     """Expert 3's arrival count one short, as if a program had not run yet, and its amax
     accumulator holding a value no tile has: the programs casting it stop polling and compute
     its amax from all its tiles themselves (its maximum planted in the first), to the same
@@ -115,7 +116,7 @@ def test_a_missing_arrival_is_computed_by_the_waiting_programs(monkeypatch, lag)
     monkeypatch.setattr(fp8_grouped_experts, "SPIN_POLLS", 0)
     w = _experts(4, 40, 80, torch.bfloat16, seed=9)
     w[3 * 40, 0] = 1e4
-    with _config(LAG=lag):
+    with _config(LAG=lag, LOAD_POLLS=load_polls):
         _check(w, 4)
 
 
@@ -144,9 +145,9 @@ def test_given_amaxes_take_the_cast_alone(monkeypatch):
 
 @pytest.mark.skipif(not HAVE_CUDA, reason="real widths: thousands of programs, on a GPU only")
 @pytest.mark.parametrize("n, k", [(1536, 2048), (2048, 768)])
-@pytest.mark.parametrize("lag", [1, 2])
-def test_qwen3_moe_widths(n, k, lag):
+@pytest.mark.parametrize("lag, load_polls", [(1, 0), (2, 0), (1, 1), (2, 1)])
+def test_qwen3_moe_widths(n, k, lag, load_polls):
     """Qwen3-MoE's gate/up and down experts (32 of its 128): hundreds of programs an expert,
     most of them running while the ones they wait for still are."""
-    with _config(LAG=lag):
+    with _config(LAG=lag, LOAD_POLLS=load_polls):
         _check(_experts(32, n, k, torch.bfloat16, seed=11), 32)

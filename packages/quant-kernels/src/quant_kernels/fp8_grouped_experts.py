@@ -84,14 +84,26 @@ def _expert_max(w_ptr, e, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
-def _all_arrived(arrived_ptr, e, count, spin):
+def _all_arrived(arrived_ptr, e, count, spin, LOAD_POLLS: tl.constexpr):
     """Poll expert ``e``'s arrival count until it reaches ``count`` or ``spin`` polls passed;
-    whether it reached it."""
-    seen = tl.atomic_add(arrived_ptr + e, 0)
+    whether it reached it. Each poll an atomic read, or with ``LOAD_POLLS`` a volatile load
+    (which the cache serves without the atomic unit that the arrivals queue at), the count
+    then read once more atomically, so that the maxima added before the arrivals seen are
+    visible."""
+    if LOAD_POLLS:
+        seen = tl.load(arrived_ptr + e, volatile=True)
+    else:
+        seen = tl.atomic_add(arrived_ptr + e, 0)
     polls = 0
     while (seen < count) & (polls < spin):
-        seen = tl.atomic_add(arrived_ptr + e, 0)
+        if LOAD_POLLS:
+            seen = tl.load(arrived_ptr + e, volatile=True)
+        else:
+            seen = tl.atomic_add(arrived_ptr + e, 0)
         polls += 1
+    if LOAD_POLLS:
+        if seen >= count:
+            seen = tl.atomic_add(arrived_ptr + e, 0)
     return seen >= count
 
 
@@ -100,7 +112,7 @@ def _expert_cast_kernel(
     w_ptr, amax_bits_ptr, arrived_ptr, data_ptr, t_ptr, sinv_ptr, E, N, K, eps, spin,
     ROW: tl.constexpr, COL: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
     POW2: tl.constexpr, PITCH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    LAG: tl.constexpr,
+    LAG: tl.constexpr, LOAD_POLLS: tl.constexpr,
 ):
     """Program ``e * tiles + t`` (``(E + LAG) * tiles`` programs): tile ``t``'s amax of
     expert ``e`` (``e < E``), then tile ``t``'s cast of expert ``e - LAG`` (``e >= LAG``).
@@ -125,7 +137,7 @@ def _expert_cast_kernel(
         tl.atomic_add(arrived_ptr + e, 1)
     if e >= LAG:
         c = e - LAG
-        if _all_arrived(arrived_ptr, c, tiles, spin):
+        if _all_arrived(arrived_ptr, c, tiles, spin, LOAD_POLLS):
             amax = f32_from_bits(tl.atomic_max(amax_bits_ptr + c, 0))
         else:
             amax = _expert_max(w_ptr, c, tiles, N, K, tiles_k, BM, BK)
