@@ -24,7 +24,7 @@ def main() -> int:
     from _sm90 import fake_target, record_launches, resource_usage
 
     fake_target()
-    from quant_kernels import fp8_grouped, fp8_grouped_experts, nvfp4_4over6
+    from quant_kernels import fp8_block, fp8_grouped, fp8_grouped_experts, nvfp4_4over6
 
     launches = record_launches()
     x = torch.randn(256, 256, dtype=torch.bfloat16)
@@ -48,6 +48,12 @@ def main() -> int:
             x, one, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0,
             rowwise=True, columnwise=True, group_rows=128, scale_inv=torch.empty(1, 4)),
         "grouped amax": lambda: fp8_grouped.group_amax(x, 2, None, group_rows=128),
+        "block 2D, col groups": lambda: fp8_block.fp8_block_quantize(
+            x, fp8_dtype=DType.E4M3, block_scaling_dim=2, force_pow_2_scales=True,
+            amax_epsilon=0.0, rowwise=False, columnwise=True, groups=2),
+        "block 1D, col groups": lambda: fp8_block.fp8_block_quantize(
+            x, fp8_dtype=DType.E4M3, block_scaling_dim=1, force_pow_2_scales=True,
+            amax_epsilon=0.0, rowwise=True, columnwise=True, groups=2),
         "experts one pass": lambda: fp8_grouped_experts.fp8_group_quantize_experts(
             x, groups=2, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0,
             rowwise=True, columnwise=True, scale_pitch=4),
