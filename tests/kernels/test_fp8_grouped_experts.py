@@ -131,6 +131,20 @@ def test_one_launch_for_small_experts_two_passes_for_large(monkeypatch):
     assert names == ["_group_amax_kernel", "_group_cast_kernel"]
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_two_passes_for_experts_off_the_cast_tile(monkeypatch, given):
+    """The two passes' cast of experts whose rows are not a multiple of its tile (a tile then
+    spans two experts' transposed copies), with the amaxes computed or given."""
+    monkeypatch.setattr(fp8_grouped_experts, "ONE_PASS_EXPERT_BYTES", 0)
+    w = _experts(3, 40, 80, torch.bfloat16, seed=4)
+    amax = torch.tensor([1.0, 3.0, 0.5]) if given else None
+    args = dict(groups=3, fp8_dtype=DType.E4M3, rowwise=True, columnwise=True, scale_pitch=4,
+                amax=amax, **KW)
+    got = fp8_grouped_experts.fp8_group_quantize_experts(
+        w.to(DEVICE), **{**args, "amax": None if amax is None else amax.to(DEVICE)})
+    assert_all_same(got, ref.fp8_group_quantize_experts(w, **args), DType.E4M3, NAMES)
+
+
 def test_given_amaxes_take_the_cast_alone(monkeypatch):
     names = _launched(monkeypatch)
     w = _experts(3, 16, 32, torch.bfloat16)

@@ -1,5 +1,6 @@
-"""Index helpers: the GEMM scale swizzle (`numerics.md` §5), shared by MXFP8 and NVFP4, and the
-rows of a quantize read through a row index (a grouped operand's padded layout)."""
+"""Index helpers: the GEMM scale swizzle (`numerics.md` §5), shared by MXFP8 and NVFP4, the
+rows of a quantize read through a row index (a grouped operand's padded layout), and the
+transposed layout of groups of rows (every expert's transposed weight)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def scale_offset(i, j, C, SWIZZLE: tl.constexpr):
         return swizzle_offset(i, j, C)
     else:
         return i * C + j
+
+
+@triton.jit
+def group_transposed_offsets(e, rk, r, K, G):
+    """``[BK, BM]`` offsets of columns ``rk`` of rows ``r`` (within their group) of groups
+    ``e`` (one, or one per row) in a transposed layout of groups of ``G`` rows laid end to end,
+    each group's ``[K, G]``: ``e·K·G + k·G + r``."""
+    return rk[:, None].to(tl.int64) * G + (e.to(tl.int64) * K * G + r)[None, :]
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from quant_core.inputs import (
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch, out_code
-from ._layout import load_rows
+from ._layout import group_transposed_offsets, load_rows
 from ._rounding import (
     abs_for_max,
     fp8_decode,
@@ -133,10 +133,9 @@ def _fp8_block_kernel(
 @triton.jit
 def _col_offsets(pid_m, rk, rm, K, G, BM: tl.constexpr):
     """``[BK, SLAB]`` offsets of the columnwise elements of columns ``rk`` and rows ``rm`` of
-    tile ``pid_m``: row ``r`` of group ``e`` (``G`` rows, whole tiles) at ``e·K·G + k·G + r``
-    (``[K, M]`` when ``G = M``)."""
+    tile ``pid_m``, whose rows lie in one group of ``G`` (``[K, M]`` when ``G = M``)."""
     e = (pid_m * BM // G).to(tl.int64)
-    return e * K * G + rk[:, None].to(tl.int64) * G + (rm[None, :] - e * G)
+    return group_transposed_offsets(e, rk, rm - e * G, K, G)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from quant_core.reference.fp8_grouped import check_x_rows, row_amaxes
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, launch
+from ._layout import group_transposed_offsets
 from ._rounding import (
     FLT_MAX,
     abs_for_max,
@@ -178,10 +179,9 @@ def _group_cast_kernel(
         if GROUP_ROWS % BM == 0:  # the tile lies in one group: contiguous columns
             e = p0 // GROUP_ROWS
             cols = (p0 - e * GROUP_ROWS + tl.arange(0, BM)).to(tl.int64)
-            t_offs = e.to(tl.int64) * K * GROUP_ROWS + rk[:, None] * GROUP_ROWS + cols[None, :]
+            t_offs = group_transposed_offsets(e, rk, cols, K, GROUP_ROWS)
         else:
-            base = (rp // GROUP_ROWS) * K * GROUP_ROWS + rp % GROUP_ROWS
-            t_offs = rk[:, None].to(tl.int64) * GROUP_ROWS + base[None, :]
+            t_offs = group_transposed_offsets(g, rk, rp % GROUP_ROWS, K, GROUP_ROWS)
     else:
         t_offs = rk[:, None].to(tl.int64) * P + rp[None, :]
     store_fp8_tile(v, data_ptr, t_ptr, row_offs, t_offs, row_mask,

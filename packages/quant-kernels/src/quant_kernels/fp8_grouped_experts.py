@@ -29,6 +29,7 @@ from quant_core.inputs import check_input_dtype, given_group_amax
 from quant_core.shapes import ceil_div
 
 from ._common import fp8_data, interpreting, launch
+from ._layout import group_transposed_offsets
 from ._rounding import (
     FLT_MAX,
     abs_for_max,
@@ -84,22 +85,23 @@ def _expert_max(w_ptr, e, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
+def _polled(count_ptr, LOAD_POLLS: tl.constexpr):
+    """One poll of a count: an atomic read, or with ``LOAD_POLLS`` a volatile load (which the
+    cache serves without the atomic unit that the arrivals queue at)."""
+    if LOAD_POLLS:
+        return tl.load(count_ptr, volatile=True)
+    return tl.atomic_add(count_ptr, 0)
+
+
+@triton.jit
 def _all_arrived(arrived_ptr, e, count, spin, LOAD_POLLS: tl.constexpr):
     """Poll expert ``e``'s arrival count until it reaches ``count`` or ``spin`` polls passed;
-    whether it reached it. Each poll an atomic read, or with ``LOAD_POLLS`` a volatile load
-    (which the cache serves without the atomic unit that the arrivals queue at), the count
-    then read once more atomically, so that the maxima added before the arrivals seen are
-    visible."""
-    if LOAD_POLLS:
-        seen = tl.load(arrived_ptr + e, volatile=True)
-    else:
-        seen = tl.atomic_add(arrived_ptr + e, 0)
+    whether it reached it. Polled by loads, the count is read once more atomically, so that the
+    maxima added before the arrivals seen are visible."""
+    seen = _polled(arrived_ptr + e, LOAD_POLLS)
     polls = 0
     while (seen < count) & (polls < spin):
-        if LOAD_POLLS:
-            seen = tl.load(arrived_ptr + e, volatile=True)
-        else:
-            seen = tl.atomic_add(arrived_ptr + e, 0)
+        seen = _polled(arrived_ptr + e, LOAD_POLLS)
         polls += 1
     if LOAD_POLLS:
         if seen >= count:
@@ -150,7 +152,7 @@ def _expert_cast_kernel(
         x, rn, rk, nmask, kmask = _expert_tile(w_ptr, c, t, N, K, tiles_k, BM, BK)
         store_fp8_tile(widen(x) * s[:, None], data_ptr, t_ptr,
                        (c * N + rn)[:, None] * K + rk[None, :],
-                       c.to(tl.int64) * K * N + rk[:, None] * N + rn[None, :],
+                       group_transposed_offsets(c, rk, rn, K, N),
                        nmask[:, None] & kmask[None, :], kmask[:, None] & nmask[None, :],
                        ROW, COL, IS_E4M3)
 
