@@ -61,6 +61,7 @@ FILTERS = {
             "_nvfp4_row|_nvfp4_col|current_scale)).*",
     "grouped": "regex:^(?!.*(distribution|fill|randn|normal|copy|elementwise|cumsum|scan|"
                "reduce|arange)).*",
+    "experts": "regex:^(?!.*(distribution|fill|randn|normal)).*",
 }
 
 
@@ -154,6 +155,33 @@ def top_stalls(r: dict, n: int = 4) -> str:
     return ", ".join(f"{s} {v:.1f}" for v, s in stalls)
 
 
+def launch_experts() -> None:
+    """The FP8 current quantize of Qwen3-MoE's gate/up expert weights (128 x 1536 x 2048 bf16):
+    a bf16 copy of them, the one-pass cast (lag 1, then lag 2), then the two passes."""
+    import contextlib
+
+    import steps
+    import torch
+    from quant_core.dtypes import DType
+    from quant_kernels import configs, fp8_grouped_experts
+
+    e, n, k = 128, 1536, 2048
+    w = torch.randn(e * n, k, device="cuda", dtype=torch.bfloat16)
+    torch.empty_like(w).copy_(w)
+    base = configs.TABLE["fp8_expert_cast"]["gpu"]
+    forms = (("one pass, lag 1", {}, contextlib.nullcontext),
+             ("one pass, lag 2", {"LAG": 2}, contextlib.nullcontext),
+             ("two passes", {}, steps.two_pass_experts))
+    for name, cfg, passes in forms:
+        print("case", name, file=sys.stderr, flush=True)
+        with passes(), configs.overridden("fp8_expert_cast", {**base, **cfg}):
+            for _ in range(2):
+                fp8_grouped_experts.fp8_group_quantize_experts(
+                    w, groups=e, fp8_dtype=DType.E4M3, force_pow_2_scales=False,
+                    amax_epsilon=0.0, rowwise=True, columnwise=True, scale_pitch=4)
+        torch.cuda.synchronize()
+
+
 def summarize_kernels(path: str) -> None:
     rows = read_rows(path)
     print("| id | kernel | us | DRAM GB/s | DRAM % | L2 MB | SM % | issue % | warps % | regs "
@@ -195,4 +223,5 @@ def summarize_gemm(path: str) -> None:
 #: case set -> (metrics, launch, summarize)
 SETS = {"kernels": (METRICS, launch_kernels, summarize_kernels),
         "gemm": (GEMM_METRICS, launch_gemm, summarize_gemm),
-        "grouped": (METRICS, launch_grouped, summarize_kernels)}
+        "grouped": (METRICS, launch_grouped, summarize_kernels),
+        "experts": (METRICS, launch_experts, summarize_kernels)}

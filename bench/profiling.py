@@ -214,8 +214,10 @@ def commands(sub) -> dict:
                        "traffic, SM and issue activity, occupancy, registers, shared memory, "
                        "store / load sectors per request and the top warp stalls (the gemm set: "
                        "tensor, FMA and LSU pipes; grouped: the grouped FP8 GEMMs against bf16 "
-                       "_grouped_mm at a Qwen3-MoE projection).")
-    n.add_argument("cases", choices=("kernels", "gemm", "grouped"))
+                       "_grouped_mm at a Qwen3-MoE projection; experts: the FP8 current "
+                       "quantize of Qwen3-MoE's gate/up expert weights in one pass and in two, "
+                       "against a bf16 copy).")
+    n.add_argument("cases", choices=("kernels", "gemm", "grouped", "experts"))
     n.add_argument("--out", help="directory of the CSV files (default $OUT, else .)")
     n.add_argument("--limit", type=int, default=240, help="seconds for the ncu run")
     n.add_argument("--launch", action="store_true", help="only launch the cases (under ncu)")
