@@ -157,24 +157,21 @@ def top_stalls(r: dict, n: int = 4) -> str:
 
 def launch_experts() -> None:
     """The FP8 current quantize of Qwen3-MoE's gate/up expert weights (128 x 1536 x 2048 bf16):
-    a bf16 copy of them, the one-pass cast (lag 1, then lag 2), then the two passes."""
+    a bf16 copy of them, the one-pass cast, then the two passes."""
     import contextlib
 
     import steps
     import torch
     from quant_core.dtypes import DType
-    from quant_kernels import configs, fp8_grouped_experts
+    from quant_kernels import fp8_grouped_experts
 
     e, n, k = 128, 1536, 2048
     w = torch.randn(e * n, k, device="cuda", dtype=torch.bfloat16)
     torch.empty_like(w).copy_(w)
-    base = configs.TABLE["fp8_expert_cast"]["gpu"]
-    forms = (("one pass, lag 1", {}, contextlib.nullcontext),
-             ("one pass, lag 2", {"LAG": 2}, contextlib.nullcontext),
-             ("two passes", {}, steps.two_pass_experts))
-    for name, cfg, passes in forms:
+    for name, passes in (("one pass", contextlib.nullcontext),
+                         ("two passes", steps.two_pass_experts)):
         print("case", name, file=sys.stderr, flush=True)
-        with passes(), configs.overridden("fp8_expert_cast", {**base, **cfg}):
+        with passes():
             for _ in range(2):
                 fp8_grouped_experts.fp8_group_quantize_experts(
                     w, groups=e, fp8_dtype=DType.E4M3, force_pow_2_scales=False,

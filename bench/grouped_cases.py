@@ -419,13 +419,6 @@ def cast_forms(counts: list[int], k: int) -> list[dict]:
 #: The one-pass expert cast's sweep: (name, config overrides); ``None``: the two passes.
 EXPERT_CAST_CONFIGS = (("two passes (amax, then cast)", None),
                        ("one pass", {}),
-                       ("one pass, lag 2", {"LAG": 2}),
-                       ("one pass, lag 4", {"LAG": 4}),
-                       ("one pass, load polls", {"LOAD_POLLS": 1}),
-                       ("one pass, lag 2, load polls", {"LAG": 2, "LOAD_POLLS": 1}),
-                       ("one pass, lag 2, BM 128 BK 128, 8 warps", {"LAG": 2, "BM": 128,
-                                                                    "BK": 128,
-                                                                    "num_warps": 8}),
                        ("one pass, BM 32 BK 256", {"BM": 32, "BK": 256}),
                        ("one pass, BM 128 BK 64", {"BM": 128, "BK": 64}),
                        ("one pass, BM 128 BK 128, 8 warps", {"BM": 128, "BK": 128,

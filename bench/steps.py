@@ -393,23 +393,11 @@ def two_pass_experts():
         fp8_grouped_experts.ONE_PASS_EXPERT_BYTES = saved
 
 
-@contextlib.contextmanager
-def experts_lag_two():
-    """The one-pass expert cast's programs casting the expert two behind the one they read
-    (``:lag2``; the config's ``LAG`` 2), for an A/B in one process."""
-    from quant_kernels import configs
-
-    cfg = configs.TABLE["fp8_expert_cast"]["gpu"]
-    with configs.overridden("fp8_expert_cast", {**cfg, "LAG": 2}):
-        yield
-
-
 #: ``:variant`` suffix -> a context the config compiles and runs in.
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
-                  "product_kernels": product_kernels, "two_pass": two_pass_experts,
-                  "lag2": experts_lag_two}
+                  "product_kernels": product_kernels, "two_pass": two_pass_experts}
 
 
 def variants() -> list[str]:
@@ -443,7 +431,6 @@ LLAMA_CONFIG_HELP = (
     "recorded as kernels from an exact copy, as before such copies took the ops; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
-    "lag2: the one-pass expert cast two experts behind its reads; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

@@ -42,10 +42,9 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
                        "interp": {"BM": 64, "BK": 64}},
     "fp8_group_cast": {"gpu": {"BM": 64, "BK": 128, "num_warps": 4},
                        "interp": {"BM": 16, "BK": 64}},
-    # fp8_grouped_experts.py: a program per tile and expert, the cast's tiles; LAG: how many
-    # experts behind the one it reads a program casts; LOAD_POLLS: poll the arrivals by loads
-    "fp8_expert_cast": {"gpu": {"BM": 64, "BK": 128, "LAG": 1, "LOAD_POLLS": 0, "num_warps": 4},
-                        "interp": {"BM": 16, "BK": 32, "LAG": 1, "LOAD_POLLS": 0}},
+    # fp8_grouped_experts.py: a program per tile and expert, the cast's tiles
+    "fp8_expert_cast": {"gpu": {"BM": 64, "BK": 128, "num_warps": 4},
+                        "interp": {"BM": 16, "BK": 32}},
     # fp8_block.py
     "fp8_block": {
         "gpu": {"BM_ROW": 32, "num_warps": 4},  # BM_ROW: tile height of the rowwise-only 1D path

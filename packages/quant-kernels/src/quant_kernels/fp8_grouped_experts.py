@@ -4,14 +4,11 @@ memory once (``fp8_group_quantize_experts`` without given amaxes).
 The two-pass form (:mod:`.fp8_grouped`: every expert's amax, then the cast) reads every weight
 twice from memory: by the time the cast starts, the amax pass has streamed all experts through
 the cache. Here program ``e * tiles + t`` max-reduces tile ``t`` of expert ``e`` into ``e``'s
-amax (one atomic max) and counts its arrival, then waits until all of expert ``e - LAG``'s
-tiles have arrived and casts tile ``t`` of expert ``e - LAG`` with that expert's finished amax
-(``LAG``, the config's expert lag: 1 casts the expert read just before; 2 leaves a whole
-expert's programs between the last arrival a cast needs and the cast, so that programs rarely
-poll). The cast reads a tile read ``LAG * tiles`` programs earlier, which the L2 cache still
-holds where ``LAG + 1`` experts fit in it (:data:`ONE_PASS_EXPERT_BYTES`): at Qwen3-MoE's
-widths (128 experts of 768 x 2048) a third of the bytes the two passes move. The amax is the
-same maximum and the cast the same arithmetic as the two-pass kernels': the bytes are theirs.
+amax (one atomic max) and counts its arrival, then waits until all of expert ``e - 1``'s tiles
+have arrived and casts tile ``t`` of expert ``e - 1`` with that expert's finished amax. The cast
+reads a tile read ``tiles`` programs earlier, which the L2 cache mostly still holds where two
+experts fit in it (:data:`ONE_PASS_EXPERT_BYTES`). The amax is the same maximum and the cast the
+same arithmetic as the two-pass kernels': the bytes are theirs.
 
 A program waits only for programs of lower index, which the GPU starts first, so the launch
 needs none of its programs resident together and makes progress beside other streams' kernels.
@@ -48,9 +45,8 @@ from .fp8_grouped import (
     store_scale_inv_of,
 )
 
-#: The largest expert (bytes of one expert's weight) cast in one pass: the experts in flight
-#: (the config's ``LAG`` + 1) stay within an H100's or H200's 50 MiB L2 cache. Larger experts
-#: take the two passes.
+#: The largest expert (bytes of one expert's weight) cast in one pass: the two experts in flight
+#: stay within an H100's or H200's 50 MiB L2 cache. Larger experts take the two passes.
 ONE_PASS_EXPERT_BYTES = 12 << 20
 
 #: Polls of an arrival count before a program computes the expert's amax itself (GPU): a
@@ -85,27 +81,16 @@ def _expert_max(w_ptr, e, tiles, N, K, tiles_k, BM: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
-def _polled(count_ptr, LOAD_POLLS: tl.constexpr):
-    """One poll of a count: an atomic read, or with ``LOAD_POLLS`` a volatile load (which the
-    cache serves without the atomic unit that the arrivals queue at)."""
-    if LOAD_POLLS:
-        return tl.load(count_ptr, volatile=True)
-    return tl.atomic_add(count_ptr, 0)
-
-
-@triton.jit
-def _all_arrived(arrived_ptr, e, count, spin, LOAD_POLLS: tl.constexpr):
+def _all_arrived(arrived_ptr, e, count, spin):
     """Poll expert ``e``'s arrival count until it reaches ``count`` or ``spin`` polls passed;
-    whether it reached it. Polled by loads, the count is read once more atomically, so that the
-    maxima added before the arrivals seen are visible."""
-    seen = _polled(arrived_ptr + e, LOAD_POLLS)
+    whether it reached it. Each poll is an atomic read, whose one result every thread of the
+    program sees (the fallback's reduction needs the whole program on one branch), and which
+    orders the maxima added before the arrivals seen."""
+    seen = tl.atomic_add(arrived_ptr + e, 0)
     polls = 0
     while (seen < count) & (polls < spin):
-        seen = _polled(arrived_ptr + e, LOAD_POLLS)
+        seen = tl.atomic_add(arrived_ptr + e, 0)
         polls += 1
-    if LOAD_POLLS:
-        if seen >= count:
-            seen = tl.atomic_add(arrived_ptr + e, 0)
     return seen >= count
 
 
@@ -114,10 +99,9 @@ def _expert_cast_kernel(
     w_ptr, amax_bits_ptr, arrived_ptr, data_ptr, t_ptr, sinv_ptr, E, N, K, eps, spin,
     ROW: tl.constexpr, COL: tl.constexpr, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
     POW2: tl.constexpr, PITCH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    LAG: tl.constexpr, LOAD_POLLS: tl.constexpr,
 ):
-    """Program ``e * tiles + t`` (``(E + LAG) * tiles`` programs): tile ``t``'s amax of
-    expert ``e`` (``e < E``), then tile ``t``'s cast of expert ``e - LAG`` (``e >= LAG``).
+    """Program ``e * tiles + t`` (``(E + 1) * tiles`` programs): tile ``t``'s amax of
+    expert ``e`` (``e < E``), then tile ``t``'s cast of expert ``e - 1`` (``e >= 1``).
 
     w_ptr: ``w [E * N, K]``, contiguous (fp32, bf16 or fp16); expert ``e`` is rows
         ``e * N ... (e + 1) * N``.
@@ -137,9 +121,9 @@ def _expert_cast_kernel(
         tl.atomic_max(amax_bits_ptr + e, f32_bits(nan_to_0(tl.max(tl.max(abs_for_max(x),
                                                                             axis=1), axis=0))))
         tl.atomic_add(arrived_ptr + e, 1)
-    if e >= LAG:
-        c = e - LAG
-        if _all_arrived(arrived_ptr, c, tiles, spin, LOAD_POLLS):
+    if e >= 1:
+        c = e - 1
+        if _all_arrived(arrived_ptr, c, tiles, spin):
             amax = f32_from_bits(tl.atomic_max(amax_bits_ptr + c, 0))
         else:
             amax = _expert_max(w_ptr, c, tiles, N, K, tiles_k, BM, BK)
@@ -177,7 +161,7 @@ def _quantized_in_one_pass(w: torch.Tensor, groups: int, fp8_dtype: DType,
     counts = torch.zeros(2 * e, dtype=torch.int32, device=dev)  # amax bits, then arrivals
     cfg, kw = launch_config("fp8_expert_cast")
     tiles = ceil_div(n, cfg["BM"]) * ceil_div(k, cfg["BK"])
-    launch(_expert_cast_kernel, ((e + cfg["LAG"]) * tiles,), w, counts[:e], counts[e:],
+    launch(_expert_cast_kernel, ((e + 1) * tiles,), w, counts[:e], counts[e:],
            data_arg if rowwise else sinv, t_arg if columnwise else sinv, sinv, e, n, k,
            float(amax_epsilon), 0 if interpreting() else SPIN_POLLS, ROW=rowwise,
            COL=columnwise, IS_E4M3=fp8_dtype == DType.E4M3, FP8_MAX=fp8_dtype.max,
