@@ -401,6 +401,19 @@ def cmd_model(args, p) -> None:
                 json.dump({"torch": torch.__version__, "size": args.size, "rows": rows}, f,
                           indent=1)
     print(model_table(rows))
+    if args.top:
+        print(top_kernels_table(rows, args.top))
+
+
+def top_kernels_table(rows: list[dict], n: int) -> str:
+    """The ``n`` kernels of largest GPU time in one step, per config: calls and ms."""
+    lines = []
+    for row in rows:
+        lines += [f"\n{row['config']}: the {n} largest kernels of a step", "",
+                  "| kernel | calls | ms |", "| --- | --- | --- |"]
+        lines += [f"| {k['name'][:100]} | {k['count']} | {k['us'] / 1e3:.2f} |"
+                  for k in row.get("top", [])[:n]]
+    return "\n".join(lines)
 
 
 # --- layer: one decoder layer of a mixture-of-experts model
@@ -631,6 +644,9 @@ def commands(sub) -> dict:
     m.add_argument("--peaks", action="store_true",
                    help="one more step per config with the CUDA allocator's history recorded: "
                    "the blocks alive at its peak, by allocation site")
+    m.add_argument("--top", type=int, default=0, metavar="N",
+                   help="after the table, each config's N kernels of largest GPU time in one "
+                   "step (calls, ms; up to 30)")
     m.add_argument("--json", metavar="OUT")
     d = sub.add_parser("layer", help="one MoE decoder layer's forward + backward vs bf16",
                        description="Forward + backward of one decoder layer (attention and the "
