@@ -409,6 +409,9 @@ def top_kernels_table(rows: list[dict], n: int) -> str:
     """The ``n`` kernels of largest GPU time in one step, per config: calls and ms."""
     lines = []
     for row in rows:
+        if not row.get("top"):
+            lines.append(f"\n{row['config']}: no kernel profile (CUDA only)")
+            continue
         lines += [f"\n{row['config']}: the {n} largest kernels of a step", "",
                   "| kernel | calls | ms |", "| --- | --- | --- |"]
         lines += [f"| {k['name'][:100]} | {k['count']} | {k['us'] / 1e3:.2f} |"
