@@ -236,7 +236,10 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
     # two promoted chunks a main-loop step: the second's MMAs under the first one's fp32 adds
     {"BN": 128, "CHUNKS": 2, "num_stages": 3},
     {"BN": 128, "CHUNKS": 2, "num_stages": 3, "COLS_FASTEST": 0},
-    {"CHUNKS": 2, "num_stages": 2}, {"CHUNKS": 2, "num_stages": 2, "COLS_FASTEST": 0}))
+    {"CHUNKS": 2, "num_stages": 2}, {"CHUNKS": 2, "num_stages": 2, "COLS_FASTEST": 0},
+    # the tile multiplied as two halves of its columns: a promoted partial sum of half the
+    # tile (the whole tile's and its accumulator's registers exceed a thread's and spill)
+    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "COLS_FASTEST": 0}))
 
 
 def group_rows(e: int, m: int, ragged: bool, multiple: int = 16, skew: float = 0.3) -> list[int]:
@@ -291,7 +294,8 @@ def own_forms(counts: list[int], k: int, n: int, multiple: int = 16) -> list[dic
         cfg = {**cfg, "PROMOTE": min(cfg["PROMOTE"], cfg["BK"])}
         tokens_cfg = {k: v for k, v in cfg.items() if k not in ("COLS_FASTEST", "CHUNKS")}
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
-               f"promote {cfg['PROMOTE']}{' chunks 2' if cfg.get('CHUNKS') == 2 else ''}")
+               f"promote {cfg['PROMOTE']}{' chunks 2' if cfg.get('CHUNKS') == 2 else ''}"
+               f"{' halves' if cfg.get('SPLIT') == 2 else ''}")
         loads = {0: "pointers", 1: "tma"}
         # the config's order whatever the expert's bytes, so that the sweep measures both
         with configs.overridden("fp8_grouped_rows_gemm", cfg), steps.columns_first():
@@ -322,7 +326,9 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     {"BM": 64, "BN": 256, "num_warps": 4, "num_stages": 3},
     # the programs that run together share a column tile and sweep a's rows
     {"ROWS_FASTEST": 1}, {"BN": 128, "ROWS_FASTEST": 1},
-    {"BN": 128, "num_warps": 4, "num_stages": 3, "ROWS_FASTEST": 1}))
+    {"BN": 128, "num_warps": 4, "num_stages": 3, "ROWS_FASTEST": 1},
+    # two halves of the tile's columns (:data:`OWN_CONFIGS`)
+    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "ROWS_FASTEST": 1}))
 
 
 @contextlib.contextmanager
@@ -365,6 +371,7 @@ def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
     u8 = (lambda t: t.view(torch.uint8))
     for cfg in WGRAD_CONFIGS:
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
+               f"{' halves' if cfg.get('SPLIT') == 2 else ''}"
                f"{' rows first' if cfg.get('ROWS_FASTEST') else ''}")
         with tokens_overridden(cfg), steps.wgrad_columns_first():
             out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(

@@ -91,6 +91,21 @@ def _fp8_typed(x, E4M3: tl.constexpr):
 
 
 @triton.jit
+def _halves_dot(a, b_desc, b_row, k0, acc0, acc1, H: tl.constexpr, A_E4M3: tl.constexpr,
+                B_E4M3: tl.constexpr, PROMOTE: tl.constexpr):
+    """One main-loop step of a tile split in two halves of ``H`` columns (``SPLIT`` 2): the
+    second operand's rows ``b_row`` and ``b_row + H`` loaded apart and each half's product
+    added to its own accumulator, so that a promoted partial sum spans half the tile (the
+    registers of a 128 x 256 tile and its partial sum exceed a thread's). Every output
+    element's products and order of sums are those of the whole tile's."""
+    b0 = b_desc.load([b_row, k0])
+    b1 = b_desc.load([b_row + H, k0])
+    acc0 = _fp8_dot(a, b0.T, acc0, A_E4M3, B_E4M3, PROMOTE)
+    acc1 = _fp8_dot(a, b1.T, acc1, A_E4M3, B_E4M3, PROMOTE)
+    return acc0, acc1
+
+
+@triton.jit
 def _entry(v, e, i):
     """Element ``i`` of the vector ``v`` indexed by ``e`` (``tl.arange``)."""
     return tl.sum(tl.where(e == i, v, 0), axis=0)
@@ -148,7 +163,8 @@ def _tokens_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.cons
 def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K, E, RT,
                  s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                  EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr, CHUNKS: tl.constexpr = 1):
+                 PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr, CHUNKS: tl.constexpr = 1,
+                 SPLIT: tl.constexpr = 1):
     """One ``[BM, BN]`` tile of one group's rows of :func:`fp8_grouped_rows_gemm`.
 
     a_ptr: uint8 FP8 ``[R, K]``; b_ptr: uint8 FP8 ``[E, N, K]``; both contiguous (or both
@@ -159,7 +175,8 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
     c_ptr: output ``[T, N]`` of the dtype ``OUT`` codes, contiguous.
     CHUNKS: the contraction chunks of ``BK`` a main-loop step of :func:`_rows_tma_kernel`
         multiplies, 1 or 2 (:func:`_fp8_dot_pair`; its loads past ``K`` are zeros); this kernel
-        takes one a step.
+        takes one a step. SPLIT: :func:`_rows_tma_kernel`'s halves; this kernel multiplies the
+        whole tile.
     RT: the row tiles of the grid (group after group; past the last one a program exits); the
     program's row and column tile: :func:`_rows_program`.
     """
@@ -191,9 +208,10 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
 def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                    A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr,
-                   ROWS_FASTEST: tl.constexpr):
+                   ROWS_FASTEST: tl.constexpr, SPLIT: tl.constexpr = 1):
     """One ``[BM, BN]`` tile of group ``program_id(1)``'s product of
-    :func:`fp8_grouped_tokens_gemm`.
+    :func:`fp8_grouped_tokens_gemm` (``SPLIT``: the TMA kernels' halves; this kernel multiplies
+    the whole tile).
 
     a_ptr: uint8 FP8 ``[M, R]``; b_ptr: uint8 FP8 ``[N, R]``; both contiguous (or both
         decoded, :func:`_fp8_dot`).
@@ -230,36 +248,58 @@ def _rows_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr
                      RT, s_sa, s_sb, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr,
                      OUT: tl.constexpr, EP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, PROMOTE: tl.constexpr, COLS_FASTEST: tl.constexpr,
-                     CHUNKS: tl.constexpr = 1):
+                     CHUNKS: tl.constexpr = 1, SPLIT: tl.constexpr = 1):
     """:func:`_rows_kernel` with the operand tiles loaded by the tensor memory accelerator:
     ``a_desc`` over ``a [R, K]``, ``b_desc`` over ``b [E·N, K]`` (FP8-typed on a GPU, or
-    decoded). A tile may hold rows of the next group or expert; they only reach output rows and
-    columns that the masked store leaves out. The same products and the same order of sums as
-    :func:`_rows_kernel`."""
+    decoded; its tiles ``BN / SPLIT`` rows: with ``SPLIT`` 2 the tile is two halves,
+    :func:`_halves_dot`, one chunk a step). A tile may hold rows of the next group or expert;
+    they only reach output rows and columns that the masked store leaves out. The same products
+    and the same order of sums as :func:`_rows_kernel`."""
     rt, ct = _rows_program(RT, N, BN, COLS_FASTEST)
     g, t = _tile_group(offs_ptr, rt, E, BM, EP2)
     if g < E:
         out0 = _start(offs_ptr, g)
         rows = tl.load(offs_ptr + g).to(tl.int64) - out0
-        local = t * BM + tl.arange(0, BM)
         a_row = (_start(a_ends_ptr, g) + t * BM).to(tl.int32)
         n0 = ct * BN
         b_row = g * N + n0
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK * CHUNKS):
-            a = a_desc.load([a_row, k0])
-            b = b_desc.load([b_row, k0])
-            if CHUNKS == 2:
-                a1 = a_desc.load([a_row, k0 + BK])
-                b1 = b_desc.load([b_row, k0 + BK])
-                acc = _fp8_dot_pair(a, b.T, a1, b1.T, acc, A_E4M3, B_E4M3, PROMOTE)
-            else:
-                acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
-        acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
-        rn = n0 + tl.arange(0, BN)
-        out_rows = out0 + local
-        tl.store(c_ptr + out_rows[:, None] * N + rn[None, :], to_out(acc, OUT),
-                 mask=(local < rows)[:, None] & (rn < N)[None, :])
+        if SPLIT == 2:
+            H: tl.constexpr = BN // 2
+            acc0 = tl.zeros((BM, H), dtype=tl.float32)
+            acc1 = tl.zeros((BM, H), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                acc0, acc1 = _halves_dot(a_desc.load([a_row, k0]), b_desc, b_row, k0, acc0,
+                                         acc1, H, A_E4M3, B_E4M3, PROMOTE)
+            _store_rows_tile(acc0, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, out0, rows, t, n0, N,
+                             OUT, BM, H)
+            _store_rows_tile(acc1, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, out0, rows, t, n0 + H,
+                             N, OUT, BM, H)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK * CHUNKS):
+                a = a_desc.load([a_row, k0])
+                b = b_desc.load([b_row, k0])
+                if CHUNKS == 2:
+                    a1 = a_desc.load([a_row, k0 + BK])
+                    b1 = b_desc.load([b_row, k0 + BK])
+                    acc = _fp8_dot_pair(a, b.T, a1, b1.T, acc, A_E4M3, B_E4M3, PROMOTE)
+                else:
+                    acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+            _store_rows_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, out0, rows, t, n0, N,
+                             OUT, BM, BN)
+
+
+@triton.jit
+def _store_rows_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, out0, rows, t, n0, N,
+                     OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Group ``g``'s fp32 product tile ``acc`` (row tile ``t`` of the group's ``rows`` output
+    rows from ``out0``, columns ``n0 ...``) into the ``[T, N]`` output, scaled by the group's
+    two scale-inverses and rounded once to the dtype ``OUT`` codes."""
+    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
+    local = t * BM + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    tl.store(c_ptr + (out0 + local)[:, None] * N + rn[None, :], to_out(acc, OUT),
+             mask=(local < rows)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -278,13 +318,15 @@ def _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N,
 def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr):
+                             PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr,
+                             SPLIT: tl.constexpr = 1):
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
     FP8-typed on a GPU, or decoded): the hardware fills the columns past the group's end with
     zeros, so no column of another group enters the sums. The same products and the same order
-    of sums as :func:`_tokens_kernel` (a zero column adds an exact 0)."""
+    of sums as :func:`_tokens_kernel` (a zero column adds an exact 0). ``SPLIT`` 2: the tile
+    in two halves (:func:`_halves_dot`)."""
     g = tl.program_id(1)
     m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
     start = tl.multiple_of(_start(ends_ptr, g), 16)
@@ -293,35 +335,56 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
     a_desc = tl.make_tensor_descriptor(a_ptr + start, shape=[M, width], strides=[R, 1],
                                        block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, width], strides=[R, 1],
-                                       block_shape=[BN, BK])
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, cols, BK):
-        a = a_desc.load([m0, k0])
-        b = b_desc.load([n0, k0])
-        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
-    _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
+                                       block_shape=[BN // SPLIT, BK])
+    _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
+                      M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
 
 
 @triton.jit
 def _tokens_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa, s_sb,
                        A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr):
+                       PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr,
+                       SPLIT: tl.constexpr = 1):
     """:func:`_tokens_kernel` for groups that start and end on multiples of ``BK`` columns:
     every chunk lies inside its group, so the tiles come by the tensor memory accelerator from
     the descriptors made on the host over the whole operands (``a [M, R]``, ``b [N, R]``), with
     no descriptor made per program. The same products and order of sums as
-    :func:`_tokens_kernel`."""
+    :func:`_tokens_kernel` (``SPLIT`` 2: the tile in two halves, :func:`_halves_dot`)."""
     g = tl.program_id(1)
     m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
     start = tl.multiple_of(_start(ends_ptr, g).to(tl.int32), BK)
     end = tl.load(ends_ptr + g).to(tl.int32)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(start, end, BK):
-        a = a_desc.load([m0, k0])
-        b = b_desc.load([n0, k0])
-        acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
-    _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
+    _tokens_main_loop(a_desc, b_desc, start, end, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
+                      M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
+
+
+@triton.jit
+def _tokens_main_loop(a_desc, b_desc, k_start, k_end, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0,
+                      n0, M, N, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      PROMOTE: tl.constexpr, SPLIT: tl.constexpr):
+    """Group ``g``'s ``[BM, BN]`` tile at ``(m0, n0)`` of a contraction kernel: the chunks
+    ``k_start ... k_end`` of ``a_desc`` / ``b_desc`` (whose tiles are ``BN / SPLIT`` rows),
+    multiplied, summed and stored (:func:`_store_group_tile`; with ``SPLIT`` 2 as two halves,
+    :func:`_halves_dot`)."""
+    if SPLIT == 2:
+        H: tl.constexpr = BN // 2
+        acc0 = tl.zeros((BM, H), dtype=tl.float32)
+        acc1 = tl.zeros((BM, H), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BK):
+            acc0, acc1 = _halves_dot(a_desc.load([m0, k0]), b_desc, n0, k0, acc0, acc1, H,
+                                     A_E4M3, B_E4M3, PROMOTE)
+        _store_group_tile(acc0, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, H)
+        _store_group_tile(acc1, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0 + H, M, N, OUT,
+                          BM, H)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BK):
+            a = a_desc.load([m0, k0])
+            b = b_desc.load([n0, k0])
+            acc = _fp8_dot(a, b.T, acc, A_E4M3, B_E4M3, PROMOTE)
+        _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -338,6 +401,12 @@ def device_descriptors_allowed() -> None:
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_scratch)
+
+
+def b_tile_rows(cfg: dict) -> int:
+    """The rows of the second operand's TMA tiles under a config: ``BN``, halved with
+    ``SPLIT`` 2 (a tile multiplied as two halves)."""
+    return cfg["BN"] // cfg.get("SPLIT", 1)
 
 
 def _tma_operands(tensors, dtypes, blocks, cfg):
@@ -486,7 +555,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
         flags["COLS_FASTEST"] = 0
     scales = (sa, sb, offs, a_ends, out, n, k, experts, row_tiles, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b.view(experts * n, k)), dtypes,
-                        ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
+                        ((cfg["BM"], cfg["BK"]), (b_tile_rows(cfg), cfg["BK"])), cfg)
     if tma is None:
         launch(_rows_kernel, grid, a, b, *scales, **flags)
     else:
@@ -522,7 +591,8 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     flags["ROWS_FASTEST"] = int(bool(kw.get("ROWS_FASTEST"))
                                 or (m < n and swept > SWEPT_GROUP_BYTES))
     rest = (sa, sb, ends, out, m, n, r, sa.stride(0), sb.stride(0))
-    tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])), cfg)
+    tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (b_tile_rows(cfg), cfg["BK"])),
+                        cfg)
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
     else:
