@@ -30,7 +30,7 @@ import triton.language as tl
 from quant_core.dtypes import DType
 from quant_core.shapes import FP8_BLOCK, ceil_div
 
-from ._common import out_code
+from ._common import launch, out_code
 from ._rounding import to_out
 from .configs import launch_config
 from .fp8_grouped_gemm import (
@@ -186,11 +186,11 @@ def fp8_block_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: t
     _, descs = descriptor_operands(_addressable(name, a, b.view(experts * n, k)),
                                    (a_dtype, b_dtype),
                                    ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])))
-    _block_rows_kernel[grid](
-        *descs, a_scale_inv, b_scale_inv, offs, a_ends, out, n, k, experts, row_tiles, r,
-        a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
-        b_scale_inv.stride(1), b_scale_inv.stride(2), A_E4M3=a_dtype == DType.E4M3,
-        B_E4M3=b_dtype == DType.E4M3, OUT=out_code(out_dtype),
+    launch(
+        _block_rows_kernel, grid, *descs, a_scale_inv, b_scale_inv, offs, a_ends, out, n, k,
+        experts, row_tiles, r, a_scale_inv.stride(0), a_scale_inv.stride(1),
+        b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
+        A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3, OUT=out_code(out_dtype),
         EP2=triton.next_power_of_2(experts), **kw)
     return out
 
@@ -222,9 +222,9 @@ def fp8_block_grouped_tokens_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b:
                                    ((cfg["BM"], cfg["BK"]), (cfg["BN"], cfg["BK"])))
     if a.is_cuda:
         device_descriptors_allowed()
-    _block_tokens_kernel[grid](
-        *views, a_scale_inv, b_scale_inv, ends, out, m, n, r, a_scale_inv.stride(0),
-        a_scale_inv.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(1),
-        A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3, OUT=out_code(out_dtype),
-        **kw)
+    launch(
+        _block_tokens_kernel, grid, *views, a_scale_inv, b_scale_inv, ends, out, m, n, r,
+        a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
+        b_scale_inv.stride(1), A_E4M3=a_dtype == DType.E4M3, B_E4M3=b_dtype == DType.E4M3,
+        OUT=out_code(out_dtype), **kw)
     return out
