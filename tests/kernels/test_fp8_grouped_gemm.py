@@ -245,3 +245,17 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="same R"):
         kern.fp8_grouped_tokens_gemm(a, s, a[:, :16].contiguous(), s, offs, a_dtype=DType.E4M3,
                                      b_dtype=DType.E4M3)
+
+
+@pytest.mark.parametrize("change", [{"SPLIT": 3}, {"SPLIT": 2, "CHUNKS": 2}],
+                         ids=["split 3", "halves of two chunks"])
+def test_a_config_split_other_than_halves_of_one_chunk_is_refused(change):
+    a = torch.zeros((32, 64), dtype=torch.uint8)
+    s, offs = torch.ones(2), torch.tensor([16, 32])
+    mode = "gpu" if DEVICE == "cuda" else "interp"
+    with configs.overridden("fp8_grouped_rows_gemm",
+                            {**configs.config("fp8_grouped_rows_gemm"), **change}, mode=mode):
+        with pytest.raises(ValueError, match="SPLIT must be 1 or 2"):
+            kern.fp8_grouped_rows_gemm(a.to(DEVICE), s.to(DEVICE), a.view(2, 16, 64).to(DEVICE),
+                                       s.to(DEVICE), offs.to(DEVICE), offs.to(DEVICE), total=32,
+                                       a_dtype=DType.E4M3, b_dtype=DType.E4M3)

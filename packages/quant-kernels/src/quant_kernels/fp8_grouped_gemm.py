@@ -405,8 +405,14 @@ def device_descriptors_allowed() -> None:
 
 def b_tile_rows(cfg: dict) -> int:
     """The rows of the second operand's TMA tiles under a config: ``BN``, halved with
-    ``SPLIT`` 2 (a tile multiplied as two halves)."""
-    return cfg["BN"] // cfg.get("SPLIT", 1)
+    ``SPLIT`` 2 (a tile multiplied as two halves, one chunk a main-loop step); a clear error
+    for any other ``SPLIT`` and for ``SPLIT`` 2 with ``CHUNKS`` 2."""
+    split = cfg.get("SPLIT", 1)
+    if split not in (1, 2) or (split == 2 and cfg.get("CHUNKS", 1) != 1):
+        raise ValueError(f"grouped FP8 GEMM config: SPLIT must be 1 or 2, and 2 only with one "
+                         f"chunk a step (CHUNKS 1), got SPLIT={split!r}, "
+                         f"CHUNKS={cfg.get('CHUNKS', 1)!r}")
+    return cfg["BN"] // split
 
 
 def _tma_operands(tensors, dtypes, blocks, cfg):
