@@ -96,7 +96,9 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     },
     # fp8_grouped_gemm.py: grouped FP8 GEMMs; PROMOTE: the contraction elements the tensor core
     # sums before an fp32 add (0: after every MMA); COLS_FASTEST: the rows kernel's programs
-    # that run together share a row tile; tma: tiles loaded by the tensor memory accelerator.
+    # that run together share a row tile; tma: tiles loaded by the tensor memory accelerator;
+    # SPLIT (1 unless given): 2 multiplies a TMA tile as two halves of its columns, the promoted
+    # partial sum of one half at a time (fewer registers; the same sums).
     # The winners of the sweep of bench/speed.py probe (bench/grouped_cases.py)
     "fp8_grouped_rows_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
