@@ -432,13 +432,24 @@ EXPERT_CAST_CONFIGS = (("two passes (amax, then cast)", None),
                                                              "num_warps": 8}))
 
 
+def cast_experts(w: torch.Tensor, experts: int):
+    """FP8 current scaling's per-expert quantize of ``w [experts * n, k]`` as a forward without
+    kept amaxes takes it (the backend's ``fp8_group_quantize_experts``, E4M3, rowwise and
+    transposed): ``(data, transposed data, scale-inverses)``."""
+    from quant_core.dtypes import DType
+    from quant_kernels import fp8_grouped_experts
+
+    return fp8_grouped_experts.fp8_group_quantize_experts(
+        w, groups=experts, fp8_dtype=DType.E4M3, force_pow_2_scales=False, amax_epsilon=0.0,
+        rowwise=True, columnwise=True, scale_pitch=4)
+
+
 def expert_cast_forms(experts: int, n: int, k: int) -> list[dict]:
     """The per-expert FP8 quantize of bf16 expert weights ``[experts, n, k]`` as a forward
     without kept amaxes takes it (the backend's ``fp8_group_quantize_experts``, rowwise and
     transposed) in two passes and in one; ``tflops`` is the share of a bf16 copy's speed (the
     one pass moves a copy's bytes, the two passes 1.5 copies')."""
-    from quant_core.dtypes import DType
-    from quant_kernels import configs, fp8_grouped_experts
+    from quant_kernels import configs
 
     w = torch.randn(experts * n, k, device="cuda", dtype=torch.bfloat16)
     copy_ms = _time(lambda: w.clone())
@@ -446,9 +457,7 @@ def expert_cast_forms(experts: int, n: int, k: int) -> list[dict]:
     out, first = [], None
     for name, cfg in EXPERT_CAST_CONFIGS:
         def run():
-            return fp8_grouped_experts.fp8_group_quantize_experts(
-                w, groups=experts, fp8_dtype=DType.E4M3, force_pow_2_scales=False,
-                amax_epsilon=0.0, rowwise=True, columnwise=True, scale_pitch=4)[1]
+            return cast_experts(w, experts)[1]
         passes = steps.two_pass_experts() if cfg is None else contextlib.nullcontext()
         with passes, configs.overridden("fp8_expert_cast", {**base, **(cfg or {})}):
             got = run().float()

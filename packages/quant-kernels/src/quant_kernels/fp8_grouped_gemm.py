@@ -198,10 +198,8 @@ def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, a_ends_ptr, c_ptr, N, K
             a = tl.load(a_ptr + ar[:, None] * K + rk[None, :], mask=kmask[None, :], other=0)
             b = tl.load(b_ptr + b_rows[None, :] * K + rk[:, None], mask=kmask[:, None], other=0)
             acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
-        acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
-        out_rows = out0 + local
-        tl.store(c_ptr + out_rows[:, None] * N + rn[None, :], to_out(acc, OUT),
-                 mask=rmask[:, None] & nmask[None, :])
+        _store_rows_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, out0, rows, t, ct * BN, N,
+                         OUT, BM, BN)
 
 
 @triton.jit
@@ -238,9 +236,7 @@ def _tokens_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N, R, s_sa,
         a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0)
         b = tl.load(b_rows + rk[:, None], mask=kmask[:, None], other=0)
         acc = _fp8_dot(a, b, acc, A_E4M3, B_E4M3, PROMOTE)
-    acc = (acc * tl.load(sa_ptr + g * s_sa)) * tl.load(sb_ptr + g * s_sb)
-    out = c_ptr + g.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, to_out(acc, OUT), mask=mmask[:, None] & nmask[None, :])
+    _store_group_tile(acc, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N, OUT, BM, BN)
 
 
 @triton.jit
@@ -403,7 +399,7 @@ def device_descriptors_allowed() -> None:
         triton.set_allocator(_scratch)
 
 
-def b_tile_rows(cfg: dict) -> int:
+def _b_tile_rows(cfg: dict) -> int:
     """The rows of the second operand's TMA tiles under a config: ``BN``, halved with
     ``SPLIT`` 2 (a tile multiplied as two halves, one chunk a main-loop step); a clear error
     for any other ``SPLIT`` and for ``SPLIT`` 2 with ``CHUNKS`` 2."""
@@ -561,7 +557,7 @@ def rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
         flags["COLS_FASTEST"] = 0
     scales = (sa, sb, offs, a_ends, out, n, k, experts, row_tiles, sa.stride(0), sb.stride(0))
     tma = _tma_operands((a, b.view(experts * n, k)), dtypes,
-                        ((cfg["BM"], cfg["BK"]), (b_tile_rows(cfg), cfg["BK"])), cfg)
+                        ((cfg["BM"], cfg["BK"]), (_b_tile_rows(cfg), cfg["BK"])), cfg)
     if tma is None:
         launch(_rows_kernel, grid, a, b, *scales, **flags)
     else:
@@ -597,7 +593,7 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     flags["ROWS_FASTEST"] = int(bool(kw.get("ROWS_FASTEST"))
                                 or (m < n and swept > SWEPT_GROUP_BYTES))
     rest = (sa, sb, ends, out, m, n, r, sa.stride(0), sb.stride(0))
-    tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (b_tile_rows(cfg), cfg["BK"])),
+    tma = _tma_operands((a, b), dtypes, ((cfg["BM"], cfg["BK"]), (_b_tile_rows(cfg), cfg["BK"])),
                         cfg)
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
