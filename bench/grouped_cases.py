@@ -239,7 +239,9 @@ OWN_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps
     {"CHUNKS": 2, "num_stages": 2}, {"CHUNKS": 2, "num_stages": 2, "COLS_FASTEST": 0},
     # the tile multiplied as two halves of its columns: a promoted partial sum of half the
     # tile (the whole tile's and its accumulator's registers exceed a thread's and spill)
-    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "COLS_FASTEST": 0}))
+    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "COLS_FASTEST": 0},
+    {"BN": 128, "num_warps": 4, "num_stages": 3}, {"BN": 128, "num_warps": 4, "num_stages": 3,
+                                                   "SPLIT": 2}))
 
 
 def group_rows(e: int, m: int, ragged: bool, multiple: int = 16, skew: float = 0.3) -> list[int]:
@@ -328,7 +330,8 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     {"ROWS_FASTEST": 1}, {"BN": 128, "ROWS_FASTEST": 1},
     {"BN": 128, "num_warps": 4, "num_stages": 3, "ROWS_FASTEST": 1},
     # two halves of the tile's columns (:data:`OWN_CONFIGS`)
-    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "ROWS_FASTEST": 1}))
+    {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "ROWS_FASTEST": 1},
+    {"BN": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2}))
 
 
 @contextlib.contextmanager

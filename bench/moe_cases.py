@@ -12,7 +12,8 @@ some experts empty); counts are multiples of 16, as MoE trainers pad them for gr
 Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao's
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
-gradients), their ``:cublas`` / ``:own`` variants (:data:`VARIANTS`), ``fp8_current_lean``
+gradients), their ``:cublas`` / ``:own`` variants (:data:`VARIANTS`) or a step patch's
+(``:halves``, ``:two_pass``: ``steps.PATCH_VARIANTS``), ``fp8_current_lean``
 (``save_weight_copy=False, save_input_copy=False``: the weight and input quantized again in
 backward)
 (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per
@@ -23,6 +24,7 @@ then a markdown table of speed-ups over bf16, with the peak memory of the timed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 
@@ -48,7 +50,8 @@ _PACKAGE_ROUTE: dict[str, tuple[str, int, bool]] = {}
 
 
 def _variant(name: str) -> str:
-    return next(v for v in VARIANTS if v and name.endswith(v)) if ":" in name else ""
+    """``name``'s route variant (a key of :data:`VARIANTS`; "" for none or a step patch's)."""
+    return next((v for v in VARIANTS if v and name.endswith(v)), "")
 
 
 def _recipe(name: str):
@@ -262,7 +265,9 @@ def main(args) -> None:
         args.routing_now = kind
         counts = route(args.tokens, args.topk, args.experts, kind)
         for name in args.configs.split(","):
-            res = run(name, args, counts, device)
+            patch = steps.PATCH_VARIANTS.get(name.partition(":")[2], contextlib.nullcontext)
+            with patch():  # a step patch's :variant (steps.PATCH_VARIANTS)
+                res = run(name, args, counts, device)
             print(json.dumps(res), flush=True)
             rows.append(res)
     print(table(rows))

@@ -339,6 +339,21 @@ def one_rows_tile():
 
 
 @contextlib.contextmanager
+def halves():
+    """The HYBRID grouped FP8 GEMMs' TMA tiles multiplied as two halves of their columns
+    (``SPLIT`` 2, ``:halves``): the rows kernel and both contraction kernels, their other
+    settings as configured."""
+    from quant_kernels import configs
+
+    names = ("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short")
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            split = {**configs.TABLE[name]["gpu"], "SPLIT": 2}
+            stack.enter_context(configs.overridden(name, split))
+        yield
+
+
+@contextlib.contextmanager
 def product_kernels():
     """Backward's columnwise copy of a pointwise product (a SwiGLU's) recorded as kernels, from
     an exact copy of the product, as every columnwise copy is (``:product_kernels``), instead of
@@ -397,7 +412,8 @@ def two_pass_experts():
 PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_chunk_groups,
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
-                  "product_kernels": product_kernels, "two_pass": two_pass_experts}
+                  "product_kernels": product_kernels, "two_pass": two_pass_experts,
+                  "halves": halves}
 
 
 def variants() -> list[str]:
@@ -431,6 +447,7 @@ LLAMA_CONFIG_HELP = (
     "recorded as kernels from an exact copy, as before such copies took the ops; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
+    "halves: the HYBRID grouped FP8 GEMMs' tiles multiplied as two halves of their columns; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "
