@@ -13,7 +13,7 @@ Configs: ``bf16`` (``torch._grouped_mm`` directly), ``ao_fp8_rowwise`` (torchao'
 ``moe_training`` FP8 rowwise scaled grouped GEMM, when torchao is importable), and per quant
 recipe ``fp8_current``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``fp8_current_e4m3`` (E4M3
 gradients), their ``:cublas`` / ``:own`` variants (:data:`VARIANTS`) or a step patch's
-(``:halves``, ``:two_pass``: ``steps.PATCH_VARIANTS``), ``fp8_current_lean``
+(``:whole_tiles``, ``:two_pass``: ``steps.PATCH_VARIANTS``), ``fp8_current_lean``
 (``save_weight_copy=False, save_input_copy=False``: the weight and input quantized again in
 backward)
 (``quant_recipes.GroupedLinear`` under ``autocast``, with the grouped GEMM paths it took). Per

@@ -339,17 +339,15 @@ def one_rows_tile():
 
 
 @contextlib.contextmanager
-def halves():
-    """The HYBRID grouped FP8 GEMMs' TMA tiles multiplied as two halves of their columns
-    (``SPLIT`` 2, ``:halves``): the rows kernel and both contraction kernels, their other
-    settings as configured."""
+def whole_tiles():
+    """The HYBRID grouped FP8 GEMMs' TMA tiles multiplied whole (``SPLIT`` 1, ``:whole_tiles``)
+    where their configs split them in two halves of their columns, as before the halves."""
     from quant_kernels import configs
 
-    names = ("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short")
     with contextlib.ExitStack() as stack:
-        for name in names:
-            split = {**configs.TABLE[name]["gpu"], "SPLIT": 2}
-            stack.enter_context(configs.overridden(name, split))
+        for name in ("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"):
+            whole = {**configs.TABLE[name]["gpu"], "SPLIT": 1}
+            stack.enter_context(configs.overridden(name, whole))
         yield
 
 
@@ -413,7 +411,7 @@ PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_ch
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
                   "product_kernels": product_kernels, "two_pass": two_pass_experts,
-                  "halves": halves}
+                  "whole_tiles": whole_tiles}
 
 
 def variants() -> list[str]:
@@ -447,7 +445,7 @@ LLAMA_CONFIG_HELP = (
     "recorded as kernels from an exact copy, as before such copies took the ops; "
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
-    "halves: the HYBRID grouped FP8 GEMMs' tiles multiplied as two halves of their columns; "
+    "whole_tiles: the HYBRID grouped FP8 GEMMs' tiles multiplied whole, not as two halves; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

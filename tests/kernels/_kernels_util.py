@@ -97,9 +97,9 @@ def grouped_load_form(names, tma: int, cols_fastest: int, chunks: int = 1, split
                 cfg["CHUNKS"] = chunks
                 if chunks == 2 and mode == "gpu":
                     cfg.update(BN=128, num_stages=3)
-            if split != 1:
+            if "SPLIT" in cfg or split != 1:  # whole tiles too where the config splits them
                 cfg["SPLIT"] = split
-                if "rows" in name:
+                if split != 1 and "rows" in name:
                     cfg["CHUNKS"] = 1
             stack.enter_context(configs.overridden(name, cfg, mode=mode))
         yield

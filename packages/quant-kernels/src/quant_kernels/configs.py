@@ -98,11 +98,13 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     # sums before an fp32 add (0: after every MMA); COLS_FASTEST: the rows kernel's programs
     # that run together share a row tile; tma: tiles loaded by the tensor memory accelerator;
     # SPLIT (1 unless given): 2 multiplies a TMA tile as two halves of its columns, the promoted
-    # partial sum of one half at a time (fewer registers; the same sums).
+    # partial sum of one half at a time (the same sums; a 128 x 256 tile's accumulator and
+    # partial sum exceed a thread's registers and spill, its halves nearly don't: on an H100
+    # 7% faster at 2048-row groups over a long contraction, even at 512-row groups).
     # The winners of the sweep of bench/speed.py probe (bench/grouped_cases.py)
     "fp8_grouped_rows_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
-                "num_warps": 8, "num_stages": 4, "tma": 1},
+                "num_warps": 8, "num_stages": 4, "tma": 1, "SPLIT": 2},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1},
     },
     # the same where the contraction is long and the expert passes L2 (fp8_grouped_gemm's
@@ -117,11 +119,12 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     # the weight-gradient kernel's tma: every chunk by TMA from descriptors bounded by the group
     "fp8_grouped_tokens_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
-                "num_stages": 4, "tma": 1},
+                "num_stages": 4, "tma": 1, "SPLIT": 2},
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
     },
     # the same where the groups contract over few rows (fp8_grouped_gemm.SHORT_GROUP_ROWS):
     # 128x128 tiles of 4 warps fit two programs per SM, one's store under the other's main loop
+    # (whole tiles: their halves were 10% slower)
     "fp8_grouped_tokens_gemm_short": {
         "gpu": {"BM": 128, "BN": 128, "BK": 128, "PROMOTE": 128, "num_warps": 4,
                 "num_stages": 3, "tma": 1},
