@@ -352,6 +352,21 @@ def whole_tiles():
 
 
 @contextlib.contextmanager
+def group_programs():
+    """The FP8 weight-gradient kernels' programs per group (``PROGRAMS``, from the environment's
+    ``GROUP_PROGRAMS``, 8 unless set), each looping over its group's tiles
+    (``:group_programs``), instead of one program per tile."""
+    from quant_kernels import configs
+
+    programs = int(os.environ.get("GROUP_PROGRAMS", "8"))
+    with contextlib.ExitStack() as stack:
+        for name in ("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"):
+            looped = {**configs.TABLE[name]["gpu"], "PROGRAMS": programs}
+            stack.enter_context(configs.overridden(name, looped))
+        yield
+
+
+@contextlib.contextmanager
 def product_kernels():
     """Backward's columnwise copy of a pointwise product (a SwiGLU's) recorded as kernels, from
     an exact copy of the product, as every columnwise copy is (``:product_kernels``), instead of
@@ -411,7 +426,7 @@ PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_ch
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
                   "product_kernels": product_kernels, "two_pass": two_pass_experts,
-                  "whole_tiles": whole_tiles}
+                  "whole_tiles": whole_tiles, "group_programs": group_programs}
 
 
 def variants() -> list[str]:
@@ -446,6 +461,8 @@ LLAMA_CONFIG_HELP = (
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
     "whole_tiles: the HYBRID grouped FP8 GEMMs' tiles multiplied whole, not as two halves; "
+    "group_programs: the FP8 weight-gradient kernels' programs per group from GROUP_PROGRAMS "
+    "(8 unless set), each looping over its group's tiles; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

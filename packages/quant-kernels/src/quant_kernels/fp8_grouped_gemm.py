@@ -147,10 +147,15 @@ def _rows_program(RT, N, BN: tl.constexpr, COLS_FASTEST: tl.constexpr):
 @triton.jit
 def _tokens_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.constexpr):
     """``(m0, n0)``: the first row and column of this program's tile of its group's ``[M, N]``
-    product. The programs that run together share a row tile and sweep ``b``'s rows (which
-    stay in L2 for the next row tile), or with ``ROWS_FASTEST`` share a column tile and sweep
-    ``a``'s rows."""
-    pid = tl.program_id(0)
+    product (:func:`_tokens_tile_at` of ``program_id(0)``)."""
+    return _tokens_tile_at(tl.program_id(0), M, N, BM, BN, ROWS_FASTEST)
+
+
+@triton.jit
+def _tokens_tile_at(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.constexpr):
+    """``(m0, n0)``: the first row and column of tile ``pid`` of a group's ``[M, N]`` product.
+    Consecutive tiles share a row tile and sweep ``b``'s rows (which stay in L2 for the next
+    row tile), or with ``ROWS_FASTEST`` share a column tile and sweep ``a``'s rows."""
     if ROWS_FASTEST:
         tiles_m = tl.cdiv(M, BM)
         return (pid % tiles_m) * BM, (pid // tiles_m) * BN
@@ -315,16 +320,22 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr,
-                             SPLIT: tl.constexpr = 1):
+                             SPLIT: tl.constexpr = 1, PROGRAMS: tl.constexpr = 0,
+                             FLATTEN: tl.constexpr = 1):
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
     FP8-typed on a GPU, or decoded): the hardware fills the columns past the group's end with
     zeros, so no column of another group enters the sums. The same products and the same order
     of sums as :func:`_tokens_kernel` (a zero column adds an exact 0). ``SPLIT`` 2: the tile
-    in two halves (:func:`_halves_dot`)."""
+    in two halves (:func:`_halves_dot`).
+
+    ``PROGRAMS`` 0: one program per tile (``program_id(0)``); else ``PROGRAMS`` programs per
+    group, program ``p`` taking the group's tiles ``p, p + PROGRAMS, ...`` with one pair of
+    descriptors, its loop of tiles flattened with their main loops where ``FLATTEN`` (the next
+    tile's loads under this one's store: a group that contracts over few chunks spends most of
+    a tile's time in its prologue and store)."""
     g = tl.program_id(1)
-    m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
     start = tl.multiple_of(_start(ends_ptr, g), 16)
     cols = tl.load(ends_ptr + g).to(tl.int32) - start.to(tl.int32)
     width = tl.maximum(cols, 1)  # a descriptor's dimensions are positive; none is loaded then
@@ -332,8 +343,16 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
                                        block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, width], strides=[R, 1],
                                        block_shape=[BN // SPLIT, BK])
-    _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
-                      M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
+    if PROGRAMS == 0:
+        m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
+        _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
+                          M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
+    else:
+        tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+        for t in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN == 1):
+            m0, n0 = _tokens_tile_at(t, M, N, BM, BN, ROWS_FASTEST)
+            _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0,
+                              n0, M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
 
 
 @triton.jit
@@ -587,8 +606,10 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     if out.numel() == 0:
         return out
     cfg, kw = config
-    grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
     flags = _flags(dtypes, out_dtype, kw, fast_accum)
+    persistent = {key: flags.pop(key) for key in ("PROGRAMS", "FLATTEN") if key in flags}
+    tiles = ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"])
+    grid = (tiles, experts)
     swept = n * (r // experts) * b.element_size()
     flags["ROWS_FASTEST"] = int(bool(kw.get("ROWS_FASTEST"))
                                 or (m < n and swept > SWEPT_GROUP_BYTES))
@@ -597,14 +618,25 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
                         cfg)
     if tma is None:
         launch(_tokens_kernel, grid, a, b, *rest, **flags)
+    elif group_multiple % cfg["BK"] == 0:
+        launch(_tokens_tma_kernel, grid, *tma[1], *rest, **flags)
     else:
-        if group_multiple % cfg["BK"] == 0:
-            launch(_tokens_tma_kernel, grid, *tma[1], *rest, **flags)
-        else:
-            if a.is_cuda:
-                device_descriptors_allowed()
-            launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
+        if a.is_cuda:
+            device_descriptors_allowed()
+        if persistent.get("PROGRAMS"):
+            grid = (min(_group_programs(persistent["PROGRAMS"]), tiles), experts)
+            flags.update(persistent)
+        launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
     return out
+
+
+def _group_programs(programs) -> int:
+    """A config's ``PROGRAMS`` (the weight-gradient kernel's programs per group), checked: a
+    positive int, or a clear error."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"grouped FP8 GEMM config: PROGRAMS must be a positive int (the "
+                         f"programs per group of the weight-gradient kernel), got {programs!r}")
+    return programs
 
 
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
