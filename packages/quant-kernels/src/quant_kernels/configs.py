@@ -100,7 +100,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     # SPLIT (1 unless given): 2 multiplies a TMA tile as two halves of its columns, the promoted
     # partial sum of one half at a time (the same sums; a 128 x 256 tile's accumulator and
     # partial sum exceed a thread's registers and spill, its halves nearly don't: on an H100
-    # 7% faster at 2048-row groups over a long contraction, even at 512-row groups).
+    # 7% faster at 2048-row groups over a long contraction, about even at 512-row groups).
     # The winners of the sweep of bench/speed.py probe (bench/grouped_cases.py)
     "fp8_grouped_rows_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,

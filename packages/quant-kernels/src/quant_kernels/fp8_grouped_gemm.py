@@ -607,7 +607,7 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
         return out
     cfg, kw = config
     flags = _flags(dtypes, out_dtype, kw, fast_accum)
-    persistent = {key: flags.pop(key) for key in ("PROGRAMS", "FLATTEN") if key in flags}
+    looped = {key: flags.pop(key) for key in ("PROGRAMS", "FLATTEN") if key in flags}
     tiles = ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"])
     grid = (tiles, experts)
     swept = n * (r // experts) * b.element_size()
@@ -623,9 +623,9 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     else:
         if a.is_cuda:
             device_descriptors_allowed()
-        if persistent.get("PROGRAMS"):
-            grid = (min(_group_programs(persistent["PROGRAMS"]), tiles), experts)
-            flags.update(persistent)
+        if looped.get("PROGRAMS"):
+            grid = (min(_group_programs(looped["PROGRAMS"]), tiles), experts)
+            flags.update(looped)
         launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
     return out
 
