@@ -353,9 +353,9 @@ def whole_tiles():
 
 @contextlib.contextmanager
 def group_programs():
-    """The FP8 weight-gradient kernels' programs per group (``PROGRAMS``, from the environment's
-    ``GROUP_PROGRAMS``, 8 unless set), each looping over its group's tiles
-    (``:group_programs``), instead of one program per tile."""
+    """The FP8 weight-gradient kernels' programs per group on average (``PROGRAMS``, from the
+    environment's ``GROUP_PROGRAMS``, 8 unless set; in proportion to the group's rows), each
+    looping over its group's tiles (``:group_programs``), instead of one program per tile."""
     from quant_kernels import configs
 
     programs = int(os.environ.get("GROUP_PROGRAMS", "8"))
@@ -461,8 +461,8 @@ LLAMA_CONFIG_HELP = (
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
     "whole_tiles: the HYBRID grouped FP8 GEMMs' tiles multiplied whole, not as two halves; "
-    "group_programs: the FP8 weight-gradient kernels' programs per group from GROUP_PROGRAMS "
-    "(8 unless set), each looping over its group's tiles; "
+    "group_programs: the FP8 weight-gradient kernels' programs per group on average from "
+    "GROUP_PROGRAMS (8 unless set), in proportion to its rows, each looping over its tiles; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

@@ -320,8 +320,7 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr,
-                             SPLIT: tl.constexpr = 1, PROGRAMS: tl.constexpr = 0,
-                             FLATTEN: tl.constexpr = 1):
+                             SPLIT: tl.constexpr = 1, PROGRAMS: tl.constexpr = 0):
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
@@ -330,11 +329,12 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
     of sums as :func:`_tokens_kernel` (a zero column adds an exact 0). ``SPLIT`` 2: the tile
     in two halves (:func:`_halves_dot`).
 
-    ``PROGRAMS`` 0: one program per tile (``program_id(0)``); else ``PROGRAMS`` programs per
-    group, program ``p`` taking the group's tiles ``p, p + PROGRAMS, ...`` with one pair of
-    descriptors, its loop of tiles flattened with their main loops where ``FLATTEN`` (the next
-    tile's loads under this one's store: a group that contracts over few chunks spends most of
-    a tile's time in its prologue and store)."""
+    ``PROGRAMS`` 0: one program per tile (``program_id(0)``). Else ``PROGRAMS`` programs per
+    group on average, in proportion to the group's columns (at least one, at most the grid's
+    ``program_id(0)`` extent, the rest exit): program ``p`` of the group's ``P`` takes its
+    tiles ``p, p + P, ...`` with one pair of descriptors, and every program contracts over
+    about as many columns in all (a group that contracts over few chunks spends much of a
+    tile's time making descriptors, in its prologue and in its store)."""
     g = tl.program_id(1)
     start = tl.multiple_of(_start(ends_ptr, g), 16)
     cols = tl.load(ends_ptr + g).to(tl.int32) - start.to(tl.int32)
@@ -348,11 +348,16 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
         _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
                           M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
     else:
-        tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-        for t in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN == 1):
-            m0, n0 = _tokens_tile_at(t, M, N, BM, BN, ROWS_FASTEST)
-            _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0,
-                              n0, M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
+        groups = tl.num_programs(1)
+        total = tl.load(ends_ptr + groups - 1).to(tl.int64)
+        share = tl.cdiv(PROGRAMS * cols.to(tl.int64) * groups, tl.maximum(total, 1))
+        programs = tl.minimum(tl.maximum(share, 1), tl.num_programs(0)).to(tl.int32)
+        pid = tl.program_id(0)
+        if pid < programs:
+            for t in range(pid, tl.cdiv(M, BM) * tl.cdiv(N, BN), programs):
+                m0, n0 = _tokens_tile_at(t, M, N, BM, BN, ROWS_FASTEST)
+                _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr,
+                                  m0, n0, M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
 
 
 @triton.jit
@@ -600,7 +605,8 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     ``group_multiple``: where that is a multiple of the tile's contraction chunk, the tiles
     come from descriptors made on the host (:func:`_tokens_tma_kernel`), else from descriptors
     each program makes over its group's columns (with the config's ``PROGRAMS``, that many
-    programs per group, each looping over the group's tiles). The programs' order: the
+    programs per group on average, in proportion to the group's columns, each looping over the
+    group's tiles). The programs' order: the
     config's ``ROWS_FASTEST``, else by :data:`SWEPT_GROUP_BYTES`."""
     (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
@@ -608,7 +614,7 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
         return out
     cfg, kw = config
     flags = _flags(dtypes, out_dtype, kw, fast_accum)
-    looped = {key: flags.pop(key) for key in ("PROGRAMS", "FLATTEN") if key in flags}
+    programs = flags.pop("PROGRAMS", 0)
     tiles = ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"])
     grid = (tiles, experts)
     swept = n * (r // experts) * b.element_size()
@@ -624,11 +630,17 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     else:
         if a.is_cuda:
             device_descriptors_allowed()
-        if looped.get("PROGRAMS"):
-            grid = (min(_group_programs(looped["PROGRAMS"]), tiles), experts)
-            flags.update(looped)
+        if programs:
+            spread = _group_programs(programs) * GROUP_PROGRAMS_SPREAD
+            grid, flags["PROGRAMS"] = (min(spread, tiles), experts), programs
         launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
     return out
+
+
+#: With a config's ``PROGRAMS``, a group of up to this many times the mean columns gets
+#: programs in proportion (the grid's ``PROGRAMS * GROUP_PROGRAMS_SPREAD`` programs a group;
+#: a larger group's share only that many).
+GROUP_PROGRAMS_SPREAD = 4
 
 
 def _group_programs(programs) -> int:
