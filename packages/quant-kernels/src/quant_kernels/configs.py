@@ -105,7 +105,8 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "fp8_grouped_rows_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "COLS_FASTEST": 1,
                 "num_warps": 8, "num_stages": 4, "tma": 1, "SPLIT": 2},
-        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "tma": 1,
+                   "SPLIT": 2},
     },
     # the same where the contraction is long and the expert passes L2 (fp8_grouped_gemm's
     # long_contraction); CHUNKS: the promoted chunks a main-loop step multiplies, the second's MMAs
@@ -123,7 +124,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
     "fp8_grouped_tokens_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
                 "num_stages": 4, "tma": 1, "SPLIT": 2},
-        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1},
+        "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "tma": 1, "SPLIT": 2},
     },
     # the same where the groups contract over few rows (fp8_grouped_gemm.SHORT_GROUP_ROWS):
     # 128x128 tiles of 4 warps fit two programs per SM, one's store under the other's main loop
