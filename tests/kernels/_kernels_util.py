@@ -70,8 +70,8 @@ def assert_all_same(got: tuple, want: tuple, fp8_dtype: DType | None, names: tup
 GROUPED_LOAD_FORMS = [(1, 1), (0, 1), (1, 0)]
 GROUPED_LOAD_IDS = ["tma", "pointer_loads", "tma_rows_first"]
 #: the FP8 grouped GEMMs' forms: also the rows kernel multiplying two promoted chunks a step,
-#: every tile as two halves, and the weight-gradient kernel's programs looping over two
-#: tiles apart of their group
+#: every tile as two halves, and the weight-gradient kernel's programs two a group on average
+#: (in proportion to its rows), each looping over its group's tiles
 FP8_GROUPED_LOAD_FORMS = [*GROUPED_LOAD_FORMS, (1, 1, 2), (1, 1, 1, 2), (1, 1, 1, 1, 2)]
 FP8_GROUPED_LOAD_IDS = [*GROUPED_LOAD_IDS, "tma_two_chunks", "tma_halves", "tma_group_programs"]
 
