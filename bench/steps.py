@@ -342,12 +342,7 @@ def one_rows_tile():
 def whole_tiles():
     """The HYBRID grouped FP8 GEMMs' TMA tiles multiplied whole (``SPLIT`` 1, ``:whole_tiles``)
     where their configs split them in two halves of their columns, as before the halves."""
-    from quant_kernels import configs
-
-    with contextlib.ExitStack() as stack:
-        for name in ("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"):
-            whole = {**configs.TABLE[name]["gpu"], "SPLIT": 1}
-            stack.enter_context(configs.overridden(name, whole))
+    with gpu_configs_with(("fp8_grouped_rows_gemm", "fp8_grouped_tokens_gemm"), SPLIT=1):
         yield
 
 
@@ -356,13 +351,21 @@ def group_programs():
     """The FP8 weight-gradient kernels' programs per group on average (``PROGRAMS``, from the
     environment's ``GROUP_PROGRAMS``, 8 unless set; in proportion to the group's rows), each
     looping over its group's tiles (``:group_programs``), instead of one program per tile."""
+    programs = int(os.environ.get("GROUP_PROGRAMS", "8"))
+    with gpu_configs_with(("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"),
+                          PROGRAMS=programs):
+        yield
+
+
+@contextlib.contextmanager
+def gpu_configs_with(names, **changes):
+    """The GPU tile configs of kernels ``names`` with ``changes`` over their settings."""
     from quant_kernels import configs
 
-    programs = int(os.environ.get("GROUP_PROGRAMS", "8"))
     with contextlib.ExitStack() as stack:
-        for name in ("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"):
-            looped = {**configs.TABLE[name]["gpu"], "PROGRAMS": programs}
-            stack.enter_context(configs.overridden(name, looped))
+        for name in names:
+            stack.enter_context(configs.overridden(name, {**configs.TABLE[name]["gpu"],
+                                                          **changes}))
         yield
 
 

@@ -606,8 +606,8 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     come from descriptors made on the host (:func:`_tokens_tma_kernel`), else from descriptors
     each program makes over its group's columns (with the config's ``PROGRAMS``, that many
     programs per group on average, in proportion to the group's columns, each looping over the
-    group's tiles). The programs' order: the
-    config's ``ROWS_FASTEST``, else by :data:`SWEPT_GROUP_BYTES`."""
+    group's tiles). The programs' order: the config's ``ROWS_FASTEST``, else by
+    :data:`SWEPT_GROUP_BYTES`."""
     (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
