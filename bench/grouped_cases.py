@@ -331,10 +331,7 @@ WGRAD_CONFIGS = tuple({"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_war
     {"BN": 128, "num_warps": 4, "num_stages": 3, "ROWS_FASTEST": 1},
     # two halves of the tile's columns (:data:`OWN_CONFIGS`)
     {"SPLIT": 2}, {"SPLIT": 2, "num_stages": 3}, {"SPLIT": 2, "ROWS_FASTEST": 1},
-    {"BN": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    # a few programs per group in proportion to its rows, each looping over its group's tiles
-    *({"BN": 128, "num_warps": 4, "num_stages": 3, "PROGRAMS": p} for p in (4, 8, 16, 32)),
-    *({"SPLIT": 2, "PROGRAMS": p} for p in (4, 8, 16))))
+    {"BN": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2}))
 
 
 @contextlib.contextmanager
@@ -378,8 +375,7 @@ def wgrad_forms(counts: list[int], m: int, n: int) -> list[dict]:
     for cfg in WGRAD_CONFIGS:
         tag = (f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
                f"{' halves' if cfg.get('SPLIT') == 2 else ''}"
-               f"{' rows first' if cfg.get('ROWS_FASTEST') else ''}"
-               f"{' programs ' + str(cfg['PROGRAMS']) if cfg.get('PROGRAMS') else ''}")
+               f"{' rows first' if cfg.get('ROWS_FASTEST') else ''}")
         with tokens_overridden(cfg), steps.wgrad_columns_first():
             out.append(_row(f"own wgrad {tag}", lambda: kern.fp8_grouped_tokens_gemm(
                 u8(at), sa, u8(bt), sb, offs, a_dtype=DType.E5M2, b_dtype=DType.E4M3),

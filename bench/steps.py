@@ -347,17 +347,6 @@ def whole_tiles():
 
 
 @contextlib.contextmanager
-def group_programs():
-    """The FP8 weight-gradient kernels' programs per group on average (``PROGRAMS``, from the
-    environment's ``GROUP_PROGRAMS``, 8 unless set; in proportion to the group's rows), each
-    looping over its group's tiles (``:group_programs``), instead of one program per tile."""
-    programs = int(os.environ.get("GROUP_PROGRAMS", "8"))
-    with gpu_configs_with(("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short"),
-                          PROGRAMS=programs):
-        yield
-
-
-@contextlib.contextmanager
 def gpu_configs_with(names, **changes):
     """The GPU tile configs of kernels ``names`` with ``changes`` over their settings."""
     from quant_kernels import configs
@@ -429,7 +418,7 @@ PATCH_VARIANTS = {"copy": routed_copy, "index": index_routes, "chunks": whole_ch
                   "desc_slow": descriptors_by_identity, "cols_first": columns_first,
                   "wgrad_cols": wgrad_columns_first, "one_rows_tile": one_rows_tile,
                   "product_kernels": product_kernels, "two_pass": two_pass_experts,
-                  "whole_tiles": whole_tiles, "group_programs": group_programs}
+                  "whole_tiles": whole_tiles}
 
 
 def variants() -> list[str]:
@@ -464,8 +453,6 @@ LLAMA_CONFIG_HELP = (
     "copies: the dense layers keep both quantized copies from forward, compiled too; "
     "two_pass: FP8 current's expert weights quantized by an amax pass and a cast apart; "
     "whole_tiles: the HYBRID grouped FP8 GEMMs' tiles multiplied whole, not as two halves; "
-    "group_programs: the FP8 weight-gradient kernels' programs per group on average from "
-    "GROUP_PROGRAMS (8 unless set), in proportion to its rows, each looping over its tiles; "
     "step_weights: the "
     "Linear weights (and FP8 current's expert weights) quantized after each optimizer step "
     "and read by every forward, quantize_weights_per_step) and "

@@ -70,22 +70,19 @@ def assert_all_same(got: tuple, want: tuple, fp8_dtype: DType | None, names: tup
 GROUPED_LOAD_FORMS = [(1, 1), (0, 1), (1, 0)]
 GROUPED_LOAD_IDS = ["tma", "pointer_loads", "tma_rows_first"]
 #: the FP8 grouped GEMMs' forms: also the rows kernel multiplying two promoted chunks a step,
-#: every tile as two halves, and the weight-gradient kernel's programs two a group on average
-#: (in proportion to its rows), each looping over its group's tiles
-FP8_GROUPED_LOAD_FORMS = [*GROUPED_LOAD_FORMS, (1, 1, 2), (1, 1, 1, 2), (1, 1, 1, 1, 2)]
-FP8_GROUPED_LOAD_IDS = [*GROUPED_LOAD_IDS, "tma_two_chunks", "tma_halves", "tma_group_programs"]
+#: and every tile as two halves
+FP8_GROUPED_LOAD_FORMS = [*GROUPED_LOAD_FORMS, (1, 1, 2), (1, 1, 1, 2)]
+FP8_GROUPED_LOAD_IDS = [*GROUPED_LOAD_IDS, "tma_two_chunks", "tma_halves"]
 
 
 @contextlib.contextmanager
-def grouped_load_form(names, tma: int, cols_fastest: int, chunks: int = 1, split: int = 1,
-                      programs: int = 0):
+def grouped_load_form(names, tma: int, cols_fastest: int, chunks: int = 1, split: int = 1):
     """The grouped GEMM launches ``names`` (their tile configs) with tiles loaded by the tensor
     memory accelerator (``tma``) or by masked pointer loads; with ``cols_fastest`` the programs
     in the default order (the rows kernel's column tile first, the contraction kernel's sharing
     a row tile), else in the other one; ``chunks`` 2: the rows kernels' main-loop steps
     multiply two promoted chunks (on a GPU in the long-contraction config's 128 x 128 tiles);
-    ``split`` 2: every tile multiplied as two halves of its columns; ``programs``: the
-    weight-gradient kernels' programs per group (0: one per tile)."""
+    ``split`` 2: every tile multiplied as two halves of its columns."""
     from quant_kernels import configs
     from quant_kernels._common import interpreting
 
@@ -105,7 +102,5 @@ def grouped_load_form(names, tma: int, cols_fastest: int, chunks: int = 1, split
                 cfg["SPLIT"] = split
                 if split != 1 and "rows" in name:
                     cfg["CHUNKS"] = 1
-            if "tokens" in name and ("PROGRAMS" in cfg or programs):
-                cfg["PROGRAMS"] = programs
             stack.enter_context(configs.overridden(name, cfg, mode=mode))
         yield

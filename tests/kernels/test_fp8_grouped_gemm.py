@@ -7,8 +7,6 @@ the accumulation-order bound."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from _kernels_util import DEVICE, FP8_GROUPED_LOAD_FORMS, FP8_GROUPED_LOAD_IDS, grouped_load_form
@@ -98,7 +96,7 @@ def test_tokens_gemm_matches_reference(a_dtype, b_dtype, fast_accum, counts, mul
     # each tile config on the GPU (the interpreter's are one), whatever the group rows
     monkeypatch.setattr(kern, "SHORT_GROUP_ROWS", 0 if tiles == "long" else 2**31)
     ends = _ends(counts)
-    # several tiles a group in either mode's tiles: the programs of a group loop over them
+    # several tiles along both output dimensions in either mode's tiles (their order matters)
     r, (m, n) = int(ends[-1]), ((264, 136) if DEVICE == "cuda" else (72, 104))
     a = _bytes((m, r), a_dtype, 5, True)
     b = _bytes((n, r), b_dtype, 6, True)
@@ -262,18 +260,3 @@ def test_a_config_split_other_than_halves_of_one_chunk_is_refused(change):
             kern.fp8_grouped_rows_gemm(a.to(DEVICE), s.to(DEVICE), a.view(2, 16, 64).to(DEVICE),
                                        s.to(DEVICE), offs.to(DEVICE), offs.to(DEVICE), total=32,
                                        a_dtype=DType.E4M3, b_dtype=DType.E4M3)
-
-
-@pytest.mark.parametrize("programs", [-1, 2.0, True])
-def test_a_config_of_programs_per_group_other_than_a_positive_int_is_refused(programs):
-    a = torch.zeros((32, 64), dtype=torch.uint8).to(DEVICE)
-    s, ends = torch.ones(2).to(DEVICE), torch.tensor([16, 64]).to(DEVICE)
-    mode = "gpu" if DEVICE == "cuda" else "interp"
-    names = ("fp8_grouped_tokens_gemm", "fp8_grouped_tokens_gemm_short")
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            cfg = {**configs.config(name), "tma": 1, "PROGRAMS": programs}
-            stack.enter_context(configs.overridden(name, cfg, mode=mode))
-        with pytest.raises(ValueError, match="PROGRAMS must be a positive int"):
-            kern.fp8_grouped_tokens_gemm(a, s, a, s, ends, a_dtype=DType.E4M3,
-                                         b_dtype=DType.E4M3)

@@ -117,10 +117,7 @@ TABLE: dict[str, dict[str, dict[str, int]]] = {
         "interp": {"BM": 32, "BN": 64, "BK": 64, "PROMOTE": 0, "COLS_FASTEST": 1, "CHUNKS": 2,
                    "tma": 1},
     },
-    # the weight-gradient kernel's tma: every chunk by TMA from descriptors bounded by the group;
-    # PROGRAMS (0 unless given): that kernel's programs per group on average, in proportion to
-    # the group's columns, each looping over its group's tiles with one pair of descriptors;
-    # 0: one program per tile
+    # the weight-gradient kernel's tma: every chunk by TMA from descriptors bounded by the group
     "fp8_grouped_tokens_gemm": {
         "gpu": {"BM": 128, "BN": 256, "BK": 128, "PROMOTE": 128, "num_warps": 8,
                 "num_stages": 4, "tma": 1, "SPLIT": 2},

@@ -147,15 +147,10 @@ def _rows_program(RT, N, BN: tl.constexpr, COLS_FASTEST: tl.constexpr):
 @triton.jit
 def _tokens_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.constexpr):
     """``(m0, n0)``: the first row and column of this program's tile of its group's ``[M, N]``
-    product (:func:`_tokens_tile_at` of ``program_id(0)``)."""
-    return _tokens_tile_at(tl.program_id(0), M, N, BM, BN, ROWS_FASTEST)
-
-
-@triton.jit
-def _tokens_tile_at(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, ROWS_FASTEST: tl.constexpr):
-    """``(m0, n0)``: the first row and column of tile ``pid`` of a group's ``[M, N]`` product.
-    Consecutive tiles share a row tile and sweep ``b``'s rows (which stay in L2 for the next
-    row tile), or with ``ROWS_FASTEST`` share a column tile and sweep ``a``'s rows."""
+    product. The programs that run together share a row tile and sweep ``b``'s rows (which
+    stay in L2 for the next row tile), or with ``ROWS_FASTEST`` share a column tile and sweep
+    ``a``'s rows."""
+    pid = tl.program_id(0)
     if ROWS_FASTEST:
         tiles_m = tl.cdiv(M, BM)
         return (pid % tiles_m) * BM, (pid // tiles_m) * BN
@@ -320,21 +315,14 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
                              A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, OUT: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              PROMOTE: tl.constexpr, ROWS_FASTEST: tl.constexpr,
-                             SPLIT: tl.constexpr = 1, PROGRAMS: tl.constexpr = 0):
+                             SPLIT: tl.constexpr = 1):
     """:func:`_tokens_kernel` with every chunk, the last partial one too, loaded by the tensor
     memory accelerator from descriptors made on the device over the group's own columns
     (``a [M, R]`` / ``b [N, R]`` from column ``ends[g-1]`` on, ``ends[g] - ends[g-1]`` wide,
     FP8-typed on a GPU, or decoded): the hardware fills the columns past the group's end with
     zeros, so no column of another group enters the sums. The same products and the same order
     of sums as :func:`_tokens_kernel` (a zero column adds an exact 0). ``SPLIT`` 2: the tile
-    in two halves (:func:`_halves_dot`).
-
-    ``PROGRAMS`` 0: one program per tile (``program_id(0)``). Else ``PROGRAMS`` programs per
-    group on average, in proportion to the group's columns (at least one, at most the grid's
-    ``program_id(0)`` extent, the rest exit): program ``p`` of the group's ``P`` takes its
-    tiles ``p, p + P, ...`` with one pair of descriptors, and every program contracts over
-    about as many columns in all (a group that contracts over few chunks spends much of a
-    tile's time making descriptors, in its prologue and in its store)."""
+    in two halves (:func:`_halves_dot`)."""
     g = tl.program_id(1)
     start = tl.multiple_of(_start(ends_ptr, g), 16)
     cols = tl.load(ends_ptr + g).to(tl.int32) - start.to(tl.int32)
@@ -343,21 +331,9 @@ def _tokens_group_tma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, ends_ptr, c_ptr, M, N
                                        block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, width], strides=[R, 1],
                                        block_shape=[BN // SPLIT, BK])
-    if PROGRAMS == 0:
-        m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
-        _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0,
-                          M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
-    else:
-        groups = tl.num_programs(1)
-        total = tl.load(ends_ptr + groups - 1).to(tl.int64)
-        share = tl.cdiv(PROGRAMS * cols.to(tl.int64) * groups, tl.maximum(total, 1))
-        programs = tl.minimum(tl.maximum(share, 1), tl.num_programs(0)).to(tl.int32)
-        pid = tl.program_id(0)
-        if pid < programs:
-            for t in range(pid, tl.cdiv(M, BM) * tl.cdiv(N, BN), programs):
-                m0, n0 = _tokens_tile_at(t, M, N, BM, BN, ROWS_FASTEST)
-                _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr,
-                                  m0, n0, M, N, A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
+    m0, n0 = _tokens_tile(M, N, BM, BN, ROWS_FASTEST)
+    _tokens_main_loop(a_desc, b_desc, 0, cols, sa_ptr, sb_ptr, g, s_sa, s_sb, c_ptr, m0, n0, M, N,
+                      A_E4M3, B_E4M3, OUT, BM, BN, BK, PROMOTE, SPLIT)
 
 
 @triton.jit
@@ -604,19 +580,15 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     :func:`rows_gemm`'s; every group's columns start and end on a multiple of
     ``group_multiple``: where that is a multiple of the tile's contraction chunk, the tiles
     come from descriptors made on the host (:func:`_tokens_tma_kernel`), else from descriptors
-    each program makes over its group's columns (with the config's ``PROGRAMS``, that many
-    programs per group on average, in proportion to the group's columns, each looping over the
-    group's tiles). The programs' order: the config's ``ROWS_FASTEST``, else by
-    :data:`SWEPT_GROUP_BYTES`."""
+    each program makes over its group's columns. The programs' order: the config's
+    ``ROWS_FASTEST``, else by :data:`SWEPT_GROUP_BYTES`."""
     (m, r), n, experts = a.shape, b.shape[0], ends.shape[0]
     out = torch.empty((experts, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
     cfg, kw = config
     flags = _flags(dtypes, out_dtype, kw, fast_accum)
-    programs = flags.pop("PROGRAMS", 0)
-    tiles = ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"])
-    grid = (tiles, experts)
+    grid = (ceil_div(m, cfg["BM"]) * ceil_div(n, cfg["BN"]), experts)
     swept = n * (r // experts) * b.element_size()
     flags["ROWS_FASTEST"] = int(bool(kw.get("ROWS_FASTEST"))
                                 or (m < n and swept > SWEPT_GROUP_BYTES))
@@ -630,26 +602,8 @@ def tokens_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     else:
         if a.is_cuda:
             device_descriptors_allowed()
-        if programs:
-            spread = _group_programs(programs) * GROUP_PROGRAMS_SPREAD
-            grid, flags["PROGRAMS"] = (min(spread, tiles), experts), programs
         launch(_tokens_group_tma_kernel, grid, *tma[0], *rest, **flags)
     return out
-
-
-#: With a config's ``PROGRAMS``, a group of up to this many times the mean columns gets
-#: programs in proportion (the grid's ``PROGRAMS * GROUP_PROGRAMS_SPREAD`` programs a group;
-#: a larger group's share only that many).
-GROUP_PROGRAMS_SPREAD = 4
-
-
-def _group_programs(programs) -> int:
-    """A config's ``PROGRAMS`` (the weight-gradient kernel's programs per group), checked: a
-    positive int, or a clear error."""
-    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
-        raise ValueError(f"grouped FP8 GEMM config: PROGRAMS must be a positive int (the "
-                         f"programs per group of the weight-gradient kernel), got {programs!r}")
-    return programs
 
 
 def fp8_grouped_rows_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
