@@ -419,7 +419,7 @@ def top_kernels_table(rows: list[dict], n: int) -> str:
     return "\n".join(lines)
 
 
-# --- layer: one decoder layer of a mixture-of-experts model
+# --- layer: one decoder layer of a mixture-of-experts model or a Llama
 
 
 #: The package's (OWN_KERNEL_MIN_EXPERTS, ROUTE, CUBLAS_PER_GROUP), read before a layer config
@@ -429,9 +429,15 @@ _PACKAGE_ROUTES: dict[str, tuple[int, str]] = {}
 
 def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int,
               seq: int = 0) -> dict:
-    """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, compiled),
-    on ``tokens`` random tokens in sequences of ``seq`` (0: one sequence): median ms, peak GiB,
-    kernels and host syncs of one step."""
+    """Forward + backward of decoder layer 0 of ``size`` (attention and the MoE block, or a
+    Llama's MLP; compiled) on ``tokens`` random tokens in sequences of ``seq`` (0: one
+    sequence): median ms, peak GiB, kernels and host syncs of one step."""
+    with steps.llama_lowering(config), steps.whole_step_patch(config):
+        return _run_layer(config, size, tokens, device, iters, seq)
+
+
+def _run_layer(config: str, size: str, tokens: int, device: torch.device, iters: int,
+               seq: int) -> dict:
     from quant_recipes.moe import fp8_gemm
 
     torch._dynamo.reset()
@@ -448,7 +454,7 @@ def run_layer(config: str, size: str, tokens: int, device: torch.device, iters: 
     fp8_gemm.ROUTE = {"own": "scaled_grouped_mm", "ownall": "fp8_grouped_gemm"}.get(own,
                                                                                    defaults[1])
     fp8_gemm.CUBLAS_PER_GROUP = own == "cublas" or defaults[2]
-    model = steps.moe_model(size, device, layers=1)
+    model = (steps.moe_model if size in steps.MOE_SIZES else steps.llama)(size, device, layers=1)
     forward = steps.convert_llama(config, model)  # converts ours; the layer runs under autocast
     layer, rotary = model.model.layers[0], model.model.rotary_emb
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -651,19 +657,22 @@ def commands(sub) -> dict:
                    help="after the table, each config's N kernels of largest GPU time in one "
                    "step (calls, ms; up to 30)")
     m.add_argument("--json", metavar="OUT")
-    d = sub.add_parser("layer", help="one MoE decoder layer's forward + backward vs bf16",
+    d = sub.add_parser("layer", help="one decoder layer's forward + backward vs bf16",
                        description="Forward + backward of one decoder layer (attention and the "
-                       "mixture-of-experts block) of a Hugging Face MoE model built from a "
-                       "config, compiled, on random tokens: median ms, vs bf16 (transformers' "
-                       "grouped_mm experts), peak GiB, kernels and host synchronizations of one "
-                       "step.")
-    d.add_argument("--size", choices=sorted(steps.MOE_SIZES), default="qwen3-moe")
+                       "mixture-of-experts block, or a Llama's MLP) of a Hugging Face model "
+                       "built from a config, compiled, on random tokens: median ms, vs bf16 "
+                       "(MoE: transformers' grouped_mm experts), peak GiB, kernels and host "
+                       "synchronizations of one step. A Llama-3-8B layer: --size 8b --tokens "
+                       "8192 --configs bf16,ao_fp8_tensorwise,fp8_current.")
+    d.add_argument("--size", choices=sorted(steps.MOE_SIZES) + sorted(steps.SIZES),
+                   default="qwen3-moe")
     d.add_argument("--tokens", type=int, default=16384)
     d.add_argument("--seq", type=int, default=None,
                    help="tokens per sequence (default: one sequence; GPT-OSS: its own 4096)")
     d.add_argument("--configs", default="bf16," + ",".join(steps.OURS),
-                   help="bf16 and ours, each with an optional :variant (" + ", ".join(
-                       steps.variants()) + "); fp8_current+own: HYBRID's E5M2 GEMMs on "
+                   help="bf16, torchao's (" + ", ".join(steps.LLAMA_PEERS) + "; Llama sizes) "
+                   "and ours, each with an optional :variant (" + ", ".join(
+                       steps.variants()) + ") and @form; fp8_current+own: HYBRID's E5M2 GEMMs on "
                    "the grouped kernels and E4M3 x E4M3 on torch's at any expert count; "
                    "+ownall: every FP8 GEMM on the grouped kernels; +cublas: the E5M2 GEMMs "
                    "on cuBLAS per group under 64 experts (a host read)")
