@@ -3,8 +3,9 @@
 ``Accelerator(mixed_precision="fp8")`` chooses among accelerate's own FP8 backends; quant runs
 beside accelerate's ``"bf16"`` (or ``"fp16"``, ``"no"``) mixed precision instead. The model's
 Linear layers are converted and bound to the recipe (``convert(..., always_quantize=True)``),
-so they quantize inside accelerate's loop, which enters no context of quant's, and every other
-operation runs under accelerate's ``torch.autocast``. The conversion comes before
+so they quantize inside accelerate's loop, which enters no context of quant's; they give their
+outputs in the dtype of accelerate's ``torch.autocast``, under which every other operation
+runs. The conversion comes before
 ``accelerator.prepare``, which wraps the model (DDP, FSDP) and patches its forward: the wrapper
 then holds quant's layers, and the optimizer, built before or after, holds the same Parameters.
 ``accelerator.save_state`` / ``load_state`` save and restore the model, optimizer and RNG

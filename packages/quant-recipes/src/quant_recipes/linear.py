@@ -48,8 +48,10 @@ from .module import (
 )
 from .operands import (
     Operand,
+    autocast_off,
     dgrad,
     fprop,
+    output_dtype,
     plan_operands,
     quantize_buffers,
     save_operands,
@@ -188,7 +190,12 @@ class _QLinearFn(torch.autograd.Function):
     arguments (:func:`~quant_recipes.operands.plan_operands`)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, plan, group, region, kept_w):
+    def forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype):
+        with autocast_off(x.device.type):
+            return _QLinearFn._forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype):
         m, k = x.shape
         n = w.shape[0]
         # Operand(...) spelled tuple_new(Operand, (...)): the same tuple, cheaper to trace
@@ -201,16 +208,21 @@ class _QLinearFn(torch.autograd.Function):
         else:
             wb = quantize_buffers(w, plan.weight, group)
         wop = tuple_new(Operand, (wb, quantizer_meta(plan.weight), (n, k)))
-        y = fprop(xop, wop, b, x.dtype, fast_accum=plan.fast_accum[0])
+        y = fprop(xop, wop, b, out_dtype, fast_accum=plan.fast_accum[0])
         save_operands(ctx, x, xop, w, wop, plan)
         ctx.grad_q, ctx.group, ctx.region = plan.grad, group, region
         ctx.fast_accum = plan.fast_accum
-        ctx.columnwise, ctx.dtypes = plan.override is None, (x.dtype, w.dtype)
-        ctx.has_bias = b is not None
+        ctx.columnwise = plan.override is None
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype, out_dtype)
         return y
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_off(gy.device.type):
+            return _QLinearFn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         gy = gy.contiguous()
         x, w = saved_operands(ctx, gy, lambda t, q, _: quantize_buffers(t, q, ctx.group))
         if ctx.columnwise:
@@ -218,16 +230,16 @@ class _QLinearFn(torch.autograd.Function):
                                     quantizer_meta(ctx.grad_q), tuple(gy.shape)))
         else:  # "high_precision" keeps the originals, "dequantized" uses the rowwise forms
             g = tuple_new(Operand, ([gy], list(HP_META), tuple(gy.shape)))
-        (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
+        (x_dtype, w_dtype, b_dtype, out_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = dgrad(g, w, ctx.columnwise, x_dtype, fast_accum=ctx.fast_accum[1])
+            dx = dgrad(g, w, ctx.columnwise, out_dtype, fast_accum=ctx.fast_accum[1]).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = wgrad(g, x, ctx.columnwise, w_dtype, fast_accum=ctx.fast_accum[2])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = gy.to(torch.float32).sum(0).to(w_dtype)
+            dw = wgrad(g, x, ctx.columnwise, out_dtype, fast_accum=ctx.fast_accum[2]).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = gy.to(torch.float32).sum(0).to(b_dtype)
         if ctx.region is not None:
             update_registered(ctx.region.backward)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class Linear(QuantizedModule, torch.nn.Linear):
@@ -369,7 +381,8 @@ class Linear(QuantizedModule, torch.nn.Linear):
                                  or (b is not None and b.requires_grad))
             self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
         region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
-        y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w)
+        y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w,
+                             output_dtype(x, w.device.type))
         return y if flat else y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, recurse: bool = True):

@@ -15,6 +15,7 @@ one quantize per expert group), which they pass in.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,6 +57,31 @@ Gemm = Callable[..., torch.Tensor]
 #: a few instructions where it traces a named tuple's constructor through a generic polyfill
 #: (about forty more on torch 2.13, per operand of every layer call).
 tuple_new = tuple.__new__
+
+
+def output_dtype(x: torch.Tensor, device_type: str) -> torch.dtype:
+    """The dtype of a quantized layer's GEMM outputs for input ``x``: ``torch.autocast``'s on
+    ``device_type`` where it is enabled (what ``F.linear`` gives there, and TransformerEngine's
+    modules, whose activation dtype it is), else ``x``'s own. The operands are quantized from
+    their own dtypes either way; backward's GEMMs give the same dtype, and each gradient takes
+    its operand's dtype after them (as autograd's casts would)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+#: The device types whose ``torch.autocast`` state :func:`autocast_off` turns off.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_off(device_type: str):
+    """A context in which ``torch.autocast`` is off on ``device_type``: a quantized layer's own
+    arithmetic (the quantize references, the emulated GEMMs, NVFP4's Hadamard transform) then
+    runs in the dtypes it states, as TransformerEngine's kernels do, whatever autocast does
+    around the layer (it would run their matmuls in its lower precision)."""
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm,

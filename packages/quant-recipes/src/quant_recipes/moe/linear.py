@@ -36,7 +36,13 @@ from ..autocast import Frame
 from ..compiling import compiling
 from ..identity import IdentityQuantizer
 from ..module import QuantizedModule, intern, kept_linear_slots, module_frame
-from ..operands import plan_operands, requantizable, requantizing_backward
+from ..operands import (
+    autocast_off,
+    output_dtype,
+    plan_operands,
+    requantizable,
+    requantizing_backward,
+)
 from ..reuse import contents_key
 from ..role import QuantizerRole
 from ..step_weights import KeptWeight, drop, kept_buffers
@@ -92,6 +98,11 @@ class _GroupedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_off(gy.device.type):
+            return _GroupedFn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         x, w, rows, copies, *lay = ctx.saved_tensors
         (x_shape, x_dtype, w_shape, w_dtype) = ctx.shapes
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
@@ -146,6 +157,11 @@ class _GroupedFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_off(gy.device.type):
+            return _GroupedFP8Fn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         xt, sx, wt, sw, rows, copies, *lay = ctx.saved_tensors
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
@@ -327,6 +343,15 @@ class GroupedProjection(QuantizedModule):
         if frame.amax_reduction_group is not None:
             raise ValueError("GroupedLinear: autocast's amax_reduction_group is not supported "
                              "(each expert group has its own amax)")
+        # under torch.autocast: quant's arithmetic in the operands' dtypes, the output rounded
+        # once to autocast's dtype (operands.output_dtype)
+        out_dtype = output_dtype(x, x.device.type)
+        with autocast_off(x.device.type):
+            y = self._quantized(frame, x, offs, w, b, total, traced, layouts, routes, param)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def _quantized(self, frame, x, offs, w, b, total, traced, layouts, routes, param):
+        """:meth:`project`'s quantized GEMMs, in the operands' dtypes."""
         if frame.recipe.delayed():
             raise ValueError("GroupedLinear does not support DelayedScaling (its backward "
                              "quantizes the input and weight again, which needs stateless "

@@ -25,6 +25,7 @@ from ..operands import (
     amax_per_row,
     dgrad,
     fprop,
+    output_dtype,
     plan_operands,
     quantize_buffers,
     save_operands,
@@ -82,7 +83,7 @@ class TensorParallelLinearFn(torch.autograd.Function):
     or a quantized storage (an input gathered quantized) of any rank."""
 
     @staticmethod
-    def forward(ctx, x, w, b, plan, groups):
+    def forward(ctx, x, w, b, plan, groups, out_dtype):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         n = w.shape[0]
@@ -94,11 +95,12 @@ class TensorParallelLinearFn(torch.autograd.Function):
         xop = Operand(xb, quantizer_meta(plan.input), (m, k))
         wop = Operand(quantize_over(w, plan.weight, groups[1]), quantizer_meta(plan.weight),
                       (n, k))
-        y = fprop(xop, wop, b, x.dtype, fast_accum=plan.fast_accum[0])
+        y = fprop(xop, wop, b, out_dtype, fast_accum=plan.fast_accum[0])
         save_operands(ctx, x, xop, w, wop, plan)
         ctx.grad_q, ctx.groups, ctx.columnwise = plan.grad, groups, plan.columnwise
         ctx.fast_accum = plan.fast_accum
-        ctx.dtypes, ctx.x_shape, ctx.has_bias = (x.dtype, w.dtype), tuple(x.shape), b is not None
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype, out_dtype)
+        ctx.x_shape = tuple(x.shape)
         return y
 
     @staticmethod
@@ -110,15 +112,15 @@ class TensorParallelLinearFn(torch.autograd.Function):
                         tuple(gy.shape))
         else:
             g = Operand([gy], list(HP_META), tuple(gy.shape))
-        (x_dtype, w_dtype), dx, dw, db = ctx.dtypes, None, None, None
+        (x_dtype, w_dtype, b_dtype, out_dtype), dx, dw, db = ctx.dtypes, None, None, None
         if ctx.needs_input_grad[0]:
-            dx = dgrad(g, w, ctx.columnwise, x_dtype,
-                       fast_accum=ctx.fast_accum[1]).reshape(ctx.x_shape)
+            dx = dgrad(g, w, ctx.columnwise, out_dtype,
+                       fast_accum=ctx.fast_accum[1]).reshape(ctx.x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = wgrad(g, x, ctx.columnwise, w_dtype, fast_accum=ctx.fast_accum[2])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = gy.to(torch.float32).sum(0).to(w_dtype)
-        return dx, dw, db, None, None
+            dw = wgrad(g, x, ctx.columnwise, out_dtype, fast_accum=ctx.fast_accum[2]).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = gy.to(torch.float32).sum(0).to(b_dtype)
+        return dx, dw, db, None, None, None
 
 
 def _buffers(s: QuantizedStorage, q, like: torch.Tensor) -> list[torch.Tensor]:
@@ -137,7 +139,10 @@ class AddBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, b, group):
         ctx.group, ctx.dtype = group, b.dtype
-        return y + b
+        if b.dtype == y.dtype:
+            return y + b
+        # under torch.autocast y is in its dtype: the bias added in fp32, the sum rounded once
+        return (y.to(torch.float32) + b.to(torch.float32)).to(y.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -265,5 +270,5 @@ def forward(module, x: torch.Tensor) -> torch.Tensor:
                             amax_per_row(qset.fwd[0]))
     lead = x.shape[:-1]
     x2 = x if quantized_x or x.dim() == 2 else x.reshape(lead.numel(), x.shape[-1])
-    y = TensorParallelLinearFn.apply(x2, w, b, plan, groups)
+    y = TensorParallelLinearFn.apply(x2, w, b, plan, groups, output_dtype(x, w.device.type))
     return y if x.dim() == 2 else y.reshape(*lead, w.shape[0])
