@@ -248,9 +248,11 @@ class Linear(QuantizedModule, torch.nn.Linear):
     It is an ``nn.Linear`` (same constructor, attributes, ``state_dict`` keys and
     initialisation), so code that looks for ``isinstance(m, nn.Linear)`` (Hugging Face's weight
     init, PEFT's target matching, module filters) treats it as one; only ``forward`` differs.
-    Quantizing, ``forward`` refuses before any quantize or GEMM what ``nn.Linear`` refuses
-    (operands on different devices; mixed dtypes outside ``torch.autocast``) and widths that a
-    quantize of the step, backward's included, cannot take (:func:`check_step_shapes`).
+    Quantizing, ``forward`` refuses before any quantize or GEMM operands on different devices
+    or not floating point, as ``nn.Linear`` does, and widths that a quantize of the step,
+    backward's included, cannot take (:func:`check_step_shapes`). Floating dtypes may differ:
+    each operand is quantized from its own; the output has the input's dtype, or
+    ``torch.autocast``'s where it is on.
 
     Roles: forward ``[("linear", "input", name), ("linear", "weight", name),
     output_quantizer_role]``, backward ``[("linear", "grad_output", name),

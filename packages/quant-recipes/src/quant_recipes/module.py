@@ -238,8 +238,8 @@ def check_operands(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
     """``RuntimeError`` naming the layer and both tensors where the quantized GEMM cannot take
     them, as ``nn.Linear`` refuses them: an input, weight and bias not on one device, or one that
     is not floating point. Floating dtypes may differ (unlike ``nn.Linear``): each operand is
-    quantized from its own dtype and the output has the input's dtype. Metadata only: no host
-    sync, and static under ``torch.compile``."""
+    quantized from its own dtype and the output has the input's dtype (``torch.autocast``'s where
+    it is on). Metadata only: no host sync, and static under ``torch.compile``."""
     # written out, not a loop over the three: Dynamo traces every iteration of a loop
     device = x.device
     if not x.is_floating_point():
