@@ -30,6 +30,7 @@ above.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from typing import NamedTuple
@@ -628,6 +629,35 @@ def _accumulation(mesh, rank) -> dict:
         return out
 
 
+def _under_torch_autocast(mesh, rank) -> dict:
+    """Per style, an fp32 layer with a bias under ``torch.autocast`` (bf16) and Float8
+    CurrentScaling: the output's dtype, whether the column-parallel output equals the single
+    process's (its columns), and the gradients' dtypes."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    out = {}
+    for style in ("colwise", "rowwise"):
+        torch.manual_seed(0)
+        full = qr.Linear(128, 128)
+        x = torch.randn(32, 128)
+        layer = copy.deepcopy(full)
+        parallelize_module(layer, mesh, qr.QuantColwiseParallel() if style == "colwise"
+                           else qr.QuantRowwiseParallel())
+        xl = x if style == "colwise" else x.chunk(WORLD, -1)[rank].contiguous()
+        xi = xl.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), qr.autocast():
+            y = layer(xi)
+            want = full(x)
+        y = y.to_local() if hasattr(y, "to_local") else y
+        y.float().pow(2).sum().backward()
+        got = {"dtype": str(y.dtype), "grads": sorted({str(p.grad.dtype) for p in
+                                                        layer.parameters()} | {str(xi.grad.dtype)})}
+        if style == "colwise":
+            got["equal"] = torch.equal(y, want.chunk(WORLD, -1)[rank])
+        out[style] = got
+    return out
+
+
 def _edge_worker(rank, port, cases, out):
     """Each part on its own: one that raises is recorded (its test fails with the error) and
     the others still run."""
@@ -640,6 +670,7 @@ def _edge_worker(rank, port, cases, out):
         parts["refusals"] = lambda: _more_refusals(mesh)
         parts["saved"] = lambda: _saved_for_backward(mesh, rank)
         parts["accumulation"] = lambda: _accumulation(mesh, rank)
+        parts["torch.autocast"] = lambda: _under_torch_autocast(mesh, rank)
         results = {}
         for key, part in parts.items():
             try:
@@ -752,3 +783,16 @@ def test_parallel_layers_pass_each_gemms_accumulation_to_cublas(edge):
     for rank in range(WORLD):
         assert out[rank]["accumulation"] == {"colwise": [True, False, False],
                                              "rowwise": [True, False, False]}, out[rank]
+
+
+@pytest.mark.timeout(600)
+def test_parallel_layers_under_torch_autocast(edge):
+    """fp32 layers under torch.autocast give bf16 outputs, as a Linear does there, the column-
+    parallel one its columns of the single process's; the gradients keep the fp32 dtypes."""
+    _, out = edge
+    for rank in range(WORLD):
+        got = out[rank]["torch.autocast"]
+        assert isinstance(got, dict), got
+        assert got["colwise"] == {"dtype": "torch.bfloat16", "grads": ["torch.float32"],
+                                  "equal": True}, got
+        assert got["rowwise"] == {"dtype": "torch.bfloat16", "grads": ["torch.float32"]}, got

@@ -23,6 +23,7 @@ from ..module import is_value, module_frame
 from ..operands import (
     Operand,
     amax_per_row,
+    autocast_off,
     dgrad,
     fprop,
     output_dtype,
@@ -84,6 +85,11 @@ class TensorParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, plan, groups, out_dtype):
+        with autocast_off(w.device.type):
+            return TensorParallelLinearFn._forward(ctx, x, w, b, plan, groups, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, x, w, b, plan, groups, out_dtype):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         n = w.shape[0]
@@ -105,6 +111,11 @@ class TensorParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_off(gy.device.type):
+            return TensorParallelLinearFn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         gy = gy.contiguous()
         x, w = saved_operands(ctx, gy, lambda t, q, i: quantize_over(t, q, ctx.groups[i]))
         if ctx.columnwise:
