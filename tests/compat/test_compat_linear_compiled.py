@@ -59,7 +59,7 @@ def test_compiled_inference_equals_eager(name):
 
 
 def test_autocast_entered_outside_the_compiled_function_is_followed():
-    """Issue 12 item 1 (thread-local autocast state): a compiled Linear called inside autocast
+    """A compiled Linear called inside autocast
     regions entered eagerly, with the recipe swapped between calls, in this thread and in
     another one, gives eager's bits for the recipe active in the calling thread."""
     import threading

@@ -1,4 +1,4 @@
-"""Issue 12 item 6: the default ``autocast()`` and a recipe constructed inside a
+"""The default ``autocast()`` and a recipe constructed inside a
 ``fullgraph=True`` region compile in a fresh process (they failed with "SourcelessBuilder.create
 does not know how to wrap MMParams" unless an eager ``autocast()`` had run first)."""
 

@@ -252,7 +252,7 @@ def test_per_tensor_update_usage_builds_the_byte_transpose():
 
 @pytest.mark.parametrize("usage", [dict(columnwise_usage=False), dict(rowwise_usage=False)])
 def test_nvfp4_amax_reduction_with_one_usage(one_rank_group, usage):
-    """Issue 12 item 7: with one usage there is one amax; the reduction concatenated a None
+    """With one usage there is one amax; the reduction concatenated a None
     (``TypeError: expected Tensor as element 1``). Over a one-rank group nothing changes."""
     x = _randn(32, 64)
     a = NVFP4Quantizer(with_amax_reduction=True, **usage).quantize(
@@ -269,7 +269,7 @@ def test_nvfp4_amax_reduction_with_one_usage(one_rank_group, usage):
     (-1.0, ValueError), ("0.1", TypeError), (True, TypeError),
 ])
 def test_amax_epsilon_checked_at_construction(cls, eps, error):
-    """Issue 12 item 10: an epsilon beyond fp32 (or NaN, or not a number) is refused when the
+    """An epsilon beyond fp32 (or NaN, or not a number) is refused when the
     quantizer is built; before, the reference raised a raw error at quantize time while the
     Triton backend silently returned scale 1.0."""
     with pytest.raises(error, match="amax_epsilon must"):
@@ -279,14 +279,14 @@ def test_amax_epsilon_checked_at_construction(cls, eps, error):
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_empty_last_dimension_round_trips(name):
-    """Issue 12 item 9: MXFP8 quantized a (4, 0) tensor but could not dequantize it."""
+    """MXFP8 quantized a (4, 0) tensor but could not dequantize it."""
     x = torch.randn(16, 0, dtype=torch.bfloat16)  # bf16, M % 16 == 0: what the RHT needs
     assert QUANTIZERS[name].quantize(x).dequantize().shape == (16, 0)
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_buffers_carry_no_autograd_history(name):
-    """Issue 12 item 12: ``_scale_inv`` of current scaling and NVFP4's ``_amax_*`` carried the
+    """``_scale_inv`` of current scaling and NVFP4's ``_amax_*`` carried the
     input's ``grad_fn`` (and kept its graph alive); no buffer may require grad."""
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     st = QUANTIZERS[name].quantize(x * 2)
@@ -295,7 +295,7 @@ def test_buffers_carry_no_autograd_history(name):
 
 
 def test_delayed_amax_buffer_stays_out_of_autograd():
-    """Issue 12 item 11: quantizing an input that requires grad made the shared amax buffer
+    """Quantizing an input that requires grad made the shared amax buffer
     require grad (CopySlices), keeping every past step's activations alive."""
     amax = torch.zeros(1)
     q = Float8Quantizer(torch.ones(1), amax, DType.E4M3)
@@ -313,7 +313,7 @@ def test_delayed_amax_buffer_stays_out_of_autograd():
     (Float8BlockQuantizer(), (), "at least one dimension"),
 ])
 def test_make_empty_applies_the_quantize_shape_rules(q, shape, message):
-    """Issue 12 item 17: make_empty accepted shapes quantize rejects (MXFP8 K = 48; NVFP4 K = 7
+    """Make_empty accepted shapes quantize rejects (MXFP8 K = 48; NVFP4 K = 7
     gave data of shape (32, 3)) and raised a raw IndexError for ``()``; both refuse alike now."""
     with pytest.raises(ValueError, match=message):
         q.make_empty(shape)
@@ -324,7 +324,7 @@ def test_make_empty_applies_the_quantize_shape_rules(q, shape, message):
 
 @pytest.mark.parametrize("dtype", [torch.int32, "float32", torch.float64])
 def test_dequantize_refuses_a_dtype_it_cannot_produce(dtype):
-    """Issue 12 item 19: ``dequantize(dtype=torch.int32)`` silently gave zeros and
+    """``dequantize(dtype=torch.int32)`` silently gave zeros and
     ``dequantize("float32")`` an unrelated "Invalid device string"."""
     st = MXFP8Quantizer().quantize(torch.randn(4, 32))
     with pytest.raises(TypeError, match=r"dequantize\(dtype=...\) must be one of"):
@@ -332,7 +332,7 @@ def test_dequantize_refuses_a_dtype_it_cannot_produce(dtype):
 
 
 def test_backend_registration_checks_the_contract():
-    """Issue 12 item 19: ``backends.register()`` accepted any object."""
+    """``backends.register()`` accepted any object."""
     with pytest.raises(TypeError, match="lacks priority .* name .* supports"):
         backends.register(object())
 
@@ -340,7 +340,7 @@ def test_backend_registration_checks_the_contract():
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 @pytest.mark.parametrize("layout", ["coo", "csr"])
 def test_sparse_input_is_refused_with_its_layout(name, layout):
-    """Issue 12 item 19: "unsupported memory format option" before."""
+    """"unsupported memory format option" before."""
     x = torch.zeros(32, 64, dtype=torch.bfloat16)
     x = x.to_sparse() if layout == "coo" else x.to_sparse_csr()
     with pytest.raises(TypeError, match=f"dense tensor.*layout torch.sparse_{layout}.*to_dense"):
@@ -349,7 +349,7 @@ def test_sparse_input_is_refused_with_its_layout(name, layout):
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_delayed_quantizer_refuses_a_scale_that_cannot_dequantize(bad):
-    """Issue 12 item 19: ``scale=0`` quantized to zeros with ``scale_inv = inf``, so every value
+    """``scale=0`` quantized to zeros with ``scale_inv = inf``, so every value
     dequantized to NaN, silently."""
     with pytest.raises(ValueError, match="Float8Quantizer.scale must be finite and > 0"):
         Float8Quantizer(torch.tensor([bad]), torch.zeros(1), DType.E4M3)

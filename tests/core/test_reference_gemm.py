@@ -112,7 +112,7 @@ def test_gemm_operand_views_and_missing_directions():
 
 
 def test_nvfp4_dequantize_partial_last_block():
-    """Issue 12 item 4: the columnwise form of a tensor with M % 16 != 0, read as a row operand
+    """The columnwise form of a tensor with M % 16 != 0, read as a row operand
     ``[K, M]``, ends in a partial block; dequantizing it used to raise a reshape error (the
     emulated wgrad of a ragged NVFP4 Linear). The partial block's elements use its scale."""
     x = _x(20, 32, 8)

@@ -272,7 +272,7 @@ def test_value_quantizer_decorator_refuses_non_quantizers():
     (MXFP8Quantizer, (("no_such_field", 1),), TypeError, "has no field 'no_such_field'"),
 ])
 def test_rebuilt_quantizers_are_validated_like_constructed_ones(cls, items, error, message):
-    """Issue 12 item 18: pickle / FX reconstruction / the flat ops rebuilt quantizers past the
+    """Pickle / FX reconstruction / the flat ops rebuilt quantizers past the
     constructor's checks (inf or 1e400 epsilons, a string bool, block_len=64), and an unknown
     field raised a raw KeyError."""
     with pytest.raises(error, match=message):
@@ -289,13 +289,13 @@ def test_pickle_round_trip_still_works():
 
 
 def test_abstract_quantizer_cannot_be_instantiated():
-    """Issue 12 item 19: ``Quantizer()`` built an object that quantizes nothing."""
+    """``Quantizer()`` built an object that quantizes nothing."""
     with pytest.raises(TypeError, match="Quantizer is the abstract base"):
         Quantizer()
 
 
 def test_nvfp4_generator_must_be_a_generator():
-    """Issue 12 item 19: ``generator=5`` failed deep inside torch.randint."""
+    """``generator=5`` failed deep inside torch.randint."""
     import torch
 
     q = NVFP4Quantizer(stochastic_rounding=True)

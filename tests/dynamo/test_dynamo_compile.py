@@ -120,7 +120,7 @@ def test_attribute_reads_on_argument():
 @requires_api
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_scalar_fields_from_changing_arguments_stay_constants(dynamic):
-    """Issue 12 item 5: a quantizer built in the region from Python scalar arguments. Once an
+    """A quantizer built in the region from Python scalar arguments. Once an
     argument changes (automatic dynamic) or under ``dynamic=True`` Dynamo makes them symbolic;
     the constructor must see constants: one specialised graph per value, each equal to eager."""
     from quant_core import Float8CurrentScalingQuantizer

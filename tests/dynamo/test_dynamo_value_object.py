@@ -188,7 +188,7 @@ def test_literal_rejects_non_primitives():
 
 
 def test_torch_refusing_a_class_warns_and_the_rest_registers(monkeypatch):
-    """Issue 12 item 8: torch refusing a value class with ValueError (already a pytree node,
+    """Torch refusing a value class with ValueError (already a pytree node,
     a ``builtins`` module) killed ``import quant_dynamo``; now that class is skipped with a
     warning, keeps eager value semantics, runs through the flat ops, and others still register."""
     import dataclasses
@@ -219,7 +219,7 @@ def test_torch_refusing_a_class_warns_and_the_rest_registers(monkeypatch):
 
 
 def test_membership_is_by_class_not_by_name():
-    """Issue 12 item 19: an unregistered class sharing a registered class's qualname (here
+    """An unregistered class sharing a registered class's qualname (here
     ``TaggedMXFP8``, a local subclass that did not opt in) is not a registered value quantizer."""
 
     class TaggedMXFP8(MXFP8Quantizer):
@@ -235,7 +235,7 @@ def test_membership_is_by_class_not_by_name():
 
 
 def test_delayed_quantizer_is_refused_as_stateful_not_as_a_subclass():
-    """Issue 12 item 16: a Float8Quantizer holds live tensors; it is not a subclass that forgot to
+    """A Float8Quantizer holds live tensors; it is not a subclass that forgot to
     opt in, and the error says which."""
     from quant_core import DType, Float8Quantizer
 
@@ -246,7 +246,7 @@ def test_delayed_quantizer_is_refused_as_stateful_not_as_a_subclass():
 
 
 def test_graph_rebuild_is_validated_once_per_value_and_reused():
-    """Issue 13: compiled code may rebuild its constant quantizers on every call; the rebuild is
+    """Compiled code may rebuild its constant quantizers on every call; the rebuild is
     cached per (class, items), and invalid items still raise the constructor's error."""
     q = MXFP8Quantizer(with_2d_quantization=True)
     expr, glb = q.__fx_repr__()

@@ -154,7 +154,7 @@ def test_nvfp4_gemm_matches_reference(impl, rht, swizzle):
 ])
 @pytest.mark.parametrize("swizzle", [False, True])
 def test_dequant_gemm_works_in_row_blocks(monkeypatch, fmt, ta, out_dtype, blocks, swizzle):
-    """Issue 14: the dequant path never holds the whole fp32 product of a larger output (nor a
+    """The dequant path never holds the whole fp32 product of a larger output (nor a
     contiguous A's whole bf16 copy): each block's fp32 product is at most
     ``MAX_FP32_PRODUCT_BYTES``, and the result is the reference's bytes on exact operands."""
     m, n, k = 320, 80, 64
@@ -217,7 +217,7 @@ def test_dequant_gemm_block_rule():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_recorded_dequant_gemm_that_needs_blocks(monkeypatch, fmt):
-    """Issue 14: while launches are recorded into a compiled graph, an NVFP4 GEMM whose product
+    """While launches are recorded into a compiled graph, an NVFP4 GEMM whose product
     needs row blocks raises ``NotCapturable`` before it records anything, so the GEMM stays an
     opaque op whose eager body runs the blocks (recorded blocks failed in an Inductor copy kernel
     on the H200). MXFP8 records its whole product, which peaked lower there (see

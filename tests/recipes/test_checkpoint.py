@@ -1,4 +1,4 @@
-"""Issue 12 item 2: activation checkpointing inside autocast. The recompute runs in backward,
+"""Activation checkpointing inside autocast. The recompute runs in backward,
 after the autocast region has exited; it must run under the recipe of the forward
 (behaviour.md §7), so gradients equal the uncheckpointed run bit for bit, in both modes."""
 

@@ -191,7 +191,7 @@ def test_doctor_prints_the_gemm_routes_of_gemm_fast(capsys, monkeypatch):
 
 @pytest.mark.parametrize("where", ["a_file", "under_a_file", "proc"])
 def test_demo_unusable_out_is_one_clear_line(tmp_path, where):
-    """Issue 12 item 15: an --out that cannot be a folder (an existing file, a path under a
+    """An --out that cannot be a folder (an existing file, a path under a
     file, a read-only system path) stops before training with one line and a non-zero exit."""
     (tmp_path / "f").write_text("x")
     out = {"a_file": tmp_path / "f", "under_a_file": tmp_path / "f" / "sub",
@@ -203,7 +203,7 @@ def test_demo_unusable_out_is_one_clear_line(tmp_path, where):
 
 
 def test_demo_one_step_writes_strict_json(tmp_path, capsys):
-    """Issue 12 item 19: ``--steps 1`` has no timed step (the first one compiles); results.json
+    """``--steps 1`` has no timed step (the first one compiles); results.json
     held a bare NaN (not JSON). Now it is null, and the table prints "-"."""
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "1", "--recipes", "baseline", "--out", str(out),
@@ -218,7 +218,7 @@ def test_demo_one_step_writes_strict_json(tmp_path, capsys):
 
 
 def test_demo_output_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
-    """Issue 16 item 4: at 80 columns the progress line (83) and the table (up to 105) wrapped."""
+    """At 80 columns the progress line (83) and the table (up to 105) wrapped."""
     monkeypatch.setenv("COLUMNS", "80")
     args = ["demo", "--steps", "3", "--recipes", "baseline,fp8_current,fp8_block,custom_mixed",
             "--no-plot", "--out", str(tmp_path)]
@@ -260,7 +260,7 @@ def test_demo_help_shows_the_defaults(capsys):
 
 
 def test_no_plot_removes_a_plot_left_by_an_earlier_run(tmp_path):
-    """Issue 16 item 7: ``--no-plot`` left an old PNG beside a new results.json."""
+    """``--no-plot`` left an old PNG beside a new results.json."""
     stale = tmp_path / "loss_curves.png"
     stale.write_bytes(b"an earlier run's plot")
     args = ["demo", "--steps", "1", "--recipes", "baseline", "--no-compile", "--no-plot",
@@ -271,7 +271,7 @@ def test_no_plot_removes_a_plot_left_by_an_earlier_run(tmp_path):
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="the plot needs matplotlib")
 def test_plot_adds_a_panel_relative_to_the_baseline(tmp_path):
-    """Issue 16 item 5: the absolute curves lie on top of each other; a second panel shows each
+    """The absolute curves lie on top of each other; a second panel shows each
     recipe's loss over the baseline's (a 10-step trailing mean)."""
     import matplotlib.image
     from quant_recipes.cli.demo import RunResult, _plot, _smoothed

@@ -44,7 +44,7 @@ def _step(fn, m, x, seed):
 
 
 def test_compiled_two_dim_output_is_not_regenerated():
-    """Issue 13: the compiled Linear's 2-D output is a graph output of its own, not an alias of
+    """The compiled Linear's 2-D output is a graph output of its own, not an alias of
     an intermediate that the compiled function rebuilds with ``aten._unsafe_view`` per call."""
     m, fn = _linear_under(RECIPES["current"])
     x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -141,7 +141,7 @@ def test_autocast_nested_custom():
 
 
 def test_qdq_with_identity_quantizer_does_not_alias_its_input():
-    """Issue 12 item 14: ``quant::qdq`` with ``IdentityQuantizer`` returned its input object (a
+    """``quant::qdq`` with ``IdentityQuantizer`` returned its input object (a
     custom op's output may not alias an input: in-place ops on the result changed ``x``)."""
     quant_dynamo = pytest.importorskip("quant_dynamo")
     x = torch.randn(8, 16)
@@ -154,7 +154,7 @@ def test_qdq_with_identity_quantizer_does_not_alias_its_input():
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_dynamic_shapes_with_a_recipe_from_outside(name):
-    """Issue 12 item 5: ``dynamic=True`` with a recipe captured from outside the compiled function
+    """``dynamic=True`` with a recipe captured from outside the compiled function
     (its float fields, e.g. ``amax_epsilon``, must stay constants of the quantizers): one graph
     for every batch size, equal to eager."""
     m, fn = _linear_under(RECIPES[name])
@@ -212,7 +212,7 @@ def _delayed_quantizer(role):
     ids=["none", "not-a-quantizer", "delayed"],
 )
 def test_custom_recipe_factory_errors_under_compile(factory, message):
-    """Issue 12 item 16: the intended message reaches a fullgraph caller (before, a dataclass
+    """The intended message reaches a fullgraph caller (before, a dataclass
     repr tripped Dynamo first, and a delayed quantizer was called a subclass without identity)."""
     _, fn = _linear_under(qr.CustomRecipe(qfactory=factory), 32, 16, torch.float32)
     with pytest.raises(Exception, match=re.escape(message)) as info:
@@ -259,7 +259,7 @@ def test_first_compile_in_a_fresh_process_without_importing_quant_dynamo():
 
 
 def test_compiling_without_quant_dynamo_names_the_install_command():
-    """Issue 15 item 3: an unguarded function-local import ran first and gave a bare
+    """An unguarded function-local import ran first and gave a bare
     ModuleNotFoundError instead of the intended message."""
     out = _fresh_process('import sys; sys.modules["quant_dynamo"] = None  # not installed')
     assert "compiling a quant_recipes module needs quant-dynamo" in out

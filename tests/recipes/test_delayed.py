@@ -90,7 +90,7 @@ def test_delayed_under_compile_raises():
 
 
 def test_calibration_and_training_keep_delayed_state_out_of_autograd():
-    """Issue 12 item 11: calibrating (or training) on inputs that require grad made
+    """Calibrating (or training) on inputs that require grad made
     ``amax_history`` and then ``scale`` require grad (CopySlices), keeping every past step's
     graph alive."""
     recipe = qr.DelayedScaling(amax_history_len=4)
@@ -119,7 +119,7 @@ def _train(m, recipe, steps, seed):
 
 
 def test_resume_from_state_dict_continues_bitwise():
-    """Issue 12 item 13: the amax history and scales were not in state_dict, so a resumed model's
+    """The amax history and scales were not in state_dict, so a resumed model's
     next steps differed (by up to 0.8) from the uninterrupted run."""
     import io
 

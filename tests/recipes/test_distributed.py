@@ -104,7 +104,7 @@ def _compiled_worker(rank: int, port: int, out) -> None:
 
 @pytest.mark.timeout(300)
 def test_amax_reduction_under_torch_compile():
-    """Issue 18 item 3: ``autocast(amax_reduction_group=g)`` compiles (fullgraph): the amax
+    """``autocast(amax_reduction_group=g)`` compiles (fullgraph): the amax
     leaves the quantize op, a functional all-reduce combines it, and the compiled step equals
     the eager one on every rank."""
     dynamo = pytest.importorskip("quant_dynamo")

@@ -212,7 +212,7 @@ def test_block_formats_run_with_3d_inputs(recipe, cls):
 
 @pytest.mark.parametrize("shape", [(8, 32), (2, 4, 32), (32,)])
 def test_a_two_dim_output_is_the_gemm_result_not_a_view(shape):
-    """Issue 13: for a 2-D input the output is the GEMM's own tensor. A view of it would be an
+    """For a 2-D input the output is the GEMM's own tensor. A view of it would be an
     alias of an intermediate, which a compiled function regenerates on every call
     (``aten._unsafe_view``: 11 us of host time per step on this CPU, 20 on the H200's host).
     Other ranks are reshaped as before."""
@@ -229,7 +229,7 @@ def test_a_two_dim_output_is_the_gemm_result_not_a_view(shape):
 @pytest.mark.parametrize("recipe", [qr.Float8CurrentScaling(), qr.MXFP8BlockScaling(),
                                     qr.Float8BlockScaling(), qr.NVFP4BlockScaling()])
 def test_zero_in_features_gives_the_bias(recipe):
-    """Issue 12 item 9: ``Linear(0, n)`` under autocast is the bias, as ``nn.Linear`` (the
+    """``Linear(0, n)`` under autocast is the bias, as ``nn.Linear`` (the
     reshape of a [M, 0] input to [-1, 0] was ambiguous), and backward gives empty gradients."""
     m = qr.Linear(0, 32, dtype=torch.bfloat16)
     x = torch.randn(16, 0, dtype=torch.bfloat16, requires_grad=True)
@@ -242,7 +242,7 @@ def test_zero_in_features_gives_the_bias(recipe):
 
 
 def test_wrong_in_features_is_a_clear_error():
-    """Issue 12 item 19: a raw reshape error before; now the expected size is named."""
+    """A raw reshape error before; now the expected size is named."""
     m = qr.Linear(32, 16)
     with qr.autocast(recipe=qr.MXFP8BlockScaling()):
         with pytest.raises(RuntimeError, match=r"in_features=32, got input shape \(4, 64\)"):
@@ -250,7 +250,7 @@ def test_wrong_in_features_is_a_clear_error():
 
 
 def test_sparse_input_is_a_clear_error():
-    """Issue 12 item 19: "reshape is not implemented for sparse tensors" before."""
+    """"reshape is not implemented for sparse tensors" before."""
     m = qr.Linear(32, 16)
     with qr.autocast(recipe=qr.Float8CurrentScaling()):
         with pytest.raises(TypeError, match="Linear: input must be a dense tensor"):

@@ -1,4 +1,4 @@
-"""Issue 12 item 4: NVFP4 backward with M % 16 != 0 (no RHT), 1-D input, mixed dtypes, and a
+"""NVFP4 backward with M % 16 != 0 (no RHT), 1-D input, mixed dtypes, and a
 mixed-format wgrad (NVFP4 gradient x MXFP8 input) run and give the quantized gradient."""
 
 from __future__ import annotations

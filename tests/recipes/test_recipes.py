@@ -247,7 +247,7 @@ def test_identity_quantizer_passthrough():
     (lambda: qr.MMParams(use_split_accumulator=0), TypeError, "must be a bool"),
 ])
 def test_recipe_fields_validated_at_construction(make, error, message):
-    """Issue 12 item 3: a wrong type or range is refused when the recipe is built, naming the
+    """A wrong type or range is refused when the recipe is built, naming the
     field (margin 200 used to make every scale 0 and every output NaN from step 2)."""
     with pytest.raises(error, match=message):
         make()
@@ -258,7 +258,7 @@ def test_recipe_fields_validated_at_construction(make, error, message):
     ("no", False), (" 0 ", False), ("", False), ("1", True), ("true", True), ("yes", True),
 ])
 def test_nvte_flags_parse_the_usual_false_spellings(monkeypatch, spelling, value):
-    """Issue 12 item 3: ``NVTE_*=FALSE`` (or off, no) used to mean True."""
+    """``NVTE_*=FALSE`` (or off, no) used to mean True."""
     monkeypatch.setenv("NVTE_NVFP4_DISABLE_RHT", spelling)
     assert qr.NVFP4BlockScaling().disable_rht is value
 
