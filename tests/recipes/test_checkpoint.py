@@ -132,3 +132,28 @@ def test_a_checkpoint_around_a_compiled_module_recomputes_under_the_forwards_fra
         y = checkpoint(compiled, x, use_reentrant=False)
     y.float().pow(2).sum().backward()  # outside the region, as training loops do
     assert torch.equal(x.grad, want[1]) and torch.equal(layer.weight.grad, want[2])
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_checkpoint_contexts_recompute_a_compiled_module_under_the_forwards_frame(
+        backward_inside):
+    """With ``context_fn=qr.checkpoint_contexts`` the recompute re-enters the forward's frame:
+    gradients equal the uncheckpointed run's, backward inside or after the region."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if quant_dynamo.status()["mode"] == "none":
+        pytest.skip("no opaque-object API on this torch")
+    recipe = RECIPES["mxfp8"]
+    want = _grads(recipe, None)
+    torch.manual_seed(0)
+    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    with qr.autocast(recipe=recipe):
+        y = checkpoint(compiled, x, use_reentrant=False, context_fn=qr.checkpoint_contexts)
+        if backward_inside:
+            y.float().pow(2).sum().backward()
+    if not backward_inside:
+        y.float().pow(2).sum().backward()
+    assert torch.equal(y, want[0]) and torch.equal(x.grad, want[1])
+    assert torch.equal(layer.weight.grad, want[2]) and torch.equal(layer.bias.grad, want[3])
