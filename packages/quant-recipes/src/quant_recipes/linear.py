@@ -48,7 +48,6 @@ from .module import (
 )
 from .operands import (
     Operand,
-    autocast_off,
     dgrad,
     fprop,
     output_dtype,
@@ -58,6 +57,7 @@ from .operands import (
     saved_operands,
     tuple_new,
     wgrad,
+    without_autocast,
 )
 from .role import QuantizerRole
 from .states import RecipeState
@@ -190,12 +190,8 @@ class _QLinearFn(torch.autograd.Function):
     arguments (:func:`~quant_recipes.operands.plan_operands`)."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype):
-        with autocast_off(x.device.type):
-            return _QLinearFn._forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype)
-
-    @staticmethod
-    def _forward(ctx, x, w, b, plan, group, region, kept_w, out_dtype):
         m, k = x.shape
         n = w.shape[0]
         # Operand(...) spelled tuple_new(Operand, (...)): the same tuple, cheaper to trace
@@ -217,12 +213,8 @@ class _QLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, gy):
-        with autocast_off(gy.device.type):
-            return _QLinearFn._backward(ctx, gy)
-
-    @staticmethod
-    def _backward(ctx, gy):
         gy = gy.contiguous()
         x, w = saved_operands(ctx, gy, lambda t, q, _: quantize_buffers(t, q, ctx.group))
         if ctx.columnwise:
@@ -383,8 +375,7 @@ class Linear(QuantizedModule, torch.nn.Linear):
                                  or (b is not None and b.requires_grad))
             self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
         region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
-        y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w,
-                             output_dtype(x, w.device.type))
+        y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w, output_dtype(x))
         return y if flat else y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, recurse: bool = True):

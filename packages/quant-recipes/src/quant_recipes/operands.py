@@ -16,6 +16,7 @@ one quantize per expert group), which they pass in.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -59,12 +60,13 @@ Gemm = Callable[..., torch.Tensor]
 tuple_new = tuple.__new__
 
 
-def output_dtype(x: torch.Tensor, device_type: str) -> torch.dtype:
+def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of a quantized layer's GEMM outputs for input ``x``: ``torch.autocast``'s on
-    ``device_type`` where it is enabled (what ``F.linear`` gives there, and TransformerEngine's
+    ``x``'s device type where it is enabled (what ``F.linear`` gives there, and TransformerEngine's
     modules, whose activation dtype it is), else ``x``'s own. The operands are quantized from
     their own dtypes either way; backward's GEMMs give the same dtype, and each gradient takes
     its operand's dtype after them (as autograd's casts would)."""
+    device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
@@ -82,6 +84,17 @@ def autocast_off(device_type: str):
     if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def without_autocast(fn):
+    """An autograd function's ``forward(ctx, t, ...)`` or ``backward(ctx, t, ...)`` run under
+    :func:`autocast_off` on ``t``'s device type."""
+    @functools.wraps(fn)
+    def run(ctx, t, *args):
+        with autocast_off(t.device.type):
+            return fn(ctx, t, *args)
+
+    return run
 
 
 def fprop(x: Operand, w: Operand, bias, out_dtype: torch.dtype, gemm: Gemm = qgemm,

@@ -42,6 +42,7 @@ from ..operands import (
     plan_operands,
     requantizable,
     requantizing_backward,
+    without_autocast,
 )
 from ..reuse import contents_key
 from ..role import QuantizerRole
@@ -97,12 +98,8 @@ class _GroupedFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, gy):
-        with autocast_off(gy.device.type):
-            return _GroupedFn._backward(ctx, gy)
-
-    @staticmethod
-    def _backward(ctx, gy):
         x, w, rows, copies, *lay = ctx.saved_tensors
         (x_shape, x_dtype, w_shape, w_dtype) = ctx.shapes
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
@@ -156,12 +153,8 @@ class _GroupedFP8Fn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, gy):
-        with autocast_off(gy.device.type):
-            return _GroupedFP8Fn._backward(ctx, gy)
-
-    @staticmethod
-    def _backward(ctx, gy):
         xt, sx, wt, sw, rows, copies, *lay = ctx.saved_tensors
         lay = Layout(*lay)
         dgrad, wgrad = ctx.needs_input_grad[_X], ctx.needs_input_grad[_W]
@@ -345,7 +338,7 @@ class GroupedProjection(QuantizedModule):
                              "(each expert group has its own amax)")
         # under torch.autocast: quant's arithmetic in the operands' dtypes, the output rounded
         # once to autocast's dtype (operands.output_dtype)
-        out_dtype = output_dtype(x, x.device.type)
+        out_dtype = output_dtype(x)
         with autocast_off(x.device.type):
             y = self._quantized(frame, x, offs, w, b, total, traced, layouts, routes, param)
         return y if y.dtype == out_dtype else y.to(out_dtype)

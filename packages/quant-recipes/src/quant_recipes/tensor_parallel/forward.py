@@ -23,7 +23,6 @@ from ..module import is_value, module_frame
 from ..operands import (
     Operand,
     amax_per_row,
-    autocast_off,
     dgrad,
     fprop,
     output_dtype,
@@ -32,6 +31,7 @@ from ..operands import (
     save_operands,
     saved_operands,
     wgrad,
+    without_autocast,
 )
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -84,12 +84,8 @@ class TensorParallelLinearFn(torch.autograd.Function):
     or a quantized storage (an input gathered quantized) of any rank."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, x, w, b, plan, groups, out_dtype):
-        with autocast_off(w.device.type):
-            return TensorParallelLinearFn._forward(ctx, x, w, b, plan, groups, out_dtype)
-
-    @staticmethod
-    def _forward(ctx, x, w, b, plan, groups, out_dtype):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         n = w.shape[0]
@@ -110,12 +106,8 @@ class TensorParallelLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, gy):
-        with autocast_off(gy.device.type):
-            return TensorParallelLinearFn._backward(ctx, gy)
-
-    @staticmethod
-    def _backward(ctx, gy):
         gy = gy.contiguous()
         x, w = saved_operands(ctx, gy, lambda t, q, i: quantize_over(t, q, ctx.groups[i]))
         if ctx.columnwise:
@@ -281,5 +273,5 @@ def forward(module, x: torch.Tensor) -> torch.Tensor:
                             amax_per_row(qset.fwd[0]))
     lead = x.shape[:-1]
     x2 = x if quantized_x or x.dim() == 2 else x.reshape(lead.numel(), x.shape[-1])
-    y = TensorParallelLinearFn.apply(x2, w, b, plan, groups, output_dtype(x, w.device.type))
+    y = TensorParallelLinearFn.apply(x2, w, b, plan, groups, output_dtype(x))
     return y if x.dim() == 2 else y.reshape(*lead, w.shape[0])
