@@ -9,6 +9,7 @@ import formats
 import pytest
 import quant_recipes as qr
 import torch
+from compiled_checkpoint import compiled_layer_grads
 
 transformers = pytest.importorskip("transformers")
 quant_dynamo = pytest.importorskip("quant_dynamo")
@@ -129,3 +130,72 @@ def test_convert_of_gpt2_says_that_its_conv1d_projections_are_not_converted(capl
     assert "transformer.h.0.attn.c_attn" in text
     assert "1 layer left as it is: the default filter keeps output heads" in text  # lm_head
     assert "no layer of GPT2LMHeadModel was converted" in text and "Conv1D x4" in text
+
+
+@pytest.mark.parametrize("enable_first", [False, True])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_checkpointing_recomputes_a_compiled_module_under_the_forwards_frame(
+        enable_first, reentrant):
+    """The checkpoint function transformers gives its layers (enabled before or after
+    ``convert``) recomputes a module compiled on its own under the forward's recipe, as
+    transformers' layers that checkpoint their ``__call__`` need: the uncheckpointed
+    gradients (a plain checkpoint recomputes in high precision)."""
+    model = _llama()
+    kwargs = {"use_reentrant": reentrant}
+    if enable_first:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    qr.convert(model, recipe=qr.MXFP8BlockScaling())
+    if not enable_first:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpoint_fn = model.model.layers[0]._gradient_checkpointing_func
+    want = compiled_layer_grads(qr.MXFP8BlockScaling())
+    got = compiled_layer_grads(qr.MXFP8BlockScaling(), checkpoint_fn)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_hf_checkpointing_of_compiled_layers_gives_the_uncheckpointed_gradients():
+    """Gradient checkpointing with every decoder layer compiled (``layer.compile()``), the way
+    people train: the same loss and gradients as without checkpointing."""
+    recipe = qr.MXFP8BlockScaling()
+    ids = _batch()
+    runs = []
+    for checkpointed in (False, True):
+        torch._dynamo.reset()
+        model = qr.convert(_llama(), recipe=recipe)
+        model.train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+        loss = _loss(model, ids, recipe)
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_checkpointing_wiring_survives_deepcopy_and_pickle():
+    """The wiring lives on the model as a bound method: a deep copy and an unpickled model
+    enable checkpointing on themselves, with the wrapped checkpoint function."""
+    import copy
+    import functools
+    import io
+    import pickle
+    model = qr.convert(_llama(), recipe=qr.Float8CurrentScaling())
+    buf = io.BytesIO()
+    torch.save(model, buf)  # before enabling: transformers' input-grad hook is a local function
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    clone = copy.deepcopy(model)
+    clone.gradient_checkpointing_disable()
+    assert model.model.layers[0].gradient_checkpointing
+    assert not clone.model.layers[0].gradient_checkpointing
+    loaded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in (model, loaded):
+        assert isinstance(m.model.layers[0]._gradient_checkpointing_func, qr.in_forward_frame)
+    fn = qr.in_forward_frame(functools.partial(torch.utils.checkpoint.checkpoint,
+                                               use_reentrant=False))
+    assert pickle.loads(pickle.dumps(fn)).checkpoint_fn.keywords == {"use_reentrant": False}
+    assert qr.in_forward_frame(fn) is fn

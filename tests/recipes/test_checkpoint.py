@@ -4,10 +4,13 @@ after the autocast region has exited; it must run under the recipe of the forwar
 
 from __future__ import annotations
 
+import functools
+
 import formats
 import pytest
 import quant_recipes as qr
 import torch
+from compiled_checkpoint import compiled_layer_grads
 from torch.utils.checkpoint import checkpoint
 
 #: Every format's built-in recipe (tests/formats.py).
@@ -114,23 +117,13 @@ def test_a_recompute_after_a_forward_outside_autocast_is_high_precision():
 
 
 def _compiled_and_checkpointed(recipe, backward_inside: bool, **kw):
-    """:func:`_grads` of the layer compiled on its own and checkpointed around (non-reentrant,
-    ``kw`` passed on), ``loss.backward()`` inside or after the region."""
+    """The layer compiled on its own and checkpointed around (non-reentrant, ``kw`` passed on),
+    ``loss.backward()`` inside or after the region."""
     quant_dynamo = pytest.importorskip("quant_dynamo")
     if quant_dynamo.status()["mode"] == "none":
         pytest.skip("no opaque-object API on this torch")
-    torch.manual_seed(0)
-    layer = qr.Linear(64, 32, dtype=torch.bfloat16)
-    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager")
-    with qr.autocast(recipe=recipe):
-        y = checkpoint(compiled, x, use_reentrant=False, **kw)
-        if backward_inside:
-            y.float().pow(2).sum().backward()
-    if not backward_inside:
-        y.float().pow(2).sum().backward()
-    return y, x.grad, layer.weight.grad, layer.bias.grad
+    return compiled_layer_grads(
+        recipe, functools.partial(checkpoint, use_reentrant=False, **kw), backward_inside)
 
 
 @pytest.mark.xfail(strict=True, reason="behaviour.md §7: a checkpoint around a compiled module "
@@ -152,5 +145,21 @@ def test_checkpoint_contexts_recompute_a_compiled_module_under_the_forwards_fram
     want = _grads(RECIPES["mxfp8"], None)
     got = _compiled_and_checkpointed(RECIPES["mxfp8"], backward_inside,
                                      context_fn=qr.checkpoint_contexts)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_in_forward_frame_recomputes_a_compiled_module_under_the_forwards_frame(
+        reentrant, backward_inside):
+    """``in_forward_frame(checkpoint)`` around a module compiled on its own: the
+    uncheckpointed gradients, reentrant or not, backward inside or after the region."""
+    quant_dynamo = pytest.importorskip("quant_dynamo")
+    if quant_dynamo.status()["mode"] == "none":
+        pytest.skip("no opaque-object API on this torch")
+    want = _grads(RECIPES["mxfp8"], None)
+    run = qr.in_forward_frame(functools.partial(checkpoint, use_reentrant=reentrant))
+    got = compiled_layer_grads(RECIPES["mxfp8"], run, backward_inside)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)

@@ -6,7 +6,8 @@ are used when installed (quant-dynamo is imported with the package: :mod:`.compi
 
 from . import compiling  # noqa: F401  (imports quant-dynamo when installed: see its docstring)
 from .accelerate_prepare import accelerate_prepare
-from .autocast import Frame, autocast, checkpoint_contexts, current_frame, default_recipe
+from .autocast import Frame, autocast, current_frame, default_recipe
+from .checkpointing import checkpoint_contexts, in_forward_frame
 from .convert import convert, unconvert
 from .export import compressed_tensors_state_dict, save_compressed_tensors
 from .fsdp import all_gather_bytes, enable_fsdp_quantized_all_gather, reset_all_gather_bytes
@@ -65,8 +66,8 @@ __all__ = [
     "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState",
     "MXFP8BlockScalingRecipeState", "Float8BlockScalingRecipeState",
     "NVFP4BlockScalingRecipeState", "CustomRecipeState", "IdentityQuantizer",
-    "HighPrecisionStorage", "autocast", "checkpoint_contexts", "Frame", "current_frame",
-    "default_recipe",
+    "HighPrecisionStorage", "autocast", "checkpoint_contexts", "in_forward_frame", "Frame",
+    "current_frame", "default_recipe",
     "QuantizedModule", "Linear", "intern", "gemm_paths", "compiled_gemm_paths", "last_gemm_path",
     "reset_gemm_paths", "GroupedLinear", "grouped_gemm_paths", "reset_grouped_gemm_paths",
     "convert", "unconvert", "accelerate_prepare", "enable_fsdp_quantized_all_gather",

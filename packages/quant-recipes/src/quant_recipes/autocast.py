@@ -23,7 +23,6 @@ while ``torch.compile`` traces raises ``RuntimeError``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 from typing import Any, NamedTuple
@@ -251,20 +250,3 @@ def _exit_out_of_order() -> None:
         "same thread and task was still active. Regions nest: exit them in the reverse order "
         "of entering them."
     )
-
-
-def checkpoint_contexts():
-    """``torch.utils.checkpoint``'s ``context_fn`` (non-reentrant) for modules compiled on their
-    own: ``(forward context, recompute context)``, the second re-entering the innermost frame
-    active now, so that the recompute in backward runs under the forward's recipe. Eager
-    modules find their forward's frame themselves; compiled code reads only the state of the
-    thread that runs backward (autograd's device thread on a GPU), which holds no region.
-    ``checkpoint(layer, x, use_reentrant=False, context_fn=checkpoint_contexts)``, or Hugging
-    Face's ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
-    False, "context_fn": checkpoint_contexts})``."""
-    frame = current_frame()
-    if frame is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), autocast(
-        frame.enabled, recipe=frame.recipe, calibrating=frame.calibrating,
-        amax_reduction_group=frame.amax_reduction_group)

@@ -64,6 +64,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
+from .checkpointing import wire_hf_checkpointing
 from .linear import Linear
 from .module import QuantizedModule, check_bindable
 from .moe import GroupedLinear, hf_experts
@@ -444,6 +445,10 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
     shapes. An enclosing autocast still decides (its recipe, or ``enabled=False``). The default
     keeps quantization inside autocast only, as TransformerEngine does.
 
+    A ``transformers`` model's gradient checkpointing, enabled before or after, recomputes
+    under the forward's autocast frame, also for layers compiled on their own
+    (:func:`~quant_recipes.in_forward_frame`).
+
     A model that is itself a bare ``nn.Linear`` cannot be replaced in place: wrap it first. A
     layer registered under several names is replaced by one new layer at all of them (named by
     its first name), so sharing survives.
@@ -478,6 +483,7 @@ def convert(model: torch.nn.Module, *, filter: Callable[[str, torch.nn.Module], 
         hf_experts.quantize_experts(m, fqn, recipe if always_quantize else None)
     for q in plan.bind:
         q.bound_recipe = recipe
+    wire_hf_checkpointing(model)
     _report(model, plan.skipped, len(plan.swaps) + len(plan.experts),
             recipe if always_quantize else None)
     return model

@@ -22,6 +22,7 @@ from quant_core import Quantizer, is_value_quantizer
 
 from . import delayed_checkpoint
 from .autocast import Frame, current_frame
+from .checkpointing import in_backward
 from .compiling import (
     DERIVES_IN_GRAPH,
     compiling,
@@ -44,11 +45,6 @@ _INTERN: dict[Quantizer, Quantizer] = {}
 _FORWARD_FRAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def module_frame(module: torch.nn.Module) -> Frame | None:
     """The frame ``module`` runs under: the active one; but for a forward run by the autograd
     engine during backward (an activation-checkpoint recompute), the frame of the module's own
@@ -62,7 +58,7 @@ def module_frame(module: torch.nn.Module) -> Frame | None:
         frame = None
     if compiling():
         return frame
-    if _in_backward():
+    if in_backward():
         return _FORWARD_FRAMES.get(module, frame)
     _FORWARD_FRAMES[module] = frame
     return frame
