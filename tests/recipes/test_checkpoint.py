@@ -163,3 +163,52 @@ def test_in_forward_frame_recomputes_a_compiled_module_under_the_forwards_frame(
     got = compiled_layer_grads(RECIPES["mxfp8"], run, backward_inside)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def _delayed_steps(wrap, backward_inside: bool):
+    """Five delayed-scaling steps of an eager layer, each through ``wrap(layer, x)`` (inputs of
+    changing range, so the scales change between a forward and its recompute): per step the
+    gradients and both directions' scales and amax histories."""
+    recipe = qr.DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+    layer = qr.Linear(16, 8)
+    steps = []
+    for spread in (4.0, 1.0, 2.0, 8.0, 1.0):
+        x = (torch.randn(4, 16) * spread).requires_grad_()
+        with qr.autocast(recipe=recipe):
+            y = wrap(layer, x)
+            if backward_inside:
+                y.pow(2).sum().backward()
+        if not backward_inside:
+            y.pow(2).sum().backward()
+        fwd, bwd = layer._qset.fwd_state, layer._qset.bwd_state
+        steps.append([t.clone() for t in (x.grad, layer.weight.grad, fwd.scale,
+                                          fwd.amax_history, bwd.scale, bwd.amax_history)])
+        layer.weight.grad = None
+    return steps
+
+
+def _plain(layer, x):
+    return layer(x)
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "context_fn", "in_forward_frame"])
+def test_a_delayed_recompute_quantizes_with_its_forwards_scales(how, backward_inside):
+    """The recompute quantizes with the scales its forward used (the region's exit has updated
+    them since), records no amax, and its backward updates the backward states as the plain
+    run's does: over steps whose scales change, the gradients, scales and amax histories of
+    the uncheckpointed run."""
+    wrap = {
+        "reentrant": functools.partial(checkpoint, use_reentrant=True),
+        "non_reentrant": functools.partial(checkpoint, use_reentrant=False),
+        "context_fn": functools.partial(checkpoint, use_reentrant=False,
+                                        context_fn=qr.checkpoint_contexts),
+        "in_forward_frame": qr.in_forward_frame(functools.partial(checkpoint,
+                                                                  use_reentrant=False)),
+    }[how]
+    want = _delayed_steps(_plain, backward_inside)
+    got = _delayed_steps(wrap, backward_inside)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for a, b in zip(g, w, strict=True):
+            assert torch.equal(a, b), f"step {step}"

@@ -33,7 +33,9 @@ from quant_core.inputs import check_dense
 from quant_core.storage import QuantizedStorage, storage_class
 from quant_core.tensor import tags_of
 
+from . import delayed_recompute
 from .autocast import current_region
+from .checkpointing import in_backward
 from .compiling import DERIVES_IN_GRAPH, compiling, dynamo, trace_time_constant
 from .delayed import update_registered
 from .fsdp_layout import base
@@ -358,6 +360,9 @@ class Linear(QuantizedModule, torch.nn.Linear):
             check_weight_quantizer(w, qset.fwd[1], self.name)
         grad = torch.is_grad_enabled()
         group = frame.amax_reduction_group
+        region = None
+        if not compiling():  # delayed scaling: the region that updates it, a recompute's scales
+            qset, region = self._delayed_step(qset, frame.recipe, group)
         kept = self._step_weight
         plan = plan_operands(qset, frame.recipe.backward_override,
                              wgrad=grad and w.requires_grad, dgrad=grad and x.requires_grad,
@@ -374,7 +379,6 @@ class Linear(QuantizedModule, torch.nn.Linear):
             backward = grad and (x.requires_grad or w.requires_grad
                                  or (b is not None and b.requires_grad))
             self._check_step(frame.recipe, plan, x2, None if quantized_w else w, backward)
-        region = None if compiling() else self._delayed_region(qset, frame.recipe, group)
         y = _QLinearFn.apply(x2, w, b, plan, group, region, kept_w, output_dtype(x))
         return y if flat else y.reshape(*lead, self.out_features)
 
@@ -406,14 +410,23 @@ class Linear(QuantizedModule, torch.nn.Linear):
             checked.append(("grad_output", plan.grad, x2))
         check_step_shapes(self.name, self.in_features, self.out_features, recipe, checked)
 
-    def _delayed_region(self, qset, recipe, group):
-        """The enclosing autocast region, registered to update this layer's delayed-scaling
-        states when it exits; None without delayed states or region."""
+    def _delayed_step(self, qset, recipe, group):
+        """``(quantizer set, region)`` of an eager step: the enclosing autocast region,
+        registered to update this layer's delayed-scaling states when it exits (None without
+        delayed states or region, or when another layer of the region was first). A recompute
+        in backward takes its forward's scales and region instead (:mod:`.delayed_recompute`)."""
         fwd_ds, bwd_ds = self.delayed_states(qset)
+        if not (fwd_ds or bwd_ds):
+            return qset, None
+        if in_backward():
+            recompute = delayed_recompute.for_recompute(self, qset)
+            if recompute is not None:
+                return recompute
         r = current_region()
-        if r is not None and (fwd_ds or bwd_ds) and r.add(fwd_ds, bwd_ds, recipe, group):
-            return r
-        return None
+        region = r if r is not None and r.add(fwd_ds, bwd_ds, recipe, group) else None
+        if not in_backward():
+            delayed_recompute.record_forward(self, qset, region)
+        return qset, region
 
     def extra_repr(self) -> str:
         extra = "".join(f", {flag}={getattr(self, flag)}" for flag in (
