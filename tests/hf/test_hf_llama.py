@@ -156,7 +156,9 @@ def test_hf_checkpointing_recomputes_a_compiled_module_under_the_forwards_frame(
 
 def test_hf_checkpointing_of_compiled_layers_gives_the_uncheckpointed_gradients():
     """Gradient checkpointing with every decoder layer compiled (``layer.compile()``), the way
-    people train: the same loss and gradients as without checkpointing."""
+    people train: the same loss and gradients as without checkpointing. transformers 5.24 and
+    later checkpoint ``forward`` (traced inside the compiled layer); earlier versions
+    checkpoint ``__call__`` around it, the case the wiring above handles."""
     recipe = qr.MXFP8BlockScaling()
     ids = _batch()
     runs = []

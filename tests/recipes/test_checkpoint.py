@@ -165,11 +165,16 @@ def test_in_forward_frame_recomputes_a_compiled_module_under_the_forwards_frame(
         assert torch.equal(g, w)
 
 
-def _delayed_steps(wrap, backward_inside: bool):
+#: Delayed scaling, built in and asked for by a CustomRecipe's factory.
+DELAYED = {"delayed": qr.DelayedScaling(amax_history_len=3),
+           "custom_delayed": qr.CustomRecipe(
+               qfactory=lambda role: qr.DelayedScalingRequest(amax_history_len=3))}
+
+
+def _delayed_steps(recipe, wrap, backward_inside: bool):
     """Five delayed-scaling steps of an eager layer, each through ``wrap(layer, x)`` (inputs of
     changing range, so the scales change between a forward and its recompute): per step the
     gradients and both directions' scales and amax histories."""
-    recipe = qr.DelayedScaling(amax_history_len=3)
     torch.manual_seed(0)
     layer = qr.Linear(16, 8)
     steps = []
@@ -181,7 +186,7 @@ def _delayed_steps(wrap, backward_inside: bool):
                 y.pow(2).sum().backward()
         if not backward_inside:
             y.pow(2).sum().backward()
-        fwd, bwd = layer._qset.fwd_state, layer._qset.bwd_state
+        (fwd,), (bwd,) = layer.delayed_states(layer._qset)
         steps.append([t.clone() for t in (x.grad, layer.weight.grad, fwd.scale,
                                           fwd.amax_history, bwd.scale, bwd.amax_history)])
         layer.weight.grad = None
@@ -192,9 +197,10 @@ def _plain(layer, x):
     return layer(x)
 
 
+@pytest.mark.parametrize("recipe", list(DELAYED))
 @pytest.mark.parametrize("backward_inside", [False, True])
 @pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "context_fn", "in_forward_frame"])
-def test_a_delayed_recompute_quantizes_with_its_forwards_scales(how, backward_inside):
+def test_a_delayed_recompute_quantizes_with_its_forwards_scales(how, backward_inside, recipe):
     """The recompute quantizes with the scales its forward used (the region's exit has updated
     them since), records no amax, and its backward updates the backward states as the plain
     run's does: over steps whose scales change, the gradients, scales and amax histories of
@@ -207,8 +213,8 @@ def test_a_delayed_recompute_quantizes_with_its_forwards_scales(how, backward_in
         "in_forward_frame": qr.in_forward_frame(functools.partial(checkpoint,
                                                                   use_reentrant=False)),
     }[how]
-    want = _delayed_steps(_plain, backward_inside)
-    got = _delayed_steps(wrap, backward_inside)
+    want = _delayed_steps(DELAYED[recipe], _plain, backward_inside)
+    got = _delayed_steps(DELAYED[recipe], wrap, backward_inside)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for a, b in zip(g, w, strict=True):
             assert torch.equal(a, b), f"step {step}"

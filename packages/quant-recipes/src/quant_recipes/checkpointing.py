@@ -30,10 +30,10 @@ def in_backward() -> bool:
 
 
 def recompute_context(frame: Frame | None):
-    """The context a recompute runs in to see ``frame``: the region re-entered, or nothing for
-    ``None`` and for delayed scaling (eager only: its modules find their forward's frame, and
-    a region entered in backward would update its scales once more)."""
-    if frame is None or (frame.recipe is not None and frame.recipe.delayed()):
+    """The context a recompute runs in to see ``frame``: the region re-entered (a delayed-scaling
+    layer registers nothing with it in backward: :mod:`.delayed_recompute`), or nothing for
+    ``None``."""
+    if frame is None:
         return contextlib.nullcontext()
     return autocast(frame.enabled, recipe=frame.recipe, calibrating=frame.calibrating,
                     amax_reduction_group=frame.amax_reduction_group)

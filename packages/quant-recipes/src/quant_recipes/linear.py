@@ -414,18 +414,16 @@ class Linear(QuantizedModule, torch.nn.Linear):
         """``(quantizer set, region)`` of an eager step: the enclosing autocast region,
         registered to update this layer's delayed-scaling states when it exits (None without
         delayed states or region, or when another layer of the region was first). A recompute
-        in backward takes its forward's scales and region instead (:mod:`.delayed_recompute`)."""
+        in backward registers nothing: it takes its forward's scales and region
+        (:mod:`.delayed_recompute`)."""
         fwd_ds, bwd_ds = self.delayed_states(qset)
         if not (fwd_ds or bwd_ds):
             return qset, None
         if in_backward():
-            recompute = delayed_recompute.for_recompute(self, qset)
-            if recompute is not None:
-                return recompute
+            return delayed_recompute.for_recompute(self, qset) or (qset, None)
         r = current_region()
         region = r if r is not None and r.add(fwd_ds, bwd_ds, recipe, group) else None
-        if not in_backward():
-            delayed_recompute.record_forward(self, qset, region)
+        delayed_recompute.record_forward(self, qset, region)
         return qset, region
 
     def extra_repr(self) -> str:
